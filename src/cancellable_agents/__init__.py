@@ -1,0 +1,41 @@
+"""Run pydantic-ai LLM calls and agents as Airflow tasks, and stop them correctly.
+
+The cancellation core (``TaskCancellation``, ``CancelCause``, ``TaskCancelled``, the sandbox
+and sub-agent toolsets) imports no Airflow; the Airflow-facing names are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "TaskCancellation": "cancellable_agents.cancellation",
+    "current_cancellation": "cancellable_agents.cancellation",
+    "CancelCause": "cancellable_agents.causes",
+    "TaskCancelled": "cancellable_agents.exceptions",
+    "CancellableAgentMixin": "cancellable_agents.mixin",
+    "CancellationAwareRetryPolicy": "cancellable_agents.retry",
+    "LLMOperator": "cancellable_agents.operators.llm",
+    "AgentOperator": "cancellable_agents.operators.agent",
+    "LocalSandbox": "cancellable_agents.toolsets.sandbox",
+    "SandboxToolset": "cancellable_agents.toolsets.sandbox",
+    "SubagentToolset": "cancellable_agents.toolsets.subagents",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cancellable_agents' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,1 @@
+"""TaskFlow decorators ``@task.llm`` and ``@task.agent`` (registered through provider.yaml)."""

@@ -1,0 +1,75 @@
+"""``@task.llm``: the decorated function returns the prompt; the task sends it to the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, ClassVar
+
+from airflow.sdk.bases.decorator import (
+    DecoratedOperator,
+    TaskDecorator,
+    determine_kwargs,
+    task_decorator_factory,
+)
+from airflow.sdk.definitions._internal.types import SET_DURING_EXECUTION
+from airflow.sdk.definitions.context import Context, context_merge
+
+from cancellable_agents.operators.llm import LLMOperator
+
+
+def prompt_from_callable(operator: DecoratedOperator, context: Context) -> str:
+    """Call the decorated function with its TaskFlow arguments; it must return a non-empty prompt."""
+    context_merge(context, operator.op_kwargs)
+    kwargs = determine_kwargs(operator.python_callable, operator.op_args, context)
+    prompt = operator.python_callable(*operator.op_args, **kwargs)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise TypeError(
+            f"{operator.custom_operator_name} functions must return the prompt as a non-empty string, "
+            f"got {prompt!r}"
+        )
+    return prompt
+
+
+class _LLMDecoratedOperator(DecoratedOperator, LLMOperator):
+    """Runs the decorated function to get the prompt, then behaves as :class:`LLMOperator`."""
+
+    template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *LLMOperator.template_fields)
+    template_fields_renderers: ClassVar[dict[str, str]] = {
+        **DecoratedOperator.template_fields_renderers,
+        **LLMOperator.template_fields_renderers,
+    }
+    custom_operator_name: str = "@task.llm"
+
+    def __init__(
+        self,
+        *,
+        python_callable: Callable[..., Any],
+        op_args: Collection[Any] | None = None,
+        op_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            python_callable=python_callable,
+            op_args=op_args,
+            op_kwargs=op_kwargs,
+            prompt=SET_DURING_EXECUTION,
+            **kwargs,
+        )
+
+    def execute(self, context: Context) -> Any:
+        self.prompt = prompt_from_callable(self, context)
+        return LLMOperator.execute(self, context)
+
+
+def llm_task(python_callable: Callable[..., Any] | None = None, **kwargs: Any) -> TaskDecorator:
+    """Wrap a function returning a prompt into an :class:`LLMOperator` task.
+
+    .. code-block:: python
+
+        @task.llm(model="openai:gpt-4o-mini", system_prompt="Answer in one word.")
+        def capital(country: str) -> str:
+            return f"What is the capital of {country}?"
+    """
+    return task_decorator_factory(
+        python_callable=python_callable, decorated_operator_class=_LLMDecoratedOperator, **kwargs
+    )

@@ -1,0 +1,222 @@
+"""``CancellableAgentMixin``: one cancellation scope per task instance, wired to Airflow's kills.
+
+Put it *before* ``BaseOperator`` in the bases. The Task SDK calls ``on_kill`` from its SIGTERM
+handler on the main thread, which is the thread blocked inside the agent run, and raises
+nothing itself: unless ``execute`` stops on its own, a user stop is SIGKILLed at 5 s and an
+evicted task runs to completion and ends SUCCESS. So ``on_kill`` only hands the cancel to a
+helper thread and returns; the run unwinds on the main thread and ``execute`` raises
+:class:`TaskCancelled`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from cancellable_agents.agent_run import run_agent_in_scope
+from cancellable_agents.cancellation import DEFAULT_BUDGET, Outcome, TaskCancellation
+from cancellable_agents.causes import CancelCause, CauseVerdict, classify_sigterm
+from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.process_reaper import DescendantReaper
+
+log = logging.getLogger(__name__)
+
+#: The scope is created lazily and operators are deep-copied, so its lock cannot live on them.
+_scope_creation = threading.Lock()
+
+#: Prefix of the one structured log line a cancellation writes (parsed by the e2e tests).
+RECORD_PREFIX = "cancellable_agents.record "
+
+
+def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``execute`` end as ``TaskCancelled`` if a kill landed before it returned."""
+    if getattr(execute, "_cancellable_agents_guard", False):
+        return execute
+
+    @functools.wraps(execute)
+    def guarded(self: CancellableAgentMixin, context: Any) -> Any:
+        scope = self.cancellation
+        try:
+            result = execute(self, context)
+        except TaskCancelled:
+            scope.settle(Outcome.CANCELLED)
+            raise
+        except BaseException:
+            scope.settle(Outcome.FAILED)
+            raise
+        if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
+            raise self._task_cancelled("killed before execute returned; its result is discarded")
+        return result
+
+    guarded._cancellable_agents_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+class CancellableAgentMixin:
+    """Give any operator a per-task-instance :class:`TaskCancellation` and a correct ``on_kill``.
+
+    - the scope exists before any work (``pre_execute``; lazily on first use otherwise), so a
+      kill that arrives before the run starts is remembered and the run refuses to start;
+    - ``on_kill`` is idempotent, never raises and returns within milliseconds;
+    - once killed, ``execute`` raises :class:`TaskCancelled` even if a result arrived;
+    - a kill after ``execute`` returned is a logged no-op;
+    - with ``execution_timeout``, runs get their own deadline ``timeout_margin`` seconds
+      earlier, so they end as ``TIMEOUT`` with everything unwound before Airflow's SIGALRM.
+    """
+
+    cancellation_budget: float = DEFAULT_BUDGET
+    timeout_margin: float = 2.0
+    classify_timeout: float = 1.0
+    reap_descendants: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "execute" in cls.__dict__:
+            cls.execute = _guard_execute(cls.__dict__["execute"])  # type: ignore[attr-defined]
+
+    # -- the scope -----------------------------------------------------------------------
+
+    @property
+    def cancellation(self) -> TaskCancellation:
+        """This task instance's scope, created on first use and never replaced."""
+        scope = self.__dict__.get("_task_cancellation")
+        if scope is not None:
+            return scope
+        with _scope_creation:
+            scope = self.__dict__.get("_task_cancellation")
+            if scope is None:
+                name = getattr(self, "task_id", type(self).__name__)
+                scope = TaskCancellation(name, budget=self.cancellation_budget)
+                self.__dict__["_task_cancellation"] = scope
+        return scope
+
+    def pre_execute(self, context: Any) -> None:
+        scope = self.cancellation
+        self.__dict__["_ti_key"] = _ti_key(context)
+        if self.reap_descendants and "_reaper" not in self.__dict__:
+            reaper = DescendantReaper.start(scope)
+            if reaper is not None:
+                self.__dict__["_reaper"] = reaper
+        super().pre_execute(context)  # type: ignore[misc]
+
+    # -- running agents ------------------------------------------------------------------
+
+    def run_agent_sync(self, agent: Any, user_prompt: Any = None, **run_kwargs: Any) -> Any:
+        """Run ``agent.run_sync(user_prompt, **run_kwargs)`` under this task's scope.
+
+        Same signature as common.ai's ``CancellableAgentRunMixin.run_agent_sync``. Raises
+        :class:`TaskCancelled` (with cause, transcript, usage and timeline) when the task is
+        killed or its execution timeout is near.
+        """
+        scope = self.cancellation
+        deadline = self._run_timeout()
+        if deadline is not None and run_kwargs.get("timeout") is None:
+            run_kwargs["timeout"] = deadline
+        try:
+            return run_agent_in_scope(scope, agent, user_prompt, **run_kwargs)
+        except TaskCancelled as exc:
+            self._log_record(exc)
+            raise
+
+    def _run_timeout(self) -> float | None:
+        """Seconds the run may take so it ends before ``execution_timeout`` fires."""
+        timeout: timedelta | None = getattr(self, "execution_timeout", None)
+        if not timeout:
+            return None
+        elapsed = self.cancellation._clock() - self.cancellation.created_at
+        return max(0.01, timeout.total_seconds() - elapsed - self.timeout_margin)
+
+    # -- kills ---------------------------------------------------------------------------
+
+    def on_kill(self) -> None:
+        """Cancel this task's scope. Safe from a signal handler: never raises, never blocks.
+
+        Called by the Task SDK on SIGTERM (user stop, clear, eviction) and, after ``execute``
+        exited with ``AirflowTaskTimeout``, on the timeout path; there nothing else will
+        unwind the scope, so this call waits (within the budget) for the release.
+        """
+        try:
+            self._on_kill()
+        except BaseException as exc:  # a signal handler must never raise into the run
+            log.warning("on_kill failed: %r", exc)
+        finally:
+            try:
+                super().on_kill()  # type: ignore[misc]
+            except Exception as exc:
+                log.warning("the operator's own on_kill failed: %r", exc)
+
+    def _on_kill(self) -> None:
+        scope = self.cancellation
+        if _is_timeout(sys.exc_info()[1]):
+            scope.cancel(CancelCause.TIMEOUT, detail="execution_timeout")
+            scope.wait_released(scope.remaining())
+            self._finish_reaper()
+            return
+        classify = self._classifier()
+        started = scope.cancel(CancelCause.UNKNOWN, classify=classify, classify_timeout=self.classify_timeout)
+        if not started and scope.outcome is Outcome.COMPLETED:
+            log.info("%s: kill after the task finished its work; nothing to cancel", scope.name)
+
+    def _classifier(self) -> Callable[[], CauseVerdict] | None:
+        key = self.__dict__.get("_ti_key")
+        if key is None:
+            return None
+        return functools.partial(classify_sigterm, *key)
+
+    def _finish_reaper(self) -> None:
+        reaper = self.__dict__.get("_reaper")
+        if reaper is not None:
+            reaper.reap(self.cancellation)
+
+    # -- the record ----------------------------------------------------------------------
+
+    def _task_cancelled(self, message: str) -> TaskCancelled:
+        scope = self.cancellation
+        cause = scope.wait_cause(min(self.classify_timeout + 0.5, scope.remaining())) or CancelCause.UNKNOWN
+        exc = TaskCancelled(
+            f"{scope.name}: {message} (cause: {cause.value})",
+            cause=cause,
+            root_cause=scope.root_cause,
+            detail=scope.cause_detail,
+            timeline=scope.timeline,
+            killed=scope.killed,
+        )
+        self._log_record(exc)
+        return exc
+
+    def _log_record(self, exc: TaskCancelled) -> None:
+        """Write the single structured line that says what happened, for the task log in the UI."""
+        scope = self.cancellation
+        scope.wait_released(scope.remaining())
+        self._finish_reaper()
+        record = scope.summary()
+        record["usage"] = _usage_dict(exc.usage)
+        record["messages"] = len(exc.messages)
+        log.warning("%s%s", RECORD_PREFIX, json.dumps(record, default=str, sort_keys=True))
+
+
+def _ti_key(context: Any) -> tuple[str, str, str, int] | None:
+    ti = context.get("ti") if hasattr(context, "get") else None
+    if ti is None:
+        return None
+    return (ti.dag_id, ti.task_id, ti.run_id, getattr(ti, "map_index", -1))
+
+
+def _is_timeout(exc: BaseException | None) -> bool:
+    return exc is not None and type(exc).__name__ == "AirflowTaskTimeout"
+
+
+def _usage_dict(usage: Any) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "requests": getattr(usage, "requests", None),
+        "input_tokens": getattr(usage, "input_tokens", None),
+        "output_tokens": getattr(usage, "output_tokens", None),
+    }

@@ -1,0 +1,1 @@
+"""Operators of the provider: ``LLMOperator`` and ``AgentOperator``."""

@@ -1,0 +1,66 @@
+"""``AgentOperator``: a pydantic-ai agent with tools, toolsets and deps, as a killable task."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cancellable_agents.operators.llm import LLMOperator
+
+
+class AgentOperator(LLMOperator):
+    """Run an agent: a model plus tools (functions), toolsets (e.g. a sandbox) and ``deps``.
+
+    Pass either the parts (``tools``, ``toolsets``, ``deps`` and the :class:`LLMOperator`
+    arguments) or a ready ``agent``; the task's cancellation scope reaches everything the run
+    starts: the model request, async and sync tools, sandboxes and sub-agents.
+
+    :param tools: plain functions or pydantic-ai ``Tool`` objects.
+    :param toolsets: pydantic-ai toolsets (``SandboxToolset``, ``SubagentToolset``, MCP ...).
+    :param deps: the run's dependencies, available to tools as ``ctx.deps``.
+    :param agent: a pre-built pydantic-ai ``Agent``; the model arguments are then ignored.
+    :param usage_limits: pydantic-ai ``UsageLimits`` for the run.
+    """
+
+    template_fields: Sequence[str] = (*LLMOperator.template_fields,)
+
+    def __init__(
+        self,
+        *,
+        tools: Sequence[Any] = (),
+        toolsets: Sequence[Any] = (),
+        deps: Any = None,
+        agent: Any = None,
+        usage_limits: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.tools = list(tools)
+        self.toolsets = list(toolsets)
+        self.deps = deps
+        self.agent = agent
+        self.usage_limits = usage_limits
+
+    def build_agent(self) -> Any:
+        if self.agent is not None:
+            return self.agent
+        from pydantic_ai import Agent
+
+        from cancellable_agents.hooks.model import ModelHook
+
+        model = ModelHook(llm_conn_id=self.llm_conn_id, model=self.model).get_model()
+        return Agent(
+            model,
+            output_type=self.output_type,
+            system_prompt=self.system_prompt or (),
+            tools=self.tools,
+            toolsets=self.toolsets,
+        )
+
+    def run_kwargs(self) -> dict[str, Any]:
+        kwargs = super().run_kwargs()
+        if self.deps is not None:
+            kwargs["deps"] = self.deps
+        if self.usage_limits is not None:
+            kwargs["usage_limits"] = self.usage_limits
+        return kwargs

@@ -1,0 +1,1 @@
+"""Test helpers for cancellable_agents: a scripted, keyless, OpenAI-compatible model server."""

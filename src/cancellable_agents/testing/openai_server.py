@@ -1,0 +1,837 @@
+"""A scripted, stdlib-only, OpenAI-compatible chat-completions server for tests, benchmarks and demos.
+
+The server speaks real HTTP/1.1 on ``127.0.0.1`` (an ephemeral port unless one is given) and answers
+``POST /v1/chat/completions`` in both plain-JSON and SSE streaming form, in the shape the ``openai`` client
+and pydantic-ai's ``OpenAIChatModel`` accept. What it answers is chosen by the request's ``model`` string.
+
+Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?`` is parsed with
+``urllib.parse.parse_qs``, so values are percent-decoded and ``+`` means a space. Build the string with
+``urllib.parse.urlencode`` to be safe; unencoded values also work as long as they contain no ``&``, ``+``,
+``%`` or ``#`` (so ``tool?name=add&args={"a":1,"b":2}`` is fine as written). Unknown parameters are rejected.
+
+* ``echo``: answers ``echo: <text of the last user message>`` at once.
+* ``slow?tokens=N&delay=S``: answers ``tok0 tok1 ... tok<N-1>``, sleeping ``S`` seconds before each token
+  (streaming: one chunk per token; non-streaming: sleeps ``N*S`` in total, then answers).
+  Defaults: ``tokens=50``, ``delay=0.1``.
+* ``tool?name=TOOL&args=JSON&then=TEXT``: until the conversation holds a ``role: "tool"`` message, answers
+  with one call of ``TOOL`` with arguments ``JSON`` (default ``{}``); afterwards answers ``TEXT``
+  (default ``done``).
+* ``tools?names=A,B&args=JSON&then=TEXT``: like ``tool`` but calls all named tools in one response
+  (parallel tool calls), each with the same arguments.
+* Every behaviour also takes ``delay_first=S``: sleep ``S`` seconds before sending anything (headers
+  included), like a slow non-streaming model.
+
+Unknown names or bad parameters get a ``400`` OpenAI-style error listing the supported behaviours.
+
+Disconnect detection is the point of this server: whenever it waits (``delay_first``, between tokens, or
+the non-streaming ``N*S`` wait) it polls the client socket every ``POLL_INTERVAL`` seconds, and a peeked
+EOF, a reset, or a failed write ends the request with outcome ``"disconnected"`` and the monotonic time of
+detection. Each chat-completions request is recorded as a `RequestRecord`; ``GET /_records`` returns the
+records as JSON and ``POST /_reset`` clears them, so a parent process can assert on a server it spawned.
+Timestamps come from ``time.monotonic()``, which on Linux is comparable across processes.
+
+Other endpoints: ``GET /health`` (``ok``) and ``GET /v1/models``.
+
+Run it as a process with ``python -m cancellable_agents.testing.openai_server [--host H] [--port P]``: it
+prints ``READY <base_url>`` on stdout (flushed) and serves until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import re
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType, TracebackType
+from typing import Any, Literal, TypeVar, cast
+from urllib.parse import parse_qs, urlsplit
+
+__all__ = [
+    "BEHAVIOURS",
+    "POLL_INTERVAL",
+    "RequestRecord",
+    "Script",
+    "ScriptError",
+    "ScriptedModelServer",
+    "fetch_records",
+    "main",
+    "parse_model",
+]
+
+POLL_INTERVAL = 0.02
+"""Seconds between client-socket polls while the server waits; bounds disconnect-detection latency."""
+
+Outcome = Literal["completed", "disconnected", "error"]
+
+BEHAVIOURS: dict[str, str] = {
+    "echo": "echo - answers 'echo: <last user message>'",
+    "slow": "slow?tokens=N&delay=S - N tokens 'tok0 tok1 ...', S seconds before each (defaults 50, 0.1)",
+    "tool": "tool?name=TOOL&args=JSON&then=TEXT - calls TOOL once, then answers TEXT (default 'done')",
+    "tools": "tools?names=A,B&args=JSON&then=TEXT - calls all tools in parallel, then answers TEXT",
+}
+"""Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``."""
+
+_PARAMS: dict[str, frozenset[str]] = {
+    "echo": frozenset({"delay_first"}),
+    "slow": frozenset({"tokens", "delay", "delay_first"}),
+    "tool": frozenset({"name", "args", "then", "delay_first"}),
+    "tools": frozenset({"names", "args", "then", "delay_first"}),
+}
+
+_T = TypeVar("_T")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Model-string grammar
+# --------------------------------------------------------------------------------------------------------
+
+
+class ScriptError(ValueError):
+    """The ``model`` string names no supported behaviour or carries invalid parameters."""
+
+
+@dataclass(frozen=True)
+class Script:
+    """A parsed model string: which behaviour to play and with which parameters."""
+
+    behaviour: str
+    tokens: int = 50
+    delay: float = 0.1
+    delay_first: float = 0.0
+    tool_names: tuple[str, ...] = ()
+    tool_args: str = "{}"
+    then: str = "done"
+
+
+def parse_model(model: str) -> Script:
+    """Parse ``NAME`` or ``NAME?k=v&k=v`` into a `Script`; raise `ScriptError` with a helpful message."""
+    name, _, query = model.partition("?")
+    if name not in _PARAMS:
+        raise ScriptError(f"unknown behaviour {name!r} in model {model!r}; {_supported()}")
+    params = _parse_query(model, query)
+    unknown = sorted(set(params) - _PARAMS[name])
+    if unknown:
+        allowed = ", ".join(sorted(_PARAMS[name]))
+        raise ScriptError(f"unknown parameter(s) {unknown} for {name!r} (allowed: {allowed}); {_supported()}")
+    delay_first = _number(params, "delay_first", 0.0)
+    if name == "slow":
+        tokens = int(_number(params, "tokens", 50, integer=True))
+        return Script(name, tokens=tokens, delay=_number(params, "delay", 0.1), delay_first=delay_first)
+    if name in ("tool", "tools"):
+        return Script(
+            name,
+            delay_first=delay_first,
+            tool_names=_tool_names(name, params),
+            tool_args=_json_object(params.get("args", "{}")),
+            then=params.get("then", "done"),
+        )
+    return Script(name, delay_first=delay_first)
+
+
+def _supported() -> str:
+    return "supported behaviours: " + "; ".join(BEHAVIOURS.values()) + "; all accept delay_first=S"
+
+
+def _parse_query(model: str, query: str) -> dict[str, str]:
+    try:
+        parsed = parse_qs(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError as exc:
+        raise ScriptError(f"malformed parameters in model {model!r}: {exc}") from exc
+    return {key: values[-1] for key, values in parsed.items()}
+
+
+def _number(params: dict[str, str], key: str, default: float, *, integer: bool = False) -> float:
+    if key not in params:
+        return default
+    try:
+        value = int(params[key]) if integer else float(params[key])
+    except ValueError as exc:
+        kind = "an integer" if integer else "a number"
+        raise ScriptError(f"parameter {key}={params[key]!r} must be {kind}") from exc
+    if value < 0:
+        raise ScriptError(f"parameter {key}={params[key]!r} must not be negative")
+    return value
+
+
+def _tool_names(behaviour: str, params: dict[str, str]) -> tuple[str, ...]:
+    key = "name" if behaviour == "tool" else "names"
+    names = tuple(part.strip() for part in params.get(key, "").split(",") if part.strip())
+    if not names:
+        raise ScriptError(f"behaviour {behaviour!r} needs a non-empty {key}= parameter")
+    if behaviour == "tool" and len(names) > 1:
+        raise ScriptError("behaviour 'tool' calls one tool; use 'tools?names=a,b' for several")
+    return names
+
+
+def _json_object(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScriptError(f"parameter args={text!r} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ScriptError(f"parameter args={text!r} must be a JSON object")
+    return json.dumps(value)
+
+
+# --------------------------------------------------------------------------------------------------------
+# What to answer
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """An answer to send: text pieces (each one streamed chunk and one token) or tool calls."""
+
+    pieces: tuple[str, ...] = ()
+    piece_delay: float = 0.0
+    tool_calls: tuple[_ToolCall, ...] = ()
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_calls else "stop"
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tool_calls) if self.tool_calls else len(self.pieces)
+
+
+def _plan_reply(script: Script, messages: list[dict[str, Any]]) -> _Reply:
+    """Decide the answer for ``script`` given the conversation so far."""
+    if script.behaviour == "echo":
+        return _Reply(pieces=_split_tokens("echo: " + _last_user_text(messages)))
+    if script.behaviour == "slow":
+        pieces = tuple(f"tok{i}" if i == 0 else f" tok{i}" for i in range(script.tokens))
+        return _Reply(pieces=pieces, piece_delay=script.delay)
+    if any(message.get("role") == "tool" for message in messages):
+        return _Reply(pieces=_split_tokens(script.then))
+    calls = tuple(
+        _ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, script.tool_args) for name in script.tool_names
+    )
+    return _Reply(tool_calls=calls)
+
+
+def _split_tokens(text: str) -> tuple[str, ...]:
+    """Split text into word tokens that keep their leading whitespace, so ``"".join`` restores it."""
+    return tuple(re.findall(r"\s*\S+|\s+$", text))
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def _last_user_text(messages: list[dict[str, Any]]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            return _message_text(message)
+    return ""
+
+
+@dataclass(frozen=True)
+class _Completion:
+    """Identity of one completion, and the OpenAI JSON shapes built from it."""
+
+    model: str
+    prompt_tokens: int
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def body(self, reply: _Reply) -> dict[str, Any]:
+        """A complete ``chat.completion`` object for ``reply``."""
+        message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
+        if reply.tool_calls:
+            message["tool_calls"] = [_tool_call_json(call) for call in reply.tool_calls]
+        else:
+            message["content"] = "".join(reply.pieces)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}
+        return {
+            **self._header("chat.completion"),
+            "choices": [choice],
+            "usage": self.usage(reply.completion_tokens),
+        }
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        """A ``chat.completion.chunk`` carrying ``delta`` (and ``finish_reason`` on the last one)."""
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._header("chat.completion.chunk"), "choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        """The trailing usage-only chunk OpenAI sends when ``stream_options.include_usage`` is set."""
+        return {
+            **self._header("chat.completion.chunk"),
+            "choices": [],
+            "usage": self.usage(completion_tokens),
+        }
+
+    def _header(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def _tool_call_json(call: _ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _error_json(message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Request records
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """One chat-completions request as the server saw it.
+
+    ``outcome`` is ``None`` while the request is in flight, then ``"completed"`` (the whole answer was
+    written), ``"disconnected"`` (the client went away first; ``disconnected_at`` is when that was
+    noticed) or ``"error"`` (bad request or server failure; see ``error``). ``tokens_sent`` counts text
+    tokens (streamed chunks) or tool calls actually written to the client. Times are ``time.monotonic()``.
+    """
+
+    index: int
+    model: str
+    stream: bool
+    messages: list[dict[str, Any]]
+    started_at: float
+    ended_at: float | None = None
+    outcome: Outcome | None = None
+    disconnected_at: float | None = None
+    tokens_sent: int = 0
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of all fields (what ``GET /_records`` returns per record)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
+        """Rebuild a record from `to_json` output."""
+        return cls(**data)
+
+
+class _RecordLog:
+    """Thread-safe store of `RequestRecord` objects with condition-based waits.
+
+    Records are only mutated under the lock; readers get copies, so they always see consistent values.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._records: list[RequestRecord] = []
+
+    def open(self, model: str, stream: bool, messages: list[dict[str, Any]]) -> RequestRecord:
+        with self._cond:
+            record = RequestRecord(len(self._records), model, stream, messages, time.monotonic())
+            self._records.append(record)
+            self._cond.notify_all()
+            return record
+
+    def add_tokens(self, record: RequestRecord, count: int) -> None:
+        with self._cond:
+            record.tokens_sent += count
+            self._cond.notify_all()
+
+    def close(
+        self, record: RequestRecord, outcome: Outcome, *, at: float | None = None, error: str | None = None
+    ) -> None:
+        with self._cond:
+            record.ended_at = at if at is not None else time.monotonic()
+            record.outcome = outcome
+            record.error = error
+            if outcome == "disconnected":
+                record.disconnected_at = record.ended_at
+            self._cond.notify_all()
+
+    def snapshot(self) -> list[RequestRecord]:
+        with self._cond:
+            return [dataclasses.replace(record) for record in self._records]
+
+    def count(self) -> int:
+        with self._cond:
+            return len(self._records)
+
+    def clear(self) -> int:
+        with self._cond:
+            cleared = len(self._records)
+            self._records = []
+            return cleared
+
+    def wait_for(self, predicate: Callable[[list[RequestRecord]], _T | None], timeout: float) -> _T | None:
+        """Block until ``predicate(records)`` is truthy or ``timeout`` passes; return its last value."""
+        with self._cond:
+            result = self._cond.wait_for(lambda: predicate(self._records), timeout)
+            return dataclasses.replace(result) if isinstance(result, RequestRecord) else result
+
+
+def _first(records: list[RequestRecord], test: Callable[[RequestRecord], bool]) -> RequestRecord | None:
+    return next((record for record in records if test(record)), None)
+
+
+# --------------------------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    """The client closed or reset the connection; ``at`` is the monotonic time it was noticed."""
+
+    def __init__(self, at: float) -> None:
+        super().__init__(f"client disconnected at {at:.3f}")
+        self.at = at
+
+
+def _peek_client(sock: socket.socket, timeout: float) -> Literal["idle", "data", "closed"]:
+    """Wait up to ``timeout`` for the socket to become readable and classify what the peer did."""
+    try:
+        readable, _, _ = select.select([sock], [], [], timeout)
+        if not readable:
+            return "idle"
+        return "closed" if sock.recv(1, socket.MSG_PEEK) == b"" else "data"
+    except (OSError, ValueError):  # reset, or the socket was closed under us (server stopping)
+        return "closed"
+
+
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer that owns the record log and can cut every open connection on stop."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], log: _RecordLog, verbose: bool) -> None:
+        self.log = log
+        self.verbose = verbose
+        self._connections: set[socket.socket] = set()
+        self._connections_changed = threading.Condition()
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_changed:
+            self._connections.add(cast(socket.socket, request))
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)
+        with self._connections_changed:
+            self._connections.discard(cast(socket.socket, request))
+            self._connections_changed.notify_all()
+
+    def close_connections(self, timeout: float) -> bool:
+        """Shut down every open client connection (keep-alive or in flight) and wait for their handlers.
+
+        In-flight requests notice within `POLL_INTERVAL` and end as ``"disconnected"``. Return whether all
+        handlers finished within ``timeout``.
+        """
+        with self._connections_changed:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        with self._connections_changed:
+            return self._connections_changed.wait_for(lambda: not self._connections, timeout)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Print tracebacks of real failures only; clients going away is business as usual here."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Routes requests; chat completions are played from the model-string script."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "ScriptedModelServer/1.0"
+
+    @property
+    def _log(self) -> _RecordLog:
+        return cast(_Server, self.server).log
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if cast(_Server, self.server).verbose:
+            super().log_message(format, *args)
+
+    def do_GET(self) -> None:
+        """Serve ``/health``, ``/v1/models`` and ``/_records``; anything else is a JSON 404."""
+        path = urlsplit(self.path).path.rstrip("/")
+        if path == "/health":
+            self._send_body(HTTPStatus.OK, b"ok", "text/plain; charset=utf-8")
+        elif path == "/v1/models":
+            models = [
+                {"id": name, "object": "model", "created": 0, "owned_by": "scripted"} for name in BEHAVIOURS
+            ]
+            self._send_json(HTTPStatus.OK, {"object": "list", "data": models})
+        elif path == "/_records":
+            self._send_json(HTTPStatus.OK, [record.to_json() for record in self._log.snapshot()])
+        else:
+            self._send_json(HTTPStatus.NOT_FOUND, _error_json(f"no route GET {path}", "not_found"))
+
+    def do_POST(self) -> None:
+        """Serve ``/v1/chat/completions`` and ``/_reset``; anything else is a JSON 404."""
+        path = urlsplit(self.path).path.rstrip("/")
+        body = self._read_body()
+        if path == "/v1/chat/completions":
+            self._chat_completions(body)
+        elif path == "/_reset":
+            self._send_json(HTTPStatus.OK, {"cleared": self._log.clear()})
+        else:
+            self._send_json(HTTPStatus.NOT_FOUND, _error_json(f"no route POST {path}", "not_found"))
+
+    # -- chat completions -------------------------------------------------------------------------------
+
+    def _chat_completions(self, raw: bytes) -> None:
+        """Record the request, play its script, and close the record with the outcome."""
+        try:
+            request = _parse_request(raw)
+        except ValueError as exc:
+            record = self._log.open("", False, [])
+            self._reject(record, str(exc), "invalid_request", None)
+            return
+        model, stream, messages = request["model"], request["stream"], request["messages"]
+        record = self._log.open(model, stream, messages)
+        try:
+            script = parse_model(model)
+        except ScriptError as exc:
+            self._reject(record, str(exc), "unknown_behaviour", "model")
+            return
+        completion = _Completion(model, sum(len(_message_text(m).split()) for m in messages))
+        try:
+            self._pause(script.delay_first)
+            reply = _plan_reply(script, messages)
+            if stream:
+                self._stream(record, completion, reply, include_usage=request["include_usage"])
+            else:
+                self._respond(record, completion, reply)
+        except _ClientGone as gone:
+            self.close_connection = True
+            self._log.close(record, "disconnected", at=gone.at)
+        except Exception as exc:
+            self.close_connection = True
+            self._log.close(record, "error", error=repr(exc))
+            raise
+        else:
+            self._log.close(record, "completed")
+
+    def _reject(self, record: RequestRecord, message: str, code: str, param: str | None) -> None:
+        """Close ``record`` as an error and answer with an OpenAI-style 400."""
+        self._log.close(record, "error", error=message)
+        try:
+            self._send_json(HTTPStatus.BAD_REQUEST, _error_json(message, code, param))
+        except _ClientGone:
+            self.close_connection = True
+
+    def _respond(self, record: RequestRecord, completion: _Completion, reply: _Reply) -> None:
+        """Non-streaming: wait for the whole 'generation' while watching the client, then answer."""
+        self._pause(reply.piece_delay * len(reply.pieces))
+        self._send_json(HTTPStatus.OK, completion.body(reply))
+        self._log.add_tokens(record, reply.completion_tokens)
+
+    def _stream(
+        self, record: RequestRecord, completion: _Completion, reply: _Reply, *, include_usage: bool
+    ) -> None:
+        """Streaming: SSE chunks over chunked transfer encoding, ending with ``data: [DONE]``."""
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self._end_headers()
+        if not reply.tool_calls:
+            self._send_event(completion.chunk({"role": "assistant", "content": ""}))
+        for piece in reply.pieces:
+            self._pause(reply.piece_delay)
+            self._send_event(completion.chunk({"content": piece}))
+            self._log.add_tokens(record, 1)
+        for index, call in enumerate(reply.tool_calls):
+            self._pause(0.0)
+            self._send_event(completion.chunk(_tool_call_start(index, call, first=index == 0)))
+            self._send_event(
+                completion.chunk(
+                    {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}
+                )
+            )
+            self._log.add_tokens(record, 1)
+        self._send_event(completion.chunk({}, finish_reason=reply.finish_reason))
+        if include_usage:
+            self._send_event(completion.usage_chunk(reply.completion_tokens))
+        self._write_chunk(b"data: [DONE]\n\n")
+        self._write(b"0\r\n\r\n")
+
+    # -- waiting and writing ----------------------------------------------------------------------------
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` (at least one poll) while watching the client; raise `_ClientGone` if it left."""
+        deadline = time.monotonic() + seconds
+        while True:
+            remaining = deadline - time.monotonic()
+            step = min(POLL_INTERVAL, max(remaining, 0.0))
+            state = _peek_client(self.connection, step)
+            if state == "closed":
+                raise _ClientGone(time.monotonic())
+            if state == "data":  # pipelined bytes keep the socket readable; don't spin on them
+                time.sleep(step)
+            if remaining <= 0:
+                return
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError as exc:  # BrokenPipe, ConnectionReset, ... all mean the client is gone
+            raise _ClientGone(time.monotonic()) from exc
+
+    def _end_headers(self) -> None:
+        try:
+            self.end_headers()
+        except OSError as exc:
+            raise _ClientGone(time.monotonic()) from exc
+
+    def _write_chunk(self, data: bytes) -> None:
+        self._write(b"%X\r\n%s\r\n" % (len(data), data))
+
+    def _send_event(self, payload: dict[str, Any]) -> None:
+        self._write_chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def _send_body(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self._end_headers()
+        self._write(body)
+
+    def _send_json(self, status: HTTPStatus, payload: Any) -> None:
+        self._send_body(status, json.dumps(payload).encode(), "application/json")
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+
+def _tool_call_start(index: int, call: _ToolCall, *, first: bool) -> dict[str, Any]:
+    """The delta that opens tool call ``index`` (id, type, name; arguments follow in the next chunk)."""
+    start = {
+        "index": index,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": ""},
+    }
+    delta: dict[str, Any] = {"tool_calls": [start]}
+    if first:
+        delta = {"role": "assistant", "content": None, **delta}
+    return delta
+
+
+def _parse_request(raw: bytes) -> dict[str, Any]:
+    """Validate a chat-completions body; return model, stream, messages and include_usage."""
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    model, messages = body.get("model"), body.get("messages")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"'model' must be a non-empty string; {_supported()}")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("'messages' must be a list of objects")
+    stream_options = body.get("stream_options") or {}
+    return {
+        "model": model,
+        "stream": bool(body.get("stream", False)),
+        "messages": messages,
+        "include_usage": bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Public server object
+# --------------------------------------------------------------------------------------------------------
+
+
+class ScriptedModelServer:
+    """An in-process scripted OpenAI-compatible server on a background thread.
+
+    Use as ``with ScriptedModelServer() as server:`` or call `start` / `stop`. ``base_url`` (e.g.
+    ``http://127.0.0.1:PORT/v1``) is what an OpenAI client or ``OpenAIProvider(base_url=...)`` needs; any
+    API key is accepted. All waits take a timeout and block on a condition variable, never spin.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False) -> None:
+        self._address = (host, port)
+        self._verbose = verbose
+        self._log = _RecordLog()
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> ScriptedModelServer:
+        """Bind the socket and serve on a daemon thread; return ``self``. Raise if already started."""
+        if self._httpd is not None:
+            raise RuntimeError("ScriptedModelServer is already started")
+        self._httpd = _Server(self._address, self._log, self._verbose)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="scripted-model-server",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving and close the socket; idempotent.
+
+        Open connections are cut, so in-flight requests end as ``"disconnected"``; waits up to ``timeout``
+        for their handler threads to record that.
+        """
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.close_connections(timeout)
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout)
+        self._httpd, self._thread = None, None
+
+    def __enter__(self) -> ScriptedModelServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- addresses ---------------------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (the ephemeral one when constructed with ``port=0``)."""
+        if self._httpd is None:
+            raise RuntimeError("ScriptedModelServer is not started")
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """Root URL, e.g. ``http://127.0.0.1:PORT`` (``/health``, ``/_records`` live here)."""
+        return f"http://{self._address[0]}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL, e.g. ``http://127.0.0.1:PORT/v1``."""
+        return f"{self.url}/v1"
+
+    # -- records -----------------------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        """Copies of all chat-completions requests recorded so far, in arrival order."""
+        return self._log.snapshot()
+
+    @property
+    def request_count(self) -> int:
+        """How many chat-completions requests have started."""
+        return self._log.count()
+
+    def reset(self) -> None:
+        """Forget all records (requests still in flight are no longer tracked)."""
+        self._log.clear()
+
+    def wait_for_request(self, n: int = 1, timeout: float = 5.0) -> bool:
+        """Wait until at least ``n`` requests have started; return whether that happened in time."""
+        return bool(self._log.wait_for(lambda records: len(records) >= n, timeout))
+
+    def wait_for_disconnect(self, timeout: float = 5.0) -> RequestRecord | None:
+        """Wait for the first request whose outcome is ``"disconnected"``; ``None`` on timeout."""
+        return self._log.wait_for(
+            lambda records: _first(records, lambda r: r.outcome == "disconnected"), timeout
+        )
+
+    def wait_for_tokens(self, k: int, timeout: float = 5.0) -> RequestRecord | None:
+        """Wait until some request has sent at least ``k`` tokens; return it, or ``None`` on timeout."""
+        return self._log.wait_for(lambda records: _first(records, lambda r: r.tokens_sent >= k), timeout)
+
+    def wait_for_finished(self, n: int = 1, timeout: float = 5.0) -> list[RequestRecord] | None:
+        """Wait until the first ``n`` requests have all finished; return them, or ``None`` on timeout."""
+
+        def finished(records: list[RequestRecord]) -> list[RequestRecord] | None:
+            done = records[:n]
+            return (
+                [dataclasses.replace(r) for r in done]
+                if len(done) == n and all(r.outcome for r in done)
+                else None
+            )
+
+        return self._log.wait_for(finished, timeout)
+
+
+def fetch_records(url: str, timeout: float = 5.0) -> list[RequestRecord]:
+    """Read ``GET /_records`` of a server (root or ``/v1`` base URL), e.g. one started with ``-m``."""
+    root = url.rstrip("/").removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/_records", timeout=timeout) as response:
+        return [RequestRecord.from_json(item) for item in json.load(response)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Process entry point
+# --------------------------------------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default)")
+    parser.add_argument("--verbose", action="store_true", help="log requests to stderr")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT after printing ``READY <base_url>``; return the exit code."""
+    args = _parse_args(argv)
+    stopping = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    with ScriptedModelServer(args.host, args.port, verbose=args.verbose) as server:
+        print(f"READY {server.base_url}", flush=True)
+        while not stopping.wait(0.5):
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Toolsets for agents run as Airflow tasks: each one stops cleanly when the task is cancelled.
+
+- :mod:`cancellable_agents.toolsets.sandbox`: ``LocalSandbox`` and ``SandboxToolset``, shell and
+  Python commands run as process trees that a cancel terminates and reaps within the budget.
+
+Submodules are imported on use, so importing this package costs nothing.
+"""

@@ -1,0 +1,161 @@
+"""Real task processes killed with real SIGTERMs through the Task SDK's own handler.
+
+Each test starts ``task_scenarios.py`` (``dag.test()`` -> Task SDK ``run()``), waits for the
+moment to kill, sends SIGTERM to the task pid only, and asserts on what the task reported, on
+what the local model server saw, and on the timeline. Latencies are printed (``-s``) for the
+closing note; budgets are asserted only where they are the contract (the 5 s grace window).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cancellable_agents.testing.openai_server import ScriptedModelServer
+
+pytestmark = pytest.mark.process
+
+#: Airflow SIGKILLs the task 5 s after SIGTERM; everything must be done before that.
+GRACE = 5.0
+
+
+def _event_ms(record: dict[str, Any], name: str) -> float:
+    return next(e["ms"] for e in record["timeline"] if e["event"] == name)
+
+
+def _failed_with_task_cancelled(task: Any) -> dict[str, Any]:
+    failed = task.wait_for("task_failed", timeout=GRACE + 5)
+    assert failed["exc_type"] == "TaskCancelled", task.tail()
+    return failed
+
+
+def _report(name: str, sent: float, failed: dict[str, Any]) -> float:
+    latency_ms = (failed["t"] - sent) * 1000
+    print(f"\n[latency] {name}: SIGTERM -> TaskCancelled reported {latency_ms:.1f} ms")
+    return latency_ms
+
+
+def test_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedModelServer) -> None:
+    before = model_server.request_count
+    task = spawn_task("stream")
+    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    assert model_server.wait_for_tokens(5, timeout=20)
+    sent = task.sigterm()
+    failed = _failed_with_task_cancelled(task)
+    disconnect = model_server.wait_for_disconnect(timeout=GRACE)
+    assert disconnect is not None, "the server never saw the streaming request closed"
+    assert disconnect.disconnected_at - sent < GRACE
+    assert task.wait_exit(GRACE + 5) != 0 or True  # dag.test() returns normally after a failed task
+    record = failed["record"]
+    assert record["outcome"] == "cancelled"
+    assert [e["event"] for e in record["timeline"]].count("kill_received") == 1
+    assert _report("streaming request", sent, failed) < GRACE * 1000
+    print(f"[latency] streaming request: SIGTERM -> server saw disconnect {(disconnect.disconnected_at - sent) * 1000:.1f} ms")
+
+
+def test_non_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedModelServer) -> None:
+    before = model_server.request_count
+    task = spawn_task("nonstream")
+    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    sent = task.sigterm()
+    failed = _failed_with_task_cancelled(task)
+    record = model_server.wait_for_disconnect(timeout=GRACE)
+    assert record is not None and record.stream is False
+    _report("non-streaming request", sent, failed)
+
+
+def test_async_tool_gets_cancelled_error(spawn_task: Any) -> None:
+    task = spawn_task("async_tool")
+    task.wait_for("tool_started", timeout=60)
+    sent = task.sigterm()
+    failed = _failed_with_task_cancelled(task)
+    cancelled = task.wait_for("tool_cancelled", timeout=1)
+    assert cancelled["t"] - sent < 1.0
+    timeline = [e["event"] for e in failed["record"]["timeline"]]
+    assert timeline.index("token_cancelled") < timeline.index("toolset_teardown")
+    _report("async tool", sent, failed)
+
+
+def test_cooperative_sync_tool_notices(spawn_task: Any) -> None:
+    task = spawn_task("sync_coop")
+    task.wait_for("tool_started", timeout=60)
+    sent = task.sigterm()
+    noticed = task.wait_for("tool_noticed", timeout=GRACE)
+    assert noticed["noticed"] is True
+    failed = _failed_with_task_cancelled(task)
+    assert failed["record"]["stragglers"] == []
+    _report("cooperative sync tool", sent, failed)
+
+
+def test_uncooperative_sync_tool_is_named_and_does_not_block(spawn_task: Any) -> None:
+    task = spawn_task("sync_uncoop")
+    task.wait_for("tool_started", timeout=60)
+    sent = task.sigterm()
+    failed = _failed_with_task_cancelled(task)
+    assert failed["t"] - sent < GRACE, "an uncooperative tool must not hold the task past the grace"
+    assert failed["record"]["stragglers"] == ["sync tool 'ignore_cancellation'"]
+    task.wait_exit(GRACE + 10)
+    assert "ignore_cancellation" in task.tail(400) and "left behind" in task.tail(400)
+    _report("uncooperative sync tool", sent, failed)
+
+
+def test_kill_before_the_run_is_remembered(spawn_task: Any, model_server: ScriptedModelServer) -> None:
+    task = spawn_task("before_run")
+    task.wait_for("pre_execute", timeout=60)
+    before = model_server.request_count
+    sent = task.sigterm()
+    failed = _failed_with_task_cancelled(task)
+    task.wait_exit(GRACE + 5)
+    assert model_server.request_count == before, "a killed task must not call the model"
+    events = [e["event"] for e in failed["record"]["timeline"]]
+    assert "run_refused" in events and "run_started" not in events
+    _report("kill before the run", sent, failed)
+
+
+def test_kill_after_the_run_is_a_logged_no_op(spawn_task: Any) -> None:
+    task = spawn_task("after_run")
+    task.wait_for("post_execute", timeout=60)
+    task.sigterm()
+    succeeded = task.wait_for("task_succeeded", timeout=GRACE + 5)
+    events = [e["event"] for e in succeeded["record"]["timeline"]]
+    assert "cancel_ignored" in events and "kill_received" not in events
+    task.wait_exit(GRACE + 5)
+    assert task.event("task_failed") is None
+
+
+def test_sigterm_burst_cancels_once(spawn_task: Any, model_server: ScriptedModelServer) -> None:
+    before = model_server.request_count
+    task = spawn_task("burst")
+    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    assert model_server.wait_for_tokens(5, timeout=20)
+    sent = task.sigterm(times=20)
+    failed = _failed_with_task_cancelled(task)
+    events = [e["event"] for e in failed["record"]["timeline"]]
+    assert events.count("kill_received") == 1
+    assert events.count("token_cancelled") == 1
+    task.wait_exit(GRACE + 5)
+    assert "on_kill failed" not in task.tail(400)
+    _report("20 SIGTERMs", sent, failed)
+
+
+def test_execution_timeout_unwinds_before_sigalrm(spawn_task: Any, model_server: ScriptedModelServer) -> None:
+    before = model_server.request_count
+    task = spawn_task("timeout")
+    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    failed = task.wait_for("task_failed", timeout=30)
+    assert failed["exc_type"] == "TaskCancelled", task.tail()
+    assert failed["cause"] == "timeout"
+    assert model_server.wait_for_disconnect(timeout=GRACE) is not None
+    assert "AirflowTaskTimeout" not in task.tail(400)
+
+
+def test_on_kill_after_sigalrm_records_timeout_and_releases(spawn_task: Any) -> None:
+    task = spawn_task("timeout_sigalrm")
+    task.wait_for("busy_started", timeout=60)
+    failed = task.wait_for("task_failed", timeout=30)
+    assert failed["exc_type"] == "AirflowTaskTimeout"
+    task.wait_for("resource_released", timeout=1)
+    record = failed["record"]
+    assert record["cause"] == "timeout"
+    assert "on_kill failed" not in task.tail(400)
