@@ -29,7 +29,9 @@ from cancellable_agents.exceptions import TaskCancelled
 
 log = logging.getLogger(__name__)
 
-_tool_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("cancellable_agents_tool", default=None)
+_tool_name: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "cancellable_agents_tool", default=None
+)
 
 
 @dataclass
@@ -47,11 +49,16 @@ class RunTracker:
     tool_tasks: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = field(default_factory=dict)
     tool_threads: list[_ToolThread] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _cancelled: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def cancel_tool_tasks(self) -> None:
-        """Deliver ``CancelledError`` to every in-flight async tool (thread-safe)."""
+        """Deliver ``CancelledError`` to every in-flight async tool, once (thread-safe).
+
+        Once only: a second cancel would interrupt the tool's own cleanup in its ``except``.
+        """
         with self.lock:
-            tasks = list(self.tool_tasks.items())
+            tasks = [(t, loop) for t, loop in self.tool_tasks.items() if t not in self._cancelled]
+            self._cancelled.update(t for t, _ in tasks)
         for task, loop in tasks:
             if not task.done():
                 loop.call_soon_threadsafe(task.cancel)
@@ -122,7 +129,9 @@ class CancellationCapability(AbstractCapability[Any]):
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
         return _OrderedTeardownToolset(toolset, tracker=self._tracker)
 
-    async def wrap_tool_execute(self, ctx: RunContext[Any], *, call: Any, tool_def: Any, args: Any, handler: Any) -> Any:
+    async def wrap_tool_execute(
+        self, ctx: RunContext[Any], *, call: Any, tool_def: Any, args: Any, handler: Any
+    ) -> Any:
         task = asyncio.current_task()
         token = _tool_name.set(tool_def.name)
         if task is not None:
@@ -147,7 +156,8 @@ def run_agent_in_scope(
 
     Raises :class:`TaskCancelled` if the scope was cancelled before, during or after the run
     (a result that arrives after the cancel does not count), or if the run's own ``timeout=``
-    expired (cause ``TIMEOUT``). A cancelled scope never makes a model request.
+    expired (cause ``TIMEOUT``). A cancelled scope never makes a model request. Settling the
+    scope as ``COMPLETED`` is left to its owner, whose unit of work may hold several runs.
     """
     if scope.cancelled:
         scope.record("run_refused", reason="cancelled before the run started")
@@ -172,13 +182,14 @@ def run_agent_in_scope(
         raise _cancelled(scope, exc, "the run was cancelled") from exc
     except BaseException:
         scope.record("run_unwound", error=True)
-        scope.settle(Outcome.FAILED)
         _report_stragglers(scope, tracker)
         raise
     finally:
         handle.unregister()
 
-    if scope.settle(Outcome.COMPLETED) is not Outcome.COMPLETED:
+    # The scope's owner (the execute guard, a delegation) settles COMPLETED when its whole unit
+    # of work is done; this check only spares the caller a result that is already void.
+    if scope.cancelled:
         scope.record("result_discarded", reason="cancelled before the result was accepted")
         _report_stragglers(scope, tracker)
         raise _cancelled(scope, None, "cancelled after the result arrived; the result is discarded", result)

@@ -77,6 +77,7 @@ class CancellableAgentMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _check_bases(cls)
         if "execute" in cls.__dict__:
             cls.execute = _guard_execute(cls.__dict__["execute"])  # type: ignore[attr-defined]
 
@@ -95,6 +96,12 @@ class CancellableAgentMixin:
                 scope = TaskCancellation(name, budget=self.cancellation_budget)
                 self.__dict__["_task_cancellation"] = scope
         return scope
+
+    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
+        # The first call that sees the task instance, before any pre_execute hook: remember
+        # who we are so a SIGTERM that lands early can still be classified.
+        self.__dict__.setdefault("_ti_key", _ti_key(context))
+        super().render_template_fields(context, jinja_env)  # type: ignore[misc]
 
     def pre_execute(self, context: Any) -> None:
         scope = self.cancellation
@@ -199,6 +206,19 @@ class CancellableAgentMixin:
         record["usage"] = _usage_dict(exc.usage)
         record["messages"] = len(exc.messages)
         log.warning("%s%s", RECORD_PREFIX, json.dumps(record, default=str, sort_keys=True))
+
+
+def _check_bases(cls: type) -> None:
+    """Refuse ``class X(BaseOperator, CancellableAgentMixin)``: BaseOperator's no-op ``on_kill``
+    and ``pre_execute`` would shadow ours and kills would be silently ignored."""
+    from airflow.sdk.bases.operator import BaseOperator
+
+    mro = cls.__mro__
+    if BaseOperator in mro and mro.index(BaseOperator) < mro.index(CancellableAgentMixin):
+        raise TypeError(
+            f"{cls.__name__}: put CancellableAgentMixin before BaseOperator in the bases, e.g. "
+            f"`class {cls.__name__}(CancellableAgentMixin, BaseOperator)`, or on_kill is never ours."
+        )
 
 
 def _ti_key(context: Any) -> tuple[str, str, str, int] | None:

@@ -353,9 +353,7 @@ class DescendantReaper:
         reaper._handle = scope.register(
             lambda: reaper.reap(scope), name="descendant reaper", phase=Phase.TEARDOWN
         )
-        reaper._thread = threading.Thread(
-            target=reaper._poll, name="cancellable-agents-reaper", daemon=True
-        )
+        reaper._thread = threading.Thread(target=reaper._poll, name="cancellable-agents-reaper", daemon=True)
         reaper._thread.start()
         scope.record("reaper_started", subreaper=subreaper, preexisting=len(baseline))
         return reaper

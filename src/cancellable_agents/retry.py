@@ -66,7 +66,7 @@ class CancellationAwareRetryPolicy(RetryPolicy):
     ) -> None:
         if isinstance(inner, CancellationAwareRetryPolicy):
             inner = inner.inner
-        self.inner = inner
+        self.inner: RetryPolicy | None = inner
         self.actions = {
             CancelCause.USER: RetryAction(on_user),
             CancelCause.EVICTION: RetryAction(on_eviction),

@@ -20,7 +20,11 @@ def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("airflow_home")
     env = {**os.environ, **_airflow_env(home)}
     subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True, timeout=120
+        [sys.executable, "-m", "airflow", "db", "migrate"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     return home
 
@@ -48,9 +52,7 @@ def model_server(_model_server_session: ScriptedModelServer) -> ScriptedModelSer
 
 
 @pytest.fixture
-def spawn_task(
-    airflow_home: Path, model_server: ScriptedModelServer, tmp_path: Path
-) -> Iterator[object]:
+def spawn_task(airflow_home: Path, model_server: ScriptedModelServer, tmp_path: Path) -> Iterator[object]:
     """Start ``task_scenarios.py SCENARIO`` with a connection to the local model server."""
     started: list[TaskProcess] = []
     conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}

@@ -24,7 +24,7 @@ def prompt_from_callable(operator: DecoratedOperator, context: Context) -> str:
     prompt = operator.python_callable(*operator.op_args, **kwargs)
     if not isinstance(prompt, str) or not prompt.strip():
         raise TypeError(
-            f"{operator.custom_operator_name} functions must return the prompt as a non-empty string, "
+            f"{getattr(operator, 'custom_operator_name', 'TaskFlow')} functions must return the prompt as a non-empty string, "
             f"got {prompt!r}"
         )
     return prompt

@@ -57,7 +57,7 @@ class ModelHook(BaseHook):
                 f"Connection {self.llm_conn_id!r} not found ({exc}). Create it, e.g. "
                 f"`airflow connections add {self.llm_conn_id} --conn-type cancellable_agents_model "
                 f"--conn-host https://api.openai.com/v1 --conn-password $OPENAI_API_KEY "
-                f"--conn-extra '{{\"model\": \"openai:gpt-4o-mini\"}}'`."
+                f'--conn-extra \'{{"model": "openai:gpt-4o-mini"}}\'`.'
             ) from exc
         extra = conn.extra_dejson or {}
         model = extra.get("model") or extra.get(f"extra__{self.conn_type}__model")

@@ -115,7 +115,9 @@ def build_task(scenario: str) -> BaseOperator:
         "on_success_callback": on_success,
     }
     if scenario in ("stream", "burst"):
-        return LLMOperator(prompt="write a lot", model=_model("slow?tokens=600&delay=0.05"), stream=True, **common)
+        return LLMOperator(
+            prompt="write a lot", model=_model("slow?tokens=600&delay=0.05"), stream=True, **common
+        )
     if scenario == "nonstream":
         return LLMOperator(prompt="think hard", model=_model("slow?tokens=3&delay=30"), **common)
     if scenario == "async_tool":
@@ -131,7 +133,9 @@ def build_task(scenario: str) -> BaseOperator:
     if scenario == "before_run":
         return LLMOperator(prompt="hello", model=_model("echo"), pre_execute=_block_until_killed, **common)
     if scenario == "after_run":
-        return LLMOperator(prompt="hello", model=_model("echo"), post_execute=_block_until_kill_ignored, **common)
+        return LLMOperator(
+            prompt="hello", model=_model("echo"), post_execute=_block_until_kill_ignored, **common
+        )
     if scenario == "timeout":
         return LLMOperator(
             prompt="write a lot",

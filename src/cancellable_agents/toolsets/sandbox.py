@@ -1,0 +1,1135 @@
+"""Shell and Python commands for an agent, run as process trees that a cancel really stops.
+
+:class:`LocalSandbox` gives one task a working directory and a command runner. Every command is
+a *process tree*: stopping it (``stop``, a per-command timeout, or the task being cancelled)
+sends SIGTERM to the whole tree, waits ``stop_grace`` (never past the scope's budget), SIGKILLs
+what is left, reaps it and records each kill on the task's :class:`TaskCancellation`. When a
+command's main process ends, whatever it left running in the background is killed too: a
+command never outlives itself. :class:`SandboxToolset` exposes the sandbox to any pydantic-ai
+agent as ``run_shell``, ``run_python``, ``read_file``, ``write_file`` and ``list_files``.
+
+Isolation modes (``isolation=``):
+
+``"namespace"`` (Linux with a working bubblewrap)
+    Each command runs under ``bwrap --unshare-pid --die-with-parent`` in its own PID namespace,
+    with the host filesystem mounted read-only, the workdir writable and a private ``/tmp``.
+    Nothing the command starts (``setsid``, double forks, daemons) can leave the namespace, and
+    when the namespace's init dies the kernel kills every process in it. ``--die-with-parent``
+    ends the sandbox even when the task process itself is SIGKILLed.
+``"process-group"`` (fallback, any POSIX)
+    Each command starts a new session. A watcher thread records the pid and start time of every
+    descendant every ~20 ms, so processes that later ``setsid`` or are reparented stay known.
+    A stop signals the process group, every tracked process (start time checked, so a recycled
+    pid is never hit) and every process that still carries the command's environment tag
+    (``CANCELLABLE_AGENTS_COMMAND``). A process that escapes the tree within one poll interval
+    *and* clears its environment can survive, and a SIGKILL of the task process leaves the
+    commands running; use namespace mode where that matters.
+``"auto"`` (default)
+    Namespace mode when bubblewrap works here, else process-group mode. The choice is logged.
+
+What it is not: a security boundary. The PID namespace and the read-only host view are
+*containment for cleanup*: they make sure a cancel stops everything and that a command cannot
+casually scribble over the worker. The command still runs as the task's user, shares the host's
+network, IPC and user namespaces, can read whatever that user can read (host files, other
+processes' ``/proc`` entries outside namespace mode), and a determined attacker has kernel
+attack surface. Run untrusted code in a VM or a remote sandbox (plug it in through the
+:class:`Sandbox` protocol). Secrets are kept out of commands' environment by default
+(``AIRFLOW__*``, ``AIRFLOW_CONN_*``, ``AIRFLOW_VAR_*`` and names containing ``API_KEY``,
+``TOKEN``, ``SECRET`` or ``PASSWORD``), but Airflow's own config files stay readable.
+
+This module imports no Airflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol, TypeVar, runtime_checkable
+
+from pydantic_ai import ModelRetry
+from pydantic_ai.toolsets import FunctionToolset
+
+from cancellable_agents.cancellation import Phase, ResourceHandle, TaskCancellation, current_cancellation
+from cancellable_agents.process_reaper import (
+    IS_LINUX,
+    ProcKey,
+    all_pids,
+    children_of,
+    command_line,
+    environ_contains,
+    is_running,
+    read_proc,
+    reap_zombie,
+    send_signal,
+    wait_until,
+    walk_descendants,
+)
+
+__all__ = [
+    "COMMAND_TAG",
+    "CommandResult",
+    "LocalSandbox",
+    "Sandbox",
+    "SandboxClosed",
+    "SandboxError",
+    "SandboxFiles",
+    "SandboxPathError",
+    "SandboxToolset",
+    "SandboxUnavailable",
+    "bwrap_support",
+    "scrubbed_environment",
+]
+
+log = logging.getLogger(__name__)
+
+Isolation = Literal["auto", "namespace", "process-group"]
+Mode = Literal["namespace", "process-group"]
+T = TypeVar("T")
+
+DEFAULT_OUTPUT_LIMIT = 64 * 1024
+#: How often a running command's process tree is scanned for new descendants.
+TRACK_INTERVAL = 0.02
+#: Budget kept back after the SIGTERM grace for SIGKILL, reaping and the record.
+KILL_RESERVE = 0.3
+#: How long to wait for SIGKILLed processes to disappear.
+KILL_WAIT = 1.0
+#: How long output readers may take to drain once the tree is gone.
+READER_JOIN = 1.0
+#: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
+COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
+
+_SCRUBBED_PREFIXES = ("AIRFLOW__", "AIRFLOW_CONN_", "AIRFLOW_VAR_")
+_SECRET_WORDS = ("API_KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+class SandboxError(RuntimeError):
+    """Base class of the sandbox's errors."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The requested isolation cannot be provided on this machine."""
+
+
+class SandboxClosed(SandboxError):
+    """The sandbox was destroyed; it starts no more commands."""
+
+
+class SandboxPathError(SandboxError, ValueError):
+    """A file path points outside the sandbox's working directory."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """How a command ended.
+
+    ``exit_code`` is the main process's exit status (negative signal number when a signal
+    ended it). A command the sandbox stopped (``stop``, timeout, cancel) has ``stopped=True``
+    and ``exit_code == -signal`` of the last signal it needed, whatever it exited with:
+    a stopped command never reads as a success. In namespace mode a command killed by a
+    signal it did not get from the sandbox reports ``128 + signal`` (bubblewrap's convention).
+    """
+
+    command_id: str
+    exit_code: int
+    stdout: str
+    stderr: str
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    stopped: bool = False
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Ended on its own with exit code 0."""
+        return self.exit_code == 0 and not self.stopped
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """What :class:`SandboxToolset` and the cancellation scope need from a sandbox backend.
+
+    ``stop``, ``stop_all`` and ``destroy`` must be idempotent, thread-safe and bounded in time:
+    they are called from the scope's unwind thread within the task's grace budget.
+    """
+
+    def start(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> str: ...
+
+    def wait(self, command_id: str, timeout: float | None = None) -> CommandResult: ...
+
+    def stop(self, command_id: str) -> None: ...
+
+    def stop_all(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
+@runtime_checkable
+class SandboxFiles(Protocol):
+    """File access confined to a sandbox's working directory (enables the file tools)."""
+
+    def read_file(self, path: str) -> str: ...
+
+    def write_file(self, path: str, content: str) -> int: ...
+
+    def list_files(self, path: str = ".") -> list[str]: ...
+
+
+# -- environment ----------------------------------------------------------------------------
+
+
+def is_sensitive(name: str) -> bool:
+    """Whether an environment variable is kept from commands unless passed explicitly."""
+    upper = name.upper()
+    return upper.startswith(_SCRUBBED_PREFIXES) or any(word in upper for word in _SECRET_WORDS)
+
+
+def scrubbed_environment(
+    base: Mapping[str, str], explicit: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """``base`` without Airflow settings, connections, variables and secret-looking names,
+    plus everything in ``explicit`` (the DAG author's deliberate choice wins)."""
+    env = {name: value for name, value in base.items() if not is_sensitive(name)}
+    env.update(explicit or {})
+    return env
+
+
+# -- bubblewrap -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BwrapSupport:
+    """Whether bubblewrap can give each command a PID namespace here (probed once)."""
+
+    usable: bool
+    path: str | None = None
+    new_session: bool = False
+    reason: str = ""
+
+
+_PROBE_ARGS: tuple[str, ...] = ("--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/")
+_PROBE_ARGS += ("--dev", "/dev", "--proc", "/proc")
+_bwrap_lock = threading.Lock()
+_bwrap_cache: BwrapSupport | None = None
+
+
+def bwrap_support() -> BwrapSupport:
+    """Probe bubblewrap once per process (thread-safe) and cache the answer."""
+    global _bwrap_cache
+    with _bwrap_lock:
+        if _bwrap_cache is None:
+            _bwrap_cache = _probe_bwrap()
+        return _bwrap_cache
+
+
+def _probe_bwrap() -> BwrapSupport:
+    if not IS_LINUX:
+        return BwrapSupport(False, reason="PID namespaces need Linux")
+    path = shutil.which("bwrap")
+    if path is None:
+        return BwrapSupport(False, reason="bwrap is not installed")
+    works, error = _runs_ok([path, *_PROBE_ARGS, "true"])
+    if not works:
+        return BwrapSupport(False, path, reason=f"bwrap cannot create a PID namespace here ({error})")
+    new_session, _ = _runs_ok([path, *_PROBE_ARGS, "--new-session", "true"])
+    return BwrapSupport(True, path, new_session=new_session)
+
+
+def _runs_ok(argv: list[str]) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    return proc.returncode == 0, proc.stderr.decode("utf-8", "replace").strip() or f"exit {proc.returncode}"
+
+
+def _unavailable_message(support: BwrapSupport) -> str:
+    return (
+        f"isolation='namespace' needs a working bubblewrap, but {support.reason}. Fix: install it "
+        "(`apt-get install bubblewrap`) and, if the worker is not root, allow unprivileged user "
+        "namespaces (`sysctl kernel.unprivileged_userns_clone=1`; on Ubuntu 24.04+ also "
+        "`kernel.apparmor_restrict_unprivileged_userns=0`), or pass isolation='process-group'."
+    )
+
+
+def _choose_mode(isolation: str) -> Mode:
+    if isolation not in ("auto", "namespace", "process-group"):
+        raise ValueError(f"isolation must be 'auto', 'namespace' or 'process-group', got {isolation!r}")
+    if isolation == "process-group":
+        return "process-group"
+    support = bwrap_support()
+    if support.usable:
+        return "namespace"
+    if isolation == "namespace":
+        raise SandboxUnavailable(_unavailable_message(support))
+    log.info("LocalSandbox: no PID namespace (%s); using process-group isolation", support.reason)
+    return "process-group"
+
+
+# -- spawning -------------------------------------------------------------------------------
+
+
+class _Spawner:
+    """Starts every command from one thread that lives as long as the process.
+
+    ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the
+    child exits, not the process. Sync tools run on one short-lived thread per call, so a
+    command started there would be SIGKILLed (and its namespace orphaned) as the tool returns.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] | None = None
+        self._owner: int | None = None
+
+    def call(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._ensure_thread().put((fn, future))
+        return future.result()
+
+    def _ensure_thread(self) -> queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]:
+        with self._lock:
+            # After a fork the thread is gone; the child gets its own.
+            if self._queue is None or self._owner != os.getpid():
+                self._queue = queue.SimpleQueue()
+                self._owner = os.getpid()
+                threading.Thread(
+                    target=self._serve, args=(self._queue,), name="cancellable-agents-spawner", daemon=True
+                ).start()
+            return self._queue
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
+        while True:
+            fn, future = jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+_spawner = _Spawner()
+
+
+# -- one command ----------------------------------------------------------------------------
+
+
+class _BoundedReader:
+    """Drains one pipe on its own thread, keeping at most ``limit`` bytes.
+
+    Reading on a thread means a chatty command never blocks on a full pipe; the cap means it
+    never costs more than ``limit`` bytes of memory however much it writes.
+    """
+
+    def __init__(self, pipe: IO[bytes], limit: int, name: str) -> None:
+        self._pipe = pipe
+        self._limit = limit
+        self._data = bytearray()
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._drain, name=name, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        fd = self._pipe.fileno()
+        try:
+            while chunk := os.read(fd, 65536):
+                with self._lock:
+                    room = max(0, self._limit - len(self._data))
+                    self._data += chunk[:room]
+                    self._dropped += len(chunk) - min(room, len(chunk))
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                self._pipe.close()
+
+    def text(self) -> tuple[str, bool]:
+        """The captured text (with a truncation marker) and whether anything was dropped."""
+        with self._lock:
+            text = bytes(self._data).decode("utf-8", "replace")
+            dropped = self._dropped
+        if dropped:
+            text += f"\n[... truncated {dropped} bytes ...]"
+        return text, dropped > 0
+
+
+@dataclass(eq=False)
+class _Command:
+    id: str
+    popen: subprocess.Popen[bytes]
+    main: ProcKey
+    mode: Mode
+    tag: bytes
+    started: float
+    timeout: float | None
+    stdout: _BoundedReader
+    stderr: _BoundedReader
+    tracked: dict[int, ProcKey] = field(default_factory=dict)
+    infra: set[ProcKey] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wake: threading.Event = field(default_factory=threading.Event)
+    terminated: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    stop_reason: str | None = None
+    final_signal: int | None = None
+    result: CommandResult | None = None
+    callbacks: list[Callable[[CommandResult], None]] = field(default_factory=list)
+
+    def add_done_callback(self, callback: Callable[[CommandResult], None]) -> None:
+        """Call ``callback(result)`` once the command ended (at once if it already has)."""
+        with self.lock:
+            if self.result is None:
+                self.callbacks.append(callback)
+                return
+            result = self.result
+        callback(result)
+
+    def known(self) -> set[ProcKey]:
+        with self.lock:
+            return {self.main, *self.tracked.values(), *self.infra}
+
+
+# -- the sandbox ----------------------------------------------------------------------------
+
+
+class LocalSandbox:
+    """A per-task working directory and a runner whose commands a cancel really stops.
+
+    ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
+    by :meth:`destroy` only if this sandbox created it. ``env`` is passed to commands on top of
+    the scrubbed environment (so a secret the DAG author hands over explicitly does reach them).
+    With a ``scope`` (or the :func:`current_cancellation` found at creation or first use), a
+    cancel stops all commands (``Phase.IN_FLIGHT``) before destroying the sandbox
+    (``Phase.TEARDOWN``), inside the scope's budget.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str] | None = None,
+        *,
+        isolation: Isolation = "auto",
+        env: Mapping[str, str] | None = None,
+        stop_grace: float = 1.0,
+        scope: TaskCancellation | None = None,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+        python: str | None = None,
+    ) -> None:
+        if stop_grace < 0:
+            raise ValueError(f"stop_grace must be >= 0 seconds, got {stop_grace!r}")
+        if output_limit <= 0:
+            raise ValueError(f"output_limit must be a positive number of bytes, got {output_limit!r}")
+        self.mode: Mode = _choose_mode(isolation)
+        self.id = uuid.uuid4().hex[:8]
+        self.workdir, self._owns_workdir = _prepare_workdir(workdir)
+        self.stop_grace = stop_grace
+        self.output_limit = output_limit
+        self.python = python or sys.executable or "python3"
+        self._explicit_env = dict(env or {})
+        self._commands: dict[str, _Command] = {}
+        self._lock = threading.Lock()
+        self._destroyed = False
+        self._scope: TaskCancellation | None = None
+        self._handles: list[ResourceHandle] = []
+        log.info(
+            "LocalSandbox %s: isolation=%s, workdir=%s%s",
+            self.id,
+            self.mode,
+            self.workdir,
+            " (PID namespace per command via bubblewrap)" if self.mode == "namespace" else "",
+        )
+        self._attach(scope or current_cancellation())
+
+    # -- scope ---------------------------------------------------------------------------
+
+    @property
+    def scope(self) -> TaskCancellation | None:
+        return self._scope
+
+    def _attach(self, scope: TaskCancellation | None) -> None:
+        with self._lock:
+            if scope is None or self._scope is not None or self._destroyed:
+                return
+            self._scope = scope
+        self._handles = [
+            scope.register(self.stop_all, name=f"sandbox {self.id} commands", phase=Phase.IN_FLIGHT),
+            scope.register(self.destroy, name=f"sandbox {self.id}", phase=Phase.TEARDOWN),
+        ]
+        scope.record("sandbox_attached", sandbox=self.id, mode=self.mode, workdir=str(self.workdir))
+
+    def _grace(self) -> float:
+        """SIGTERM grace: ``stop_grace``, but never past the cancelled scope's budget."""
+        scope = self._scope
+        if scope is None or not scope.cancelled:
+            return self.stop_grace
+        return max(0.0, min(self.stop_grace, scope.remaining() - KILL_RESERVE))
+
+    # -- starting ------------------------------------------------------------------------
+
+    def start(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> str:
+        """Start ``command`` (an argv list, or a string run by ``/bin/sh -c``); return its id.
+
+        Raises :class:`SandboxClosed` after :meth:`destroy`, and ``TaskCancelled`` if the
+        attached scope was already cancelled (no command starts after a kill).
+        """
+        if self._scope is None:
+            self._attach(current_cancellation())
+        if self._scope is not None:
+            self._scope.raise_if_cancelled()
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        command_id = uuid.uuid4().hex[:12]
+        tag = f"{self.id}:{command_id}"
+        env = scrubbed_environment(os.environ, self._explicit_env)
+        env[COMMAND_TAG] = tag
+        with self._lock:
+            if self._destroyed:
+                raise SandboxClosed(f"sandbox {self.id} was destroyed; it starts no more commands")
+            cmd = self._spawn(command_id, self._wrap(argv), env, tag, timeout, stdin)
+            self._commands[command_id] = cmd
+        if self._scope is not None and self._scope.cancelled:
+            # The scope's stop_all may have looked before this command existed.
+            self.stop(command_id)
+        return command_id
+
+    def _wrap(self, argv: list[str]) -> list[str]:
+        if self.mode != "namespace":
+            return argv
+        support = bwrap_support()
+        assert support.path is not None
+        wd = str(self.workdir)
+        wrapper = [support.path, "--unshare-pid", "--die-with-parent"]
+        if support.new_session:
+            wrapper.append("--new-session")
+        # /tmp's tmpfs goes before the workdir bind, or a workdir under /tmp would be hidden.
+        wrapper += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        wrapper += ["--bind", wd, wd, "--chdir", wd, "--"]
+        return wrapper + argv
+
+    def _spawn(
+        self,
+        command_id: str,
+        argv: list[str],
+        env: dict[str, str],
+        tag: str,
+        timeout: float | None,
+        stdin: str | bytes | None,
+    ) -> _Command:
+        def popen() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                argv,
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                # Its own session: Airflow's SIGTERM to the task's process group does not cut the
+                # tree up behind the sandbox's back; the sandbox's stop is the one way it ends.
+                start_new_session=True,
+                close_fds=True,
+            )
+
+        started = time.monotonic()
+        proc = _spawner.call(popen)
+        info = read_proc(proc.pid)
+        assert proc.stdout is not None and proc.stderr is not None
+        cmd = _Command(
+            id=command_id,
+            popen=proc,
+            main=ProcKey(proc.pid, info.start if info else 0.0),
+            mode=self.mode,
+            tag=f"{COMMAND_TAG}={tag}\0".encode(),
+            started=started,
+            timeout=timeout,
+            stdout=_BoundedReader(proc.stdout, self.output_limit, f"sandbox-{command_id}-stdout"),
+            stderr=_BoundedReader(proc.stderr, self.output_limit, f"sandbox-{command_id}-stderr"),
+        )
+        if stdin is not None:
+            _feed_stdin(proc, stdin.encode() if isinstance(stdin, str) else stdin)
+        threading.Thread(
+            target=self._monitor, args=(cmd,), name=f"sandbox-{command_id}-monitor", daemon=True
+        ).start()
+        return cmd
+
+    # -- watching a command --------------------------------------------------------------
+
+    def _monitor(self, cmd: _Command) -> None:
+        """Track the tree until the main process exits, enforce the timeout, then finish."""
+        deadline = None if cmd.timeout is None else cmd.started + cmd.timeout
+        while cmd.popen.poll() is None:
+            self._track(cmd)
+            if deadline is not None and time.monotonic() >= deadline:
+                deadline = None
+                # Claimed here, before the main process can exit, so the result says timed_out.
+                if self._claim(cmd, "timeout"):
+                    threading.Thread(
+                        target=self._stop_claimed, args=(cmd,), name=f"sandbox-{cmd.id}-timeout", daemon=True
+                    ).start()
+            if cmd.wake.wait(TRACK_INTERVAL):
+                cmd.wake.clear()
+        self._finish(cmd)
+
+    def _track(self, cmd: _Command) -> None:
+        main = read_proc(cmd.main.pid)
+        if main is None or main.start != cmd.main.start:
+            return  # reaped: its pid may already belong to a stranger
+        try:
+            tree = walk_descendants(cmd.popen.pid, skip=lambda info: info.start < cmd.main.start)
+            outer_children = set(children_of(cmd.popen.pid)) if cmd.mode == "namespace" else set()
+        except Exception as exc:  # /proc races must not kill the watcher
+            log.debug("sandbox %s: scan failed: %r", self.id, exc)
+            return
+        with cmd.lock:
+            for pid, info in tree.items():
+                key = ProcKey(pid, info.start)
+                if pid in outer_children:
+                    cmd.infra.add(key)
+                else:
+                    cmd.tracked[pid] = key
+
+    def _finish(self, cmd: _Command) -> None:
+        if cmd.stop_reason is not None:
+            cmd.terminated.wait(self.stop_grace + KILL_WAIT + 2.0)
+        else:
+            self._kill_leftovers(cmd)
+        self._reap_tracked(cmd)
+        for reader in (cmd.stdout, cmd.stderr):
+            reader.thread.join(READER_JOIN)
+        result = self._result(cmd)
+        with cmd.lock:
+            cmd.result = result
+            callbacks = list(cmd.callbacks)
+            cmd.done.set()
+        for callback in callbacks:
+            try:
+                callback(result)
+            except Exception as exc:
+                log.debug("sandbox %s: result callback failed: %r", self.id, exc)
+
+    def _result(self, cmd: _Command) -> CommandResult:
+        stdout, out_cut = cmd.stdout.text()
+        stderr, err_cut = cmd.stderr.text()
+        stopped = cmd.stop_reason is not None
+        returncode = cmd.popen.returncode if cmd.popen.returncode is not None else -signal.SIGKILL
+        return CommandResult(
+            command_id=cmd.id,
+            exit_code=-(cmd.final_signal or signal.SIGTERM) if stopped else returncode,
+            stdout=stdout,
+            stderr=stderr,
+            stdout_truncated=out_cut,
+            stderr_truncated=err_cut,
+            timed_out=cmd.stop_reason == "timeout",
+            stopped=stopped,
+            duration=round(time.monotonic() - cmd.started, 4),
+        )
+
+    def _kill_leftovers(self, cmd: _Command) -> None:
+        """The main process ended on its own: nothing it started may outlive it."""
+        if cmd.mode == "namespace":
+            # The kernel empties the namespace once bwrap's init is gone; just wait for it.
+            wait_until(lambda: not any(is_running(k) for k in cmd.known()), KILL_WAIT)
+        leftovers = {k: c for k, c in self._tree(cmd).items() if k != cmd.main}
+        if not leftovers:
+            return
+        sent = {key: int(signal.SIGKILL) for key in leftovers if send_signal(key, signal.SIGKILL)}
+        wait_until(lambda: not any(is_running(k) for k in sent), KILL_WAIT)
+        self._record(cmd, sent, leftovers, reason="leftover")
+
+    def _reap_tracked(self, cmd: _Command) -> None:
+        """Reap tracked processes that were reparented to us (we may be a subreaper)."""
+        for key in cmd.known() - {cmd.main}:
+            reap_zombie(key)
+
+    # -- finding a command's processes ---------------------------------------------------
+
+    def _tree(self, cmd: _Command) -> dict[ProcKey, str]:
+        """Every running process of ``cmd``, with its command line: the tracked ones, a fresh
+        walk from the main process, its process group, and anything with the command's tag."""
+        self._track(cmd)
+        keys = {k for k in cmd.known() if is_running(k)}
+        keys |= self._sweep(cmd)
+        return {key: command_line(key.pid) for key in keys}
+
+    def _sweep(self, cmd: _Command) -> set[ProcKey]:
+        """Processes started after the command that are in its group or carry its tag."""
+        found: set[ProcKey] = set()
+        # The group id is the main pid: only meaningful while that pid cannot be recycled.
+        group_alive = cmd.mode == "process-group" and cmd.popen.returncode is None
+        for pid in all_pids():
+            info = read_proc(pid)
+            if info is None or info.exited or info.start < cmd.main.start or pid == os.getpid():
+                continue
+            in_group = group_alive and info.pgid == cmd.main.pid
+            if in_group or environ_contains(pid, cmd.tag):
+                found.add(ProcKey(pid, info.start))
+        return found
+
+    def descendants(self, command_id: str) -> list[int]:
+        """Pids of the command's running descendants the tracker has seen (not bwrap itself)."""
+        cmd = self._commands.get(command_id)
+        if cmd is None:
+            return []
+        with cmd.lock:
+            keys = list(cmd.tracked.values())
+        return sorted(k.pid for k in keys if is_running(k))
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def stop(self, command_id: str) -> None:
+        """Stop the command's whole tree: SIGTERM, ``stop_grace``, SIGKILL, reap, record.
+
+        Idempotent and never raises for a running, finished or unknown id. Returns once the
+        tree is gone and the result recorded (bounded by the grace plus about a second).
+        """
+        cmd = self._commands.get(command_id)
+        if cmd is None:
+            log.debug("sandbox %s: stop(%r): no such command", self.id, command_id)
+            return
+        self._terminate(cmd, "stopped")
+
+    def stop_all(self) -> None:
+        """Stop every running command, concurrently, so N commands cost one grace period."""
+        with self._lock:
+            running = [c for c in self._commands.values() if not c.done.is_set()]
+        workers = [
+            threading.Thread(
+                target=self._terminate, args=(cmd, "stopped"), name=f"stop-{cmd.id}", daemon=True
+            )
+            for cmd in running
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(self.stop_grace + KILL_WAIT + READER_JOIN + 2.0)
+
+    def destroy(self) -> None:
+        """Stop all commands and remove the workdir if this sandbox created it. Idempotent."""
+        with self._lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+        self.stop_all()
+        for handle in self._handles:
+            handle.unregister()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        log.debug("sandbox %s destroyed", self.id)
+
+    def _terminate(self, cmd: _Command, reason: str) -> None:
+        if self._claim(cmd, reason):
+            self._stop_claimed(cmd)
+        elif cmd.stop_reason is not None:  # someone else is stopping it: wait for them
+            cmd.done.wait(self.stop_grace + KILL_WAIT + READER_JOIN + 2.0)
+
+    @staticmethod
+    def _claim(cmd: _Command, reason: str) -> bool:
+        """Make this caller the one that stops ``cmd``; ``False`` if stopping or finished."""
+        with cmd.lock:
+            if cmd.stop_reason is not None or cmd.done.is_set():
+                return False
+            cmd.stop_reason = reason
+            return True
+
+    def _stop_claimed(self, cmd: _Command) -> None:
+        try:
+            self._signal_tree(cmd)
+        finally:
+            cmd.terminated.set()
+            cmd.wake.set()
+        cmd.done.wait(KILL_WAIT + READER_JOIN + 1.0)
+
+    def _signal_tree(self, cmd: _Command) -> None:
+        tree = self._tree(cmd)
+        workers = {k for k in tree if k not in cmd.infra and not self._is_outer_bwrap(cmd, k)}
+        sent: dict[ProcKey, int] = {}
+        cmd.final_signal = signal.SIGTERM
+        for key in workers:
+            if send_signal(key, signal.SIGTERM):
+                sent[key] = signal.SIGTERM
+        self._signal_group(cmd, signal.SIGTERM)
+        if not workers or not wait_until(lambda: not any(is_running(k) for k in workers), self._grace()):
+            cmd.final_signal = signal.SIGKILL
+            sent.update(self._kill_everything(cmd, tree))
+        # bwrap's init leaves as soon as the command does; whatever is still around goes now.
+        wait_until(lambda: not any(is_running(k) for k in tree), KILL_WAIT)
+        stragglers = self._tree(cmd)
+        for key in stragglers:
+            if send_signal(key, signal.SIGKILL):
+                sent[key] = signal.SIGKILL
+        tree.update(stragglers)
+        wait_until(lambda: not any(is_running(k) for k in sent), KILL_WAIT)
+        self._record(cmd, sent, tree, reason=cmd.stop_reason or "stopped")
+
+    def _kill_everything(self, cmd: _Command, tree: dict[ProcKey, str]) -> dict[ProcKey, int]:
+        # Namespace init first: its death makes the kernel SIGKILL the whole namespace at once.
+        # Whatever runs now dies of this SIGKILL, even if the kernel or the group signal gets
+        # to it before its own kill() does: that is what the record says.
+        tree.update(self._tree(cmd))
+        alive = [key for key in sorted(tree, key=lambda k: k not in cmd.infra) if is_running(key)]
+        for key in alive:
+            send_signal(key, signal.SIGKILL)
+        self._signal_group(cmd, signal.SIGKILL)
+        wait_until(lambda: not any(is_running(k) for k in tree), KILL_WAIT)
+        return dict.fromkeys(alive, int(signal.SIGKILL))
+
+    def _signal_group(self, cmd: _Command, sig: int) -> None:
+        # The main process is the group leader; while it is unreaped its pid (the pgid) cannot
+        # be recycled, so the group signal cannot reach a stranger.
+        if cmd.mode != "process-group" or cmd.popen.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(cmd.main.pid, sig)
+
+    @staticmethod
+    def _is_outer_bwrap(cmd: _Command, key: ProcKey) -> bool:
+        return cmd.mode == "namespace" and key == cmd.main
+
+    def _record(
+        self, cmd: _Command, sent: Mapping[ProcKey, int], tree: Mapping[ProcKey, str], reason: str
+    ) -> None:
+        scope = self._scope
+        for key, sig in sent.items():
+            if cmd.mode == "namespace" and (key in cmd.infra or key == cmd.main):
+                continue  # bubblewrap's own processes are plumbing, not the command's work
+            entry = {
+                "pid": key.pid,
+                "command_id": cmd.id,
+                "signal": int(sig),
+                "exit_code": -int(sig) if key == cmd.main else None,
+                "mode": cmd.mode,
+                "reason": reason,
+                "command": tree.get(key, ""),
+                "sandbox": self.id,
+                "at": round(time.time(), 3),
+            }
+            log.debug("sandbox %s killed %s", self.id, entry)
+            if scope is not None:
+                scope.record_killed(**entry)
+
+    # -- results -------------------------------------------------------------------------
+
+    def _get(self, command_id: str) -> _Command:
+        cmd = self._commands.get(command_id)
+        if cmd is None:
+            raise KeyError(f"sandbox {self.id} has no command {command_id!r}")
+        return cmd
+
+    def wait(self, command_id: str, timeout: float | None = None) -> CommandResult:
+        """Block until the command ended; raise ``TimeoutError`` (command keeps running) after
+        ``timeout`` seconds, ``KeyError`` for an unknown id."""
+        cmd = self._get(command_id)
+        if not cmd.done.wait(timeout):
+            raise TimeoutError(f"command {command_id} still running after {timeout}s")
+        assert cmd.result is not None
+        return cmd.result
+
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> CommandResult:
+        """Start ``command`` and wait for it. Interrupted (e.g. ``KeyboardInterrupt``), it stops
+        the command before re-raising."""
+        command_id = self.start(command, timeout=timeout, stdin=stdin)
+        try:
+            return self.wait(command_id)
+        except BaseException:
+            self.stop(command_id)
+            raise
+
+    async def arun(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> CommandResult:
+        """Like :meth:`run` without blocking the event loop. On ``CancelledError`` the command
+        is stopped (its whole tree, on a thread) before the error propagates."""
+        command_id = self.start(command, timeout=timeout, stdin=stdin)
+        try:
+            return await self._result_future(self._get(command_id))
+        except asyncio.CancelledError:
+            await _finish_despite_cancel(asyncio.to_thread(self.stop, command_id))
+            raise
+
+    @staticmethod
+    def _result_future(cmd: _Command) -> asyncio.Future[CommandResult]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[CommandResult] = loop.create_future()
+
+        def deliver(result: CommandResult) -> None:
+            if not future.done():
+                future.set_result(result)
+
+        def from_thread(result: CommandResult) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                loop.call_soon_threadsafe(deliver, result)
+
+        cmd.add_done_callback(from_thread)
+        return future
+
+    # -- files ---------------------------------------------------------------------------
+
+    def resolve(self, path: str) -> Path:
+        """``path`` (relative to the workdir, or absolute inside it) with symlinks resolved.
+
+        Raises :class:`SandboxPathError` if it points outside the workdir.
+        """
+        resolved = (self.workdir / path).resolve()
+        if resolved != self.workdir and self.workdir not in resolved.parents:
+            raise SandboxPathError(
+                f"path {path!r} is outside the sandbox working directory; use a path relative to it"
+            )
+        return resolved
+
+    def read_file(self, path: str) -> str:
+        """The file's text (undecodable bytes replaced), capped at ``output_limit`` bytes."""
+        with self.resolve(path).open("rb") as handle:
+            data = handle.read(self.output_limit + 1)
+        text = data[: self.output_limit].decode("utf-8", "replace")
+        if len(data) > self.output_limit:
+            text += f"\n[... truncated after {self.output_limit} bytes ...]"
+        return text
+
+    def write_file(self, path: str, content: str) -> int:
+        """Write ``content`` (UTF-8), creating parent directories; return the bytes written."""
+        target = self.resolve(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = content.encode("utf-8")
+        target.write_bytes(data)
+        return len(data)
+
+    def list_files(self, path: str = ".") -> list[str]:
+        """Names in a directory, sorted; directories end with ``/``."""
+        directory = self.resolve(path)
+        return sorted(entry.name + ("/" if entry.is_dir() else "") for entry in directory.iterdir())
+
+
+def _prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
+    """The resolved workdir and whether we created it (and so may delete it)."""
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix="cancellable-agents-sandbox-")).resolve(), True
+    path = Path(workdir).resolve()
+    existed = path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    return path, not existed
+
+
+def _feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
+    def feed() -> None:
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):
+            proc.stdin.write(data)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+
+    threading.Thread(target=feed, name=f"sandbox-stdin-{proc.pid}", daemon=True).start()
+
+
+async def _finish_despite_cancel(awaitable: Awaitable[T]) -> None:
+    """Wait for ``awaitable`` even if this task is cancelled again meanwhile (it keeps going)."""
+    task = asyncio.ensure_future(awaitable)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(task)
+
+
+# -- the toolset ----------------------------------------------------------------------------
+
+
+class SandboxToolset(FunctionToolset[Any]):
+    """Shell, Python and file tools for a pydantic-ai agent, run in a :class:`LocalSandbox`.
+
+    ``Agent(model, toolsets=[SandboxToolset()])``. Without ``sandbox`` one is created on first
+    use, attached to the run's :func:`current_cancellation`, and destroyed when the toolset is
+    exited; a sandbox passed in belongs to the caller and is never destroyed here. Commands run
+    at most ``command_timeout`` seconds (a tool call may ask for less).
+    """
+
+    def __init__(
+        self,
+        sandbox: Sandbox | None = None,
+        *,
+        isolation: Isolation = "auto",
+        command_timeout: float = 60,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+        id: str | None = None,
+    ) -> None:
+        super().__init__(id=id)
+        self._sandbox = sandbox
+        self._owned = False
+        self._isolation = isolation
+        self.command_timeout = command_timeout
+        self.output_limit = output_limit
+        self._lock = threading.Lock()
+        self._entered = 0
+        self.add_function(self.run_shell, name="run_shell")
+        self.add_function(self.run_python, name="run_python")
+        if sandbox is None or isinstance(sandbox, SandboxFiles):
+            self.add_function(self.read_file, name="read_file")
+            self.add_function(self.write_file, name="write_file")
+            self.add_function(self.list_files, name="list_files")
+
+    @property
+    def sandbox(self) -> Sandbox | None:
+        """The sandbox in use (``None`` until a lazily created one is first needed)."""
+        return self._sandbox
+
+    def _get_sandbox(self) -> Sandbox:
+        with self._lock:
+            if self._sandbox is None:
+                self._sandbox = LocalSandbox(
+                    isolation=self._isolation, output_limit=self.output_limit, scope=current_cancellation()
+                )
+                self._owned = True
+            return self._sandbox
+
+    async def __aenter__(self) -> SandboxToolset:
+        self._entered += 1
+        return self
+
+    async def __aexit__(self, *args: Any) -> bool | None:
+        self._entered = max(0, self._entered - 1)
+        if self._entered:
+            return None
+        with self._lock:
+            sandbox = self._sandbox if self._owned else None
+            if sandbox is not None:
+                self._sandbox, self._owned = None, False
+        if sandbox is not None:
+            await _finish_despite_cancel(asyncio.to_thread(sandbox.destroy))
+        return None
+
+    def _timeout(self, requested: float | None) -> float:
+        if requested is None or requested <= 0:
+            return self.command_timeout
+        return min(requested, self.command_timeout)
+
+    async def _execute(
+        self, command: str | Sequence[str], timeout: float | None, stdin: str | None = None
+    ) -> dict[str, Any]:
+        sandbox = self._get_sandbox()
+        limit = self._timeout(timeout)
+        if isinstance(sandbox, LocalSandbox):
+            result = await sandbox.arun(command, timeout=limit, stdin=stdin)
+        else:
+            result = await _run_on_backend(sandbox, command, limit, stdin)
+        return _for_model(result, limit)
+
+    async def run_shell(self, command: str, timeout: float | None = None) -> dict[str, Any]:
+        """Run a shell command (``/bin/sh -c``) in the sandbox's working directory.
+
+        Args:
+            command: The shell command line.
+            timeout: Seconds before the command is killed (capped by the toolset's limit).
+
+        Returns:
+            exit_code, stdout and stderr (and timed_out / truncated when that happened).
+        """
+        return await self._execute(command, timeout)
+
+    async def run_python(self, code: str, timeout: float | None = None) -> dict[str, Any]:
+        """Run a Python program in the sandbox's working directory.
+
+        Args:
+            code: The program's source code.
+            timeout: Seconds before the program is killed (capped by the toolset's limit).
+
+        Returns:
+            exit_code, stdout and stderr (and timed_out / truncated when that happened).
+        """
+        python = getattr(self._get_sandbox(), "python", "python3")
+        return await self._execute([python, "-"], timeout, stdin=code)
+
+    async def read_file(self, path: str) -> str:
+        """Read a text file from the sandbox's working directory.
+
+        Args:
+            path: Path relative to the working directory.
+        """
+        return await self._files(lambda files: files.read_file(path))
+
+    async def write_file(self, path: str, content: str) -> str:
+        """Write a text file in the sandbox's working directory (parent folders are created).
+
+        Args:
+            path: Path relative to the working directory.
+            content: The full new content of the file.
+        """
+        written = await self._files(lambda files: files.write_file(path, content))
+        return f"wrote {written} bytes to {path}"
+
+    async def list_files(self, path: str = ".") -> list[str]:
+        """List a folder of the sandbox's working directory; folders end with '/'.
+
+        Args:
+            path: Folder relative to the working directory.
+        """
+        return await self._files(lambda files: files.list_files(path))
+
+    async def _files(self, action: Callable[[SandboxFiles], T]) -> T:
+        sandbox = self._get_sandbox()
+        if not isinstance(sandbox, SandboxFiles):
+            raise ModelRetry("this sandbox has no file access; use run_shell instead")
+        try:
+            return await asyncio.to_thread(action, sandbox)
+        except SandboxPathError as exc:
+            raise ModelRetry(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise ModelRetry(f"no such file or folder: {exc.filename}") from exc
+        except (IsADirectoryError, NotADirectoryError) as exc:
+            raise ModelRetry(f"{exc.strerror}: {exc.filename}") from exc
+
+
+async def _run_on_backend(
+    sandbox: Sandbox, command: str | Sequence[str], timeout: float, stdin: str | None
+) -> CommandResult:
+    """Run on any :class:`Sandbox` backend without blocking the loop; stop it on cancel."""
+    command_id = await asyncio.to_thread(sandbox.start, command, timeout=timeout, stdin=stdin)
+    try:
+        return await asyncio.to_thread(sandbox.wait, command_id, None)
+    except asyncio.CancelledError:
+        await _finish_despite_cancel(asyncio.to_thread(sandbox.stop, command_id))
+        raise
+
+
+def _for_model(result: CommandResult, timeout: float) -> dict[str, Any]:
+    answer: dict[str, Any] = {"exit_code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr}
+    if result.timed_out:
+        answer["timed_out"] = f"killed after {timeout:g}s"
+    if result.stdout_truncated or result.stderr_truncated:
+        answer["truncated"] = True
+    return answer

@@ -1,0 +1,140 @@
+"""DAGs for the end-to-end kill-path tests: one DAG per way Airflow stops a running agent task.
+
+Every DAG has one agent task. On its first try it starts a process tree in a ``LocalSandbox``
+attached to the task's cancellation scope (a forking, ``setsid``-ing Python program whose argv
+carries ``E2E_MARKER``, so survivors can be found in /proc) and streams a slow answer from the
+local model server (2000 tokens, 50 ms apart: it is still streaming when the test kills it). A
+retry (try 2+) answers at once with the ``echo`` model, so a retried run finishes by itself.
+
+What the test reads back besides the task log and the REST API, written to ``E2E_STATE_DIR``:
+``<dag_id>.try<N>.json`` (the task's pid, its parent = the supervisor, its process group) and
+``callbacks.jsonl`` (which callback fired for which try). The callbacks also log a
+``E2E_CALLBACK`` line into the task log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import DAG, task
+
+from cancellable_agents import AgentOperator, LocalSandbox
+
+log = logging.getLogger("e2e")
+
+STATE_DIR = Path(os.environ.get("E2E_STATE_DIR", "/tmp/cancellable-agents-e2e"))
+MARKER = os.environ.get("E2E_MARKER", "cancellable-agents-e2e")
+CONN_ID = "local_model"
+SLOW_MODEL = "openai:slow?tokens=2000&delay=0.05"
+QUICK_MODEL = "openai:echo"
+#: Templated: the first try streams for 100 s, a retry answers at once.
+MODEL = "{{ '%s' if ti.try_number > 1 else '%s' }}" % (QUICK_MODEL, SLOW_MODEL)
+PROMPT = "[{{ dag.dag_id }}/{{ run_id }}/try{{ ti.try_number }}] write a very long essay"
+
+#: Three processes (one escapes into its own session) that sleep until something kills them.
+TREE_PROGRAM = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.fork()\ntime.sleep(300)\n"
+
+DEFAULTS: dict[str, Any] = {
+    "retries": 1,
+    "retry_delay": timedelta(seconds=1),
+}
+
+
+def tree_marker(dag_id: str, try_number: int) -> str:
+    """The argv marker of the process tree a given try starts (the test scans /proc for it)."""
+    return f"{MARKER}:{dag_id}:try{try_number}"
+
+
+def _callback(name: str, context: Any) -> None:
+    ti = context["ti"]
+    log.warning("E2E_CALLBACK %s dag=%s try=%s", name, ti.dag_id, ti.try_number)
+    line = json.dumps({"callback": name, "dag_id": ti.dag_id, "run_id": ti.run_id, "try": ti.try_number})
+    with (STATE_DIR / "callbacks.jsonl").open("a") as out:
+        out.write(line + "\n")
+
+
+def on_failure(context: Any) -> None:
+    _callback("on_failure_callback", context)
+
+
+def on_retry(context: Any) -> None:
+    _callback("on_retry_callback", context)
+
+
+def begin_try(context: Any) -> None:
+    """Say who we are (pid, supervisor pid) and, on the first try, start the sandboxed tree."""
+    ti = context["ti"]
+    scope = context["task"].cancellation
+    if ti.try_number == 1:
+        sandbox = LocalSandbox(scope=scope)
+        marker = tree_marker(ti.dag_id, ti.try_number)
+        sandbox.start([sys.executable, "-c", TREE_PROGRAM, marker])
+        log.info("E2E_TREE started %s in sandbox %s (%s)", marker, sandbox.id, sandbox.mode)
+    info = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "try": ti.try_number}
+    path = STATE_DIR / f"{ti.dag_id}.try{ti.try_number}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(info))
+    path.with_suffix(".tmp").replace(path)
+    log.info("E2E_MIDRUN %s", json.dumps(info))
+
+
+def _dag(dag_id: str, doc: str) -> DAG:
+    return DAG(
+        dag_id,
+        schedule=None,
+        start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+        catchup=False,
+        is_paused_upon_creation=False,
+        default_args=DEFAULTS,
+        doc_md=doc,
+        tags=["e2e"],
+    )
+
+
+def _agent_operator(**kwargs: Any) -> AgentOperator:
+    return AgentOperator(
+        task_id="agent",
+        prompt=PROMPT,
+        model=MODEL,
+        llm_conn_id=CONN_ID,
+        stream=True,
+        pre_execute=begin_try,
+        on_failure_callback=on_failure,
+        on_retry_callback=on_retry,
+        **kwargs,
+    )
+
+
+def _agent_decorated(dag_id: str) -> None:
+    @task.agent(
+        task_id="agent",
+        model=MODEL,
+        llm_conn_id=CONN_ID,
+        stream=True,
+        on_failure_callback=on_failure,
+        on_retry_callback=on_retry,
+    )
+    def agent(**context: Any) -> str:
+        begin_try(context)
+        ti = context["ti"]
+        return f"[{dag_id}/{ti.run_id}/try{ti.try_number}] write a very long essay"
+
+    agent()
+
+
+with _dag("e2e_mark_failed", "Killed by *Mark as failed*: must fail without retry."):
+    _agent_decorated("e2e_mark_failed")
+
+with _dag("e2e_clear", "Killed by *Clear*: the next try must start."):
+    _agent_operator()
+
+with _dag("e2e_eviction", "Killed by SIGTERM to its supervisor (worker eviction): must retry."):
+    _agent_decorated("e2e_eviction")
+
+with _dag("e2e_timeout", "Killed by its execution_timeout: must end gracefully, then retry."):
+    _agent_operator(execution_timeout=timedelta(seconds=8))

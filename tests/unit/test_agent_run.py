@@ -1,0 +1,196 @@
+"""Running a pydantic-ai agent under a scope, without Airflow (FunctionModel, real threads)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.toolsets import FunctionToolset
+
+from cancellable_agents.agent_run import run_agent_in_scope
+from cancellable_agents.cancellation import TaskCancellation, current_cancellation
+from cancellable_agents.causes import CancelCause
+from cancellable_agents.exceptions import TaskCancelled
+
+
+class CallOnce:
+    """A FunctionModel script: call the first tool once, then answer; counts model requests."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        self.requests += 1
+        if self.requests == 1 and info.function_tools:
+            return ModelResponse(parts=[ToolCallPart(info.function_tools[0].name, {})])
+        return ModelResponse(parts=[TextPart("done")])
+
+
+def _cancel_when(
+    event: threading.Event, scope: TaskCancellation, cause: CancelCause = CancelCause.USER
+) -> None:
+    def fire() -> None:
+        if event.wait(10):
+            scope.cancel(cause)
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def test_completed_run_returns_the_result() -> None:
+    scope = TaskCancellation()
+    result = run_agent_in_scope(scope, Agent(FunctionModel(CallOnce())), "hi")
+    assert result.output == "done"
+    assert not scope.cancelled
+
+
+def test_kill_before_the_run_makes_no_model_request() -> None:
+    script = CallOnce()
+    scope = TaskCancellation()
+    scope.cancel(CancelCause.USER)
+    with pytest.raises(TaskCancelled) as info:
+        run_agent_in_scope(scope, Agent(FunctionModel(script)), "hi")
+    assert script.requests == 0
+    assert info.value.cause is CancelCause.USER
+    assert "no model request" in str(info.value)
+
+
+def test_async_tool_is_cancelled_before_toolset_teardown() -> None:
+    order: list[str] = []
+    started = threading.Event()
+
+    class RecordingToolset(FunctionToolset[Any]):
+        async def __aexit__(self, *args: Any) -> bool | None:
+            order.append("toolset teardown")
+            return await super().__aexit__(*args)
+
+    toolset = RecordingToolset()
+
+    @toolset.tool_plain
+    async def wait_forever() -> str:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # cleanup that takes a moment must still finish first
+            order.append("tool cancelled")
+            raise
+        return "never"
+
+    scope = TaskCancellation()
+    _cancel_when(started, scope)
+    with pytest.raises(TaskCancelled) as info:
+        run_agent_in_scope(scope, Agent(FunctionModel(CallOnce()), toolsets=[toolset]), "go")
+    assert order == ["tool cancelled", "toolset teardown"]
+    assert info.value.messages, "the partial transcript is kept"
+
+
+def test_cooperative_sync_tool_sees_the_scope_and_stops() -> None:
+    started = threading.Event()
+    agent = Agent(FunctionModel(CallOnce()))
+    noticed: list[bool] = []
+
+    @agent.tool_plain
+    def wait_for_cancel() -> str:
+        scope = current_cancellation()
+        assert scope is not None
+        started.set()
+        noticed.append(scope.wait(10))
+        scope.raise_if_cancelled()
+        return "unreachable"
+
+    scope = TaskCancellation()
+    _cancel_when(started, scope)
+    begun = time.monotonic()
+    with pytest.raises(TaskCancelled):
+        run_agent_in_scope(scope, agent, "go")
+    assert time.monotonic() - begun < 2
+    assert noticed == [True]
+    assert scope.stragglers == []
+
+
+def test_uncooperative_sync_tool_is_named_and_left_behind(caplog: pytest.LogCaptureFixture) -> None:
+    started = threading.Event()
+    release = threading.Event()
+    agent = Agent(FunctionModel(CallOnce()))
+
+    @agent.tool_plain
+    def stubborn() -> str:
+        started.set()
+        release.wait(20)
+        return "late"
+
+    scope = TaskCancellation(budget=4.0)
+    _cancel_when(started, scope)
+    begun = time.monotonic()
+    with caplog.at_level("WARNING"), pytest.raises(TaskCancelled):
+        run_agent_in_scope(scope, agent, "go")
+    assert time.monotonic() - begun < scope.budget
+    assert scope.stragglers == ["sync tool 'stubborn'"]
+    assert "stubborn" in caplog.text and "left behind" in caplog.text
+    release.set()
+
+
+def test_result_that_arrives_after_the_cancel_is_discarded() -> None:
+    scope = TaskCancellation()
+
+    def answer_then_get_killed(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        scope.cancel(CancelCause.EVICTION)
+        scope.wait_released(2)
+        return ModelResponse(parts=[TextPart("too late")])
+
+    with pytest.raises(TaskCancelled) as info:
+        run_agent_in_scope(scope, Agent(FunctionModel(answer_then_get_killed)), "hi")
+    assert info.value.cause is CancelCause.EVICTION
+
+
+def test_run_deadline_ends_as_timeout_and_releases_resources() -> None:
+    released = threading.Event()
+    agent = Agent(FunctionModel(CallOnce()))
+
+    @agent.tool_plain
+    async def slow() -> str:
+        current_cancellation().register(released.set, name="sandbox")  # type: ignore[union-attr]
+        await asyncio.sleep(30)
+        return "never"
+
+    scope = TaskCancellation()
+    with pytest.raises(TaskCancelled) as info:
+        run_agent_in_scope(scope, agent, "go", timeout=0.3)
+    assert info.value.cause is CancelCause.TIMEOUT
+    assert released.wait(2)
+
+
+def test_ordinary_errors_propagate_unchanged() -> None:
+    agent = Agent(FunctionModel(CallOnce()))
+
+    @agent.tool_plain
+    def broken() -> str:
+        raise KeyError("missing")
+
+    with pytest.raises(KeyError):
+        run_agent_in_scope(TaskCancellation(), agent, "go")
+
+
+def test_cancelled_error_carries_usage_and_timeline() -> None:
+    started = threading.Event()
+    agent = Agent(FunctionModel(CallOnce()))
+
+    @agent.tool_plain
+    async def wait_forever() -> str:
+        started.set()
+        await asyncio.sleep(60)
+        return "never"
+
+    scope = TaskCancellation()
+    _cancel_when(started, scope)
+    with pytest.raises(TaskCancelled) as info:
+        run_agent_in_scope(scope, agent, "go")
+    assert info.value.usage is not None and info.value.usage.requests == 1
+    events = [e.event for e in info.value.timeline]
+    assert events.index("kill_received") < events.index("token_cancelled") < events.index("run_unwound")

@@ -1,0 +1,131 @@
+"""CancellableAgentMixin in-process: bases, lazy scope, on_kill contract, execute guard."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any
+
+import pytest
+from airflow.sdk.bases.operator import BaseOperator
+from pydantic_ai import Agent
+from pydantic_ai.models.test import TestModel
+
+from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, TaskCancelled
+from cancellable_agents.cancellation import Outcome
+from cancellable_agents.causes import CancelCause
+from cancellable_agents.mixin import RECORD_PREFIX
+
+
+class Echo(CancellableAgentMixin, BaseOperator):
+    def execute(self, context: Any) -> Any:
+        return self.run_agent_sync(Agent(TestModel(custom_output_text="ok")), "hi").output
+
+
+def test_operators_put_the_mixin_before_base_operator() -> None:
+    for cls in (LLMOperator, AgentOperator, Echo):
+        mro = cls.__mro__
+        assert mro.index(CancellableAgentMixin) < mro.index(BaseOperator)
+        assert cls.on_kill is CancellableAgentMixin.on_kill
+
+
+def test_wrong_base_order_is_refused_with_the_fix() -> None:
+    with pytest.raises(TypeError, match="put CancellableAgentMixin before BaseOperator"):
+
+        class Wrong(BaseOperator, CancellableAgentMixin):  # type: ignore[misc]
+            pass
+
+
+def test_scope_is_lazy_survives_deepcopy_and_is_never_replaced() -> None:
+    op = Echo(task_id="t")
+    assert "_task_cancellation" not in op.__dict__, "operators are deep-copied: no scope in __init__"
+    clone = copy.deepcopy(op)
+    scope = clone.cancellation
+    assert clone.cancellation is scope
+    seen: list[Any] = []
+    threads = [threading.Thread(target=lambda: seen.append(Echo(task_id="x").cancellation)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2)
+    assert len({id(s) for s in seen}) == 4
+
+
+def test_on_kill_returns_quickly_never_raises_and_is_idempotent() -> None:
+    op = Echo(task_id="t")
+    started = time.perf_counter()
+    for _ in range(20):
+        op.on_kill()
+    assert time.perf_counter() - started < 0.1
+    assert op.cancellation.cancelled
+    events = [e.event for e in op.cancellation.timeline]
+    assert events.count("kill_received") == 1
+
+
+def test_on_kill_survives_a_failing_operator_on_kill(caplog: pytest.LogCaptureFixture) -> None:
+    class Fragile(CancellableAgentMixin, BaseOperator):
+        def on_kill(self) -> None:
+            super().on_kill()
+
+    class Broken(Fragile):
+        def execute(self, context: Any) -> None:
+            return None
+
+    op = Broken(task_id="t")
+    op.cancellation.register(lambda: 1 / 0, name="bad")
+    op.on_kill()
+    assert op.cancellation.wait_released(2)
+
+
+def test_kill_before_execute_means_no_run(caplog: pytest.LogCaptureFixture) -> None:
+    op = Echo(task_id="t")
+    op.on_kill()
+    with caplog.at_level("WARNING"), pytest.raises(TaskCancelled):
+        op.execute({})
+    assert RECORD_PREFIX in caplog.text
+    assert op.cancellation.outcome is Outcome.CANCELLED
+
+
+def test_kill_after_execute_returned_is_a_no_op() -> None:
+    op = Echo(task_id="t")
+    assert op.execute({}) == "ok"
+    op.on_kill()
+    assert not op.cancellation.cancelled
+    assert "cancel_ignored" in [e.event for e in op.cancellation.timeline]
+
+
+def test_kill_during_execute_after_the_run_discards_the_result() -> None:
+    class KilledLate(CancellableAgentMixin, BaseOperator):
+        def execute(self, context: Any) -> Any:
+            out = self.run_agent_sync(Agent(TestModel(custom_output_text="ok")), "hi").output
+            self.on_kill()  # SIGTERM lands after the run, before execute returns
+            return out
+
+    op = KilledLate(task_id="t")
+    with pytest.raises(TaskCancelled, match="result is discarded"):
+        op.execute({})
+
+
+def test_execution_timeout_gives_the_run_an_earlier_deadline() -> None:
+    from datetime import timedelta
+
+    op = Echo(task_id="t", execution_timeout=timedelta(seconds=10))
+    op.timeout_margin = 2.0
+    deadline = op._run_timeout()
+    assert deadline is not None and 7.5 < deadline <= 8.0
+    assert Echo(task_id="u")._run_timeout() is None
+
+
+def test_timeout_path_on_kill_records_timeout_and_releases() -> None:
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+
+    op = Echo(task_id="t")
+    released = threading.Event()
+    op.cancellation.register(released.set, name="sandbox")
+    try:
+        raise AirflowTaskTimeout()
+    except AirflowTaskTimeout:
+        op.on_kill()  # the Task SDK calls on_kill inside its `except AirflowTaskTimeout`
+    assert released.is_set(), "on the timeout path nothing else unwinds: on_kill waits for it"
+    assert op.cancellation.cause is CancelCause.TIMEOUT
