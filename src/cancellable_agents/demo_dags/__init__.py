@@ -1,0 +1,1 @@
+"""The DAGs folder of ``python -m cancellable_agents.demo``."""
