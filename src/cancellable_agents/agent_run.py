@@ -2,28 +2,32 @@
 
 pydantic-ai cancels a run when its token fires, but on its own it tears toolsets down before
 in-flight tools see ``CancelledError``, and it stops *waiting* for sync tools without stopping
-them. This module adds what the scope needs around ``Agent.run_sync``: in-flight tool tasks are
-cancelled before any toolset teardown, sync tools run on tracked threads so one that ignores
-cancellation is named, and the outcome is settled exactly once. Airflow-free.
+them. This module adds what the scope needs around ``Agent.run_sync`` (and, for sub-agents, around
+``await Agent.run``): in-flight tool tasks are cancelled before any toolset teardown, sync tools
+run on tracked threads so one that ignores cancellation is named, child runs that are still
+tearing down are awaited after the run's own teardown (so nested teardowns overlap instead of
+adding up), and the outcome is settled exactly once. Airflow-free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic_ai import Agent, RunContext
+from pydantic_ai.agent import AbstractAgent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.exceptions import RunCancelled, RunTimedOut
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 
-from cancellable_agents.cancellation import Outcome, Phase, TaskCancellation
+from cancellable_agents.cancellation import Outcome, Phase, ResourceHandle, TaskCancellation
 from cancellable_agents.causes import CancelCause
 from cancellable_agents.exceptions import TaskCancelled
 
@@ -32,6 +36,18 @@ log = logging.getLogger(__name__)
 _tool_name: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "cancellable_agents_tool", default=None
 )
+_tool_tracker: contextvars.ContextVar[RunTracker | None] = contextvars.ContextVar(
+    "cancellable_agents_tool_tracker", default=None
+)
+
+
+def current_run_tracker() -> RunTracker | None:
+    """The tracker of the run whose tool is executing in this context (``None`` outside a tool).
+
+    Lets a tool hand work that outlives it (a cancelled sub-agent still tearing down) to its run,
+    which awaits that work after its own teardown, within the budget.
+    """
+    return _tool_tracker.get()
 
 
 @dataclass
@@ -49,6 +65,9 @@ class RunTracker:
     tool_tasks: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = field(default_factory=dict)
     tool_threads: list[_ToolThread] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    lingering: set[asyncio.Task[Any]] = field(default_factory=set)
+    in_flight_stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (on the run's loop) once a cancelled run's in-flight tools were drained, before teardown."""
     _cancelled: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def cancel_tool_tasks(self) -> None:
@@ -67,6 +86,27 @@ class RunTracker:
         """Wait (within the budget) for cancelled tool tasks to finish their own cleanup."""
         with self.lock:
             tasks = [t for t in self.tool_tasks if not t.done() and t is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.scope.remaining())
+
+    def linger(self, task: asyncio.Task[Any]) -> None:
+        """Make this run's teardown also await ``task`` (a cancelled child run still unwinding).
+
+        The child's in-flight work has stopped; its own teardown then overlaps this run's
+        teardown instead of delaying it.
+        """
+        with self.lock:
+            self.lingering.add(task)
+        task.add_done_callback(self._forget_lingering)
+
+    def _forget_lingering(self, task: asyncio.Task[Any]) -> None:
+        with self.lock:
+            self.lingering.discard(task)
+
+    async def drain_lingering(self) -> None:
+        """Wait (within the budget) for lingering child runs to finish their teardown."""
+        with self.lock:
+            tasks = [t for t in self.lingering if not t.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=self.scope.remaining())
 
@@ -116,8 +156,12 @@ class _OrderedTeardownToolset(WrapperToolset[Any]):
         if self.tracker.scope.cancelled:
             self.tracker.cancel_tool_tasks()
             await self.tracker.drain_tool_tasks()
+            self.tracker.in_flight_stopped.set()
             self.tracker.scope.record("toolset_teardown", toolset=self.wrapped.label)
-        return await super().__aexit__(*args)
+        try:
+            return await super().__aexit__(*args)
+        finally:
+            await self.tracker.drain_lingering()
 
 
 class CancellationCapability(AbstractCapability[Any]):
@@ -134,16 +178,85 @@ class CancellationCapability(AbstractCapability[Any]):
     ) -> Any:
         task = asyncio.current_task()
         token = _tool_name.set(tool_def.name)
+        tracker_token = _tool_tracker.set(self._tracker)
         if task is not None:
             with self._tracker.lock:
                 self._tracker.tool_tasks[task] = asyncio.get_running_loop()
         try:
             return await handler(args)
         finally:
+            _tool_tracker.reset(tracker_token)
             _tool_name.reset(token)
             if task is not None:
                 with self._tracker.lock:
                     self._tracker.tool_tasks.pop(task, None)
+
+
+@dataclass
+class _ScopedRun:
+    """What the sync and async runners share: refuse, track, settle once, build the error."""
+
+    scope: TaskCancellation
+    tracker: RunTracker
+    handle: ResourceHandle
+    kwargs: dict[str, Any]
+
+    @classmethod
+    def start(
+        cls, scope: TaskCancellation, tracker: RunTracker | None, run_kwargs: dict[str, Any]
+    ) -> _ScopedRun:
+        """Refuse a cancelled scope (no model request), else register the run's in-flight tools."""
+        if scope.cancelled:
+            scope.record("run_refused", reason="cancelled before the run started")
+            scope.settle(Outcome.CANCELLED)
+            raise _cancelled(scope, None, "cancelled before the run started; no model request was made")
+        tracker = tracker if tracker is not None else RunTracker(scope)
+        handle = scope.register(tracker.cancel_tool_tasks, name="in-flight tools", phase=Phase.IN_FLIGHT)
+        capabilities = [CancellationCapability(tracker), *(run_kwargs.pop("capabilities", None) or [])]
+        scope.record("run_started")
+        kwargs = {"cancellation_token": scope.token, "capabilities": capabilities, **run_kwargs}
+        return cls(scope, tracker, handle, kwargs)
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The scope as :func:`current_cancellation`, and sync tools on tracked threads."""
+        with self.scope.activate(), Agent.using_thread_executor(ToolThreadExecutor(self.tracker)):
+            yield
+
+    def end(self, exc: BaseException | None) -> bool:
+        """Record how the run ended and settle the one outcome; return whether it ends cancelled."""
+        self.handle.unregister()
+        scope = self.scope
+        if exc is None:
+            if scope.settle(Outcome.COMPLETED) is Outcome.COMPLETED:
+                scope.record("run_completed")
+                return False
+            scope.record("result_discarded", reason="cancelled before the result was accepted")
+            return True
+        if isinstance(exc, RunTimedOut):
+            scope.cancel(CancelCause.TIMEOUT, detail="the run's deadline passed")
+        elif isinstance(exc, TaskCancelled):
+            # A sub-agent's (or a tool's) cancellation escaped as an exception: it cancels this run
+            # too, with the same cause, instead of counting as an ordinary failure.
+            scope.cancel(exc.cause, detail=f"cancellation raised inside the run: {exc}")
+        elif isinstance(exc, asyncio.CancelledError):
+            scope.cancel(CancelCause.UNKNOWN, detail="the asyncio task running the agent was cancelled")
+        if isinstance(exc, (RunCancelled, TaskCancelled, asyncio.CancelledError)):
+            scope.record("run_unwound")
+            scope.settle(Outcome.CANCELLED)
+            return True
+        scope.record("run_unwound", error=True)
+        scope.settle(Outcome.FAILED)
+        return False
+
+    def error(self, exc: BaseException | None, result: Any = None) -> TaskCancelled:
+        """The :class:`TaskCancelled` for a run that ended cancelled."""
+        if exc is None:
+            return _cancelled(
+                self.scope, None, "cancelled after the result arrived; the result is discarded", result
+            )
+        run_exc = exc if isinstance(exc, RunCancelled) else None
+        return _cancelled(self.scope, run_exc, "the run was cancelled", inner=exc)
 
 
 def run_agent_in_scope(
@@ -156,45 +269,62 @@ def run_agent_in_scope(
 
     Raises :class:`TaskCancelled` if the scope was cancelled before, during or after the run
     (a result that arrives after the cancel does not count), or if the run's own ``timeout=``
-    expired (cause ``TIMEOUT``). A cancelled scope never makes a model request. Settling the
-    scope as ``COMPLETED`` is left to its owner, whose unit of work may hold several runs.
+    expired (cause ``TIMEOUT``). A cancelled scope never makes a model request.
     """
-    if scope.cancelled:
-        scope.record("run_refused", reason="cancelled before the run started")
-        scope.settle(Outcome.CANCELLED)
-        raise _cancelled(scope, None, "cancelled before the run started; no model request was made")
-
-    tracker = RunTracker(scope)
-    handle = scope.register(tracker.cancel_tool_tasks, name="in-flight tools", phase=Phase.IN_FLIGHT)
-    capabilities = [CancellationCapability(tracker), *(run_kwargs.pop("capabilities", None) or [])]
-    scope.record("run_started")
+    run = _ScopedRun.start(scope, None, run_kwargs)
     try:
-        with scope.activate(), Agent.using_thread_executor(ToolThreadExecutor(tracker)):
-            result = agent.run_sync(
-                user_prompt, cancellation_token=scope.token, capabilities=capabilities, **run_kwargs
-            )
-    except RunCancelled as exc:
-        if isinstance(exc, RunTimedOut):
-            scope.cancel(CancelCause.TIMEOUT, detail="the run's deadline passed")
-        scope.record("run_unwound")
-        scope.settle(Outcome.CANCELLED)
-        _report_stragglers(scope, tracker)
-        raise _cancelled(scope, exc, "the run was cancelled") from exc
-    except BaseException:
-        scope.record("run_unwound", error=True)
-        _report_stragglers(scope, tracker)
+        with run.context():
+            result = agent.run_sync(user_prompt, **run.kwargs)
+    except BaseException as exc:
+        cancelled = run.end(exc)
+        _report_stragglers(scope, run.tracker)
+        if cancelled:
+            raise run.error(exc) from exc
         raise
-    finally:
-        handle.unregister()
-
-    # The scope's owner (the execute guard, a delegation) settles COMPLETED when its whole unit
-    # of work is done; this check only spares the caller a result that is already void.
-    if scope.cancelled:
-        scope.record("result_discarded", reason="cancelled before the result was accepted")
-        _report_stragglers(scope, tracker)
-        raise _cancelled(scope, None, "cancelled after the result arrived; the result is discarded", result)
-    scope.record("run_completed")
+    if run.end(None):
+        _report_stragglers(scope, run.tracker)
+        raise run.error(None, result)
     return result
+
+
+async def run_agent_in_scope_async(
+    scope: TaskCancellation,
+    agent: AbstractAgent[Any, Any],
+    user_prompt: Any = None,
+    *,
+    tracker: RunTracker | None = None,
+    **run_kwargs: Any,
+) -> Any:
+    """``await agent.run(...)`` under ``scope``; the async counterpart of :func:`run_agent_in_scope`.
+
+    Same contract (refuses a cancelled scope, settles once, raises :class:`TaskCancelled` with
+    the partial transcript and usage). Used for sub-agents, which run on their parent's event
+    loop or on a loop of their own in a thread. ``tracker`` (optional) lets the caller watch the
+    run's ``in_flight_stopped``. An external ``CancelledError`` propagates as itself (after the
+    scope was cancelled and settled), never as a result. Blocking waits (straggler grace, an
+    undecided cause) run off the event loop.
+    """
+    run = _ScopedRun.start(scope, tracker, run_kwargs)
+    try:
+        with run.context():
+            result = await agent.run(user_prompt, **run.kwargs)
+    except BaseException as exc:
+        cancelled = run.end(exc)
+        await _off_loop(_report_stragglers, scope, run.tracker, needed=bool(run.tracker.running_threads()))
+        if cancelled and not isinstance(exc, asyncio.CancelledError):
+            raise await _off_loop(run.error, exc, needed=scope.cause is None) from exc
+        raise
+    if run.end(None):
+        await _off_loop(_report_stragglers, scope, run.tracker, needed=bool(run.tracker.running_threads()))
+        raise await _off_loop(run.error, None, result, needed=scope.cause is None)
+    return result
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any, needed: bool) -> Any:
+    """Call ``fn`` on a worker thread when it may block (``needed``), else inline."""
+    if needed:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 #: How long sync tools get to notice a cancel before they are named as stragglers and left behind.
@@ -217,12 +347,24 @@ def _report_stragglers(scope: TaskCancellation, tracker: RunTracker) -> None:
 
 
 def _cancelled(
-    scope: TaskCancellation, exc: RunCancelled | None, message: str, result: Any = None
+    scope: TaskCancellation,
+    exc: RunCancelled | None,
+    message: str,
+    result: Any = None,
+    *,
+    inner: BaseException | None = None,
 ) -> TaskCancelled:
-    """Build the exception the task raises; waits briefly for an undecided cause."""
+    """Build the exception the task raises; waits briefly for an undecided cause.
+
+    ``inner`` is a :class:`TaskCancelled` that escaped the run (a sub-agent's): its transcript
+    and usage are the best this run has.
+    """
     cause = scope.wait_cause(timeout=min(1.5, scope.remaining())) or CancelCause.UNKNOWN
-    messages = exc.all_messages() if exc is not None else (result.all_messages() if result else [])
-    usage = exc.usage if exc is not None else (result.usage if result else None)
+    source: Any = exc if exc is not None else (inner if isinstance(inner, TaskCancelled) else None)
+    if source is None and result is not None:
+        source = result
+    messages = source.all_messages() if source is not None else []
+    usage = source.usage if source is not None else None
     detail = scope.cause_detail
     text = f"{scope.name}: {message} (cause: {cause.value}{', ' + detail if detail else ''})"
     return TaskCancelled(

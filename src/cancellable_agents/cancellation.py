@@ -143,6 +143,7 @@ class TaskCancellation:
         self._resources: list[_Resource] = []
         self._killed: list[dict[str, Any]] = []
         self._stragglers: list[str] = []
+        self._attached: dict[str, Any] = {}
         self.created_at = clock()
         self.record("scope_created")
 
@@ -246,6 +247,16 @@ class TaskCancellation:
         with self._lock:
             self._killed.append(what)
         self.record("killed", **what)
+
+    def attach(self, **facts: Any) -> None:
+        """Add JSON-friendly facts to the record (a sub-agent's partial transcript and usage)."""
+        with self._lock:
+            self._attached.update(facts)
+
+    @property
+    def attached(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._attached)
 
     def note_straggler(self, name: str, thread: threading.Thread | None = None) -> None:
         """Name work that ignored cancellation, so the log tells the DAG author what to fix.
@@ -418,6 +429,11 @@ class TaskCancellation:
         self._release_phase([r for r in pending if r.phase is Phase.TEARDOWN])
         if classifier is not None:
             classifier.join(max(0.0, classify_timeout))
+        # Children unwound concurrently from the start; waiting here only makes "released" cover
+        # the whole tree, so the record is complete when it is logged.
+        for kid in self.children:
+            if kid.cancelled:
+                kid.wait_released(self.remaining())
         self.record("resources_released", remaining_s=round(self.remaining(), 3))
         self._released.set()
 
@@ -485,5 +501,6 @@ class TaskCancellation:
             "timeline": [e.as_dict(origin) for e in self.timeline],
             "killed": self.killed,
             "stragglers": self.stragglers,
+            "attached": self.attached,
             "children": [kid.summary() for kid in self.children],
         }

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from importlib import resources
 from typing import Any
 
 import yaml
 
 
-@functools.cache
 def get_provider_info() -> dict[str, Any]:
-    """Return provider.yaml as a dict; it is the single source of truth for the metadata."""
+    """Return provider.yaml, the source of truth, as a fresh dict (Airflow mutates what it gets)."""
     text = resources.files("cancellable_agents").joinpath("provider.yaml").read_text(encoding="utf-8")
     return yaml.safe_load(text)

@@ -1,0 +1,133 @@
+"""Provider metadata, the connection type, the hook, and the TaskFlow decorators."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cancellable_agents.exceptions import ConfigurationError
+from cancellable_agents.get_provider_info import get_provider_info
+from cancellable_agents.hooks.model import ModelHook, build_model
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_provider_info_is_provider_yaml() -> None:
+    assert get_provider_info() == yaml.safe_load((ROOT / "provider.yaml").read_text())
+
+
+def test_entry_point_returns_the_provider_info() -> None:
+    (ep,) = [
+        e for e in entry_points(group="apache_airflow_provider") if e.value.startswith("cancellable_agents")
+    ]
+    assert ep.load()()["package-name"] == "airflow-provider-cancellable-agents"
+
+
+def test_airflow_registers_the_connection_type_hook_and_decorators() -> None:
+    from airflow.providers_manager import ProvidersManager
+    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+
+    runtime = ProvidersManagerTaskRuntime()
+    assert "cancellable_agents_model" in runtime.hooks
+    assert {"llm", "agent"} <= set(runtime.taskflow_decorators)
+    manager = ProvidersManager()
+    assert "airflow-provider-cancellable-agents" in manager.providers
+    assert "extra__cancellable_agents_model__model" in manager.connection_form_widgets
+    behaviour = manager.field_behaviours["cancellable_agents_model"]
+    assert behaviour["relabeling"] == {"host": "Base URL", "password": "API key"}
+
+
+def test_task_llm_and_task_agent_decorators_build_our_operators() -> None:
+    from airflow.sdk import DAG, task
+
+    from cancellable_agents import AgentOperator, LLMOperator
+
+    with DAG("decorators", schedule=None):
+
+        @task.llm(model="test")
+        def ask(topic: str) -> str:
+            return f"Tell me about {topic}"
+
+        @task.agent(model="test")
+        def investigate() -> str:
+            return "Investigate"
+
+        llm = ask("otters")
+        agent = investigate()
+    assert isinstance(llm.operator, LLMOperator)
+    assert isinstance(agent.operator, AgentOperator)
+    assert "prompt" in llm.operator.template_fields
+
+
+def test_cli_lists_the_provider(tmp_path: Path) -> None:
+    env = {"AIRFLOW_HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
+    out = subprocess.run(
+        [sys.executable, "-m", "airflow", "providers", "list", "--output", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    names = [p["package_name"] for p in json.loads(out[out.index("[") :])]
+    assert "airflow-provider-cancellable-agents" in names
+
+
+def test_test_model_needs_no_key() -> None:
+    from pydantic_ai.models.test import TestModel
+
+    assert isinstance(build_model("test"), TestModel)
+
+
+def test_base_url_makes_an_openai_compatible_model() -> None:
+    from pydantic_ai.models.openai import OpenAIChatModel
+
+    model = build_model("openai:llama3.2", base_url="http://127.0.0.1:11434/v1")
+    assert isinstance(model, OpenAIChatModel)
+    assert model.model_name == "llama3.2"
+    assert str(model.client.base_url).startswith("http://127.0.0.1:11434/v1")
+
+
+def test_anthropic_with_a_key() -> None:
+    from pydantic_ai.models.anthropic import AnthropicModel
+
+    assert isinstance(build_model("anthropic:claude-sonnet-4-5", api_key="sk-test"), AnthropicModel)
+
+
+def test_bad_model_id_names_the_fix() -> None:
+    with pytest.raises(ConfigurationError, match="provider:name"):
+        build_model("no-such-provider:whatever")
+
+
+def test_connection_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic_ai.models.openai import OpenAIChatModel
+
+    conn = {
+        "conn_type": "cancellable_agents_model",
+        "host": "http://127.0.0.1:8000/v1",
+        "password": "sk-local",
+        "extra": {"model": "openai:qwen"},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_MY_LLM", json.dumps(conn))
+    model = ModelHook(llm_conn_id="my_llm").get_model()
+    assert isinstance(model, OpenAIChatModel) and model.model_name == "qwen"
+    overridden = ModelHook(llm_conn_id="my_llm", model="openai:other").get_model()
+    assert overridden.model_name == "other"
+    assert ModelHook(llm_conn_id="my_llm").test_connection()[0] is True
+
+
+def test_unknown_connection_names_the_fix() -> None:
+    with pytest.raises(ConfigurationError, match="airflow connections add nope"):
+        ModelHook(llm_conn_id="nope").get_model()
+
+
+def test_missing_model_id_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_EMPTY", json.dumps({"conn_type": "cancellable_agents_model"}))
+    with pytest.raises(ConfigurationError, match="Model id"):
+        ModelHook(llm_conn_id="empty").get_model()
