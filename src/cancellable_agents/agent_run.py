@@ -65,6 +65,7 @@ class RunTracker:
     tool_tasks: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = field(default_factory=dict)
     tool_threads: list[_ToolThread] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    model_requests: dict[asyncio.Task[Any], asyncio.Event] = field(default_factory=dict)
     lingering: set[asyncio.Task[Any]] = field(default_factory=set)
     in_flight_stopped: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (on the run's loop) once a cancelled run's in-flight tools were drained, before teardown."""
@@ -88,6 +89,28 @@ class RunTracker:
             tasks = [t for t in self.tool_tasks if not t.done() and t is not asyncio.current_task()]
         if tasks:
             await asyncio.wait(tasks, timeout=self.scope.remaining())
+
+    async def stop_model_requests(self) -> None:
+        """Cancel model requests still in flight and wait (within the budget) until they ended.
+
+        pydantic-ai cancels a non-streaming request's task only after the toolsets tore down
+        (measured); doing it here keeps the order "work stops, then teardown", also for a
+        sub-agent whose parent waits for its in-flight work to stop.
+        """
+        current = asyncio.current_task()
+        with self.lock:
+            pending = [(t, ended) for t, ended in self.model_requests.items() if t is not current]
+        if not pending:
+            return
+        for task, _ in pending:
+            if not task.done():
+                task.cancel()
+        waiters = [asyncio.ensure_future(ended.wait()) for _, ended in pending]
+        try:
+            await asyncio.wait(waiters, timeout=self.scope.remaining())
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     def linger(self, task: asyncio.Task[Any]) -> None:
         """Make this run's teardown also await ``task`` (a cancelled child run still unwinding).
@@ -155,6 +178,7 @@ class _OrderedTeardownToolset(WrapperToolset[Any]):
     async def __aexit__(self, *args: Any) -> bool | None:
         if self.tracker.scope.cancelled:
             self.tracker.cancel_tool_tasks()
+            await self.tracker.stop_model_requests()
             await self.tracker.drain_tool_tasks()
             self.tracker.in_flight_stopped.set()
             self.tracker.scope.record("toolset_teardown", toolset=self.wrapped.label)
@@ -165,13 +189,28 @@ class _OrderedTeardownToolset(WrapperToolset[Any]):
 
 
 class CancellationCapability(AbstractCapability[Any]):
-    """Per-run capability: tracks tool calls and orders teardown after in-flight tools."""
+    """Per-run capability: tracks tool calls and model requests, orders teardown after them."""
 
     def __init__(self, tracker: RunTracker) -> None:
         self._tracker = tracker
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
         return _OrderedTeardownToolset(toolset, tracker=self._tracker)
+
+    async def wrap_model_request(self, ctx: RunContext[Any], *, request_context: Any, handler: Any) -> Any:
+        # Remember which task awaits the request, so a cancelled run can stop it before teardown.
+        task = asyncio.current_task()
+        ended = asyncio.Event()
+        if task is not None:
+            with self._tracker.lock:
+                self._tracker.model_requests[task] = ended
+        try:
+            return await handler(request_context)
+        finally:
+            ended.set()
+            if task is not None:
+                with self._tracker.lock:
+                    self._tracker.model_requests.pop(task, None)
 
     async def wrap_tool_execute(
         self, ctx: RunContext[Any], *, call: Any, tool_def: Any, args: Any, handler: Any
@@ -194,7 +233,7 @@ class CancellationCapability(AbstractCapability[Any]):
 
 @dataclass
 class _ScopedRun:
-    """What the sync and async runners share: refuse, track, settle once, build the error."""
+    """What the sync and async runners share: refuse, track, settle a cancel, build the error."""
 
     scope: TaskCancellation
     tracker: RunTracker
@@ -224,14 +263,19 @@ class _ScopedRun:
             yield
 
     def end(self, exc: BaseException | None) -> bool:
-        """Record how the run ended and settle the one outcome; return whether it ends cancelled."""
+        """Record how the run ended; return whether it ends cancelled (then settled ``CANCELLED``).
+
+        Settling ``COMPLETED`` (or ``FAILED``) is left to the scope's owner (the execute guard, a
+        delegation), whose unit of work may hold several runs.
+        """
         self.handle.unregister()
         scope = self.scope
         if exc is None:
-            if scope.settle(Outcome.COMPLETED) is Outcome.COMPLETED:
+            if not scope.cancelled:
                 scope.record("run_completed")
                 return False
             scope.record("result_discarded", reason="cancelled before the result was accepted")
+            scope.settle(Outcome.CANCELLED)
             return True
         if isinstance(exc, RunTimedOut):
             scope.cancel(CancelCause.TIMEOUT, detail="the run's deadline passed")
@@ -246,7 +290,6 @@ class _ScopedRun:
             scope.settle(Outcome.CANCELLED)
             return True
         scope.record("run_unwound", error=True)
-        scope.settle(Outcome.FAILED)
         return False
 
     def error(self, exc: BaseException | None, result: Any = None) -> TaskCancelled:
@@ -269,7 +312,8 @@ def run_agent_in_scope(
 
     Raises :class:`TaskCancelled` if the scope was cancelled before, during or after the run
     (a result that arrives after the cancel does not count), or if the run's own ``timeout=``
-    expired (cause ``TIMEOUT``). A cancelled scope never makes a model request.
+    expired (cause ``TIMEOUT``). A cancelled scope never makes a model request. Settling the
+    scope as ``COMPLETED`` is left to its owner, whose unit of work may hold several runs.
     """
     run = _ScopedRun.start(scope, None, run_kwargs)
     try:
@@ -297,12 +341,12 @@ async def run_agent_in_scope_async(
 ) -> Any:
     """``await agent.run(...)`` under ``scope``; the async counterpart of :func:`run_agent_in_scope`.
 
-    Same contract (refuses a cancelled scope, settles once, raises :class:`TaskCancelled` with
-    the partial transcript and usage). Used for sub-agents, which run on their parent's event
-    loop or on a loop of their own in a thread. ``tracker`` (optional) lets the caller watch the
-    run's ``in_flight_stopped``. An external ``CancelledError`` propagates as itself (after the
-    scope was cancelled and settled), never as a result. Blocking waits (straggler grace, an
-    undecided cause) run off the event loop.
+    Same contract: refuses a cancelled scope, raises :class:`TaskCancelled` with the partial
+    transcript and usage, leaves settling ``COMPLETED`` to the scope's owner. Used for
+    sub-agents, which run on their parent's event loop or on a loop of their own in a thread.
+    ``tracker`` (optional) lets the caller watch the run's ``in_flight_stopped``. An external
+    ``CancelledError`` propagates as itself (after the scope was cancelled and settled), never
+    as a result. Blocking waits (straggler grace, an undecided cause) run off the event loop.
     """
     run = _ScopedRun.start(scope, tracker, run_kwargs)
     try:

@@ -361,6 +361,10 @@ class TaskCancellation:
         self.record("kill_received", cause=cause.value, **({"detail": detail} if detail else {}))
         if classify is None:
             self._decide(CauseVerdict(cause, detail))
+        # Flag the children before returning (each unwinds on its own helper, before this scope's
+        # token is cancelled): no child can start or complete once its parent's cancel is accepted.
+        for kid in self.children:
+            kid.cancel(CancelCause.PARENT)
         helper = threading.Thread(
             target=self._unwind,
             args=(classify, classify_timeout),
@@ -383,6 +387,14 @@ class TaskCancellation:
         self._cause_decided.set()
         return True
 
+    def _cancelled_here_or_above(self) -> bool:
+        scope: TaskCancellation | None = self
+        while scope is not None:
+            if scope.cancelled:
+                return True
+            scope = scope.parent
+        return False
+
     def wait_cause(self, timeout: float) -> CancelCause | None:
         """Wait (bounded) for the cause to be decided and return it."""
         self._cause_decided.wait(timeout)
@@ -395,12 +407,12 @@ class TaskCancellation:
     def settle(self, outcome: Outcome) -> Outcome:
         """Record the run's terminal outcome; the first one wins and is returned.
 
-        ``COMPLETED`` loses to a cancel that already happened: a result that arrives after
-        cancellation cannot turn it back into success.
+        ``COMPLETED`` loses to a cancel that already happened, here or on any ancestor: a result
+        that arrives after cancellation cannot turn it back into success.
         """
         with self._lock:
             if self._outcome is None:
-                if outcome is Outcome.COMPLETED and self._cancelled.is_set():
+                if outcome is Outcome.COMPLETED and self._cancelled_here_or_above():
                     outcome = Outcome.CANCELLED
                 self._outcome = outcome
                 self.record("run_settled", outcome=outcome.value)
@@ -417,8 +429,6 @@ class TaskCancellation:
                 daemon=True,
             )
             classifier.start()
-        for kid in self.children:
-            kid.cancel(CancelCause.PARENT)
         with self._lock:
             pending = [r for r in self._resources if not r.released]
         # Stop the run first (no new model request), then in-flight work, then tear down what held it.
@@ -489,8 +499,16 @@ class TaskCancellation:
     # -- reporting -----------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        """The record as one JSON-friendly dict: cause, timeline (ms since creation), kills."""
+        """The record as one JSON-friendly dict: cause, timeline, kills.
+
+        Timeline ``ms`` are relative to the cancel (``kill_received`` is 0), or to the scope's
+        creation if it was never cancelled. ``wall_origin`` is the wall-clock time
+        (``time.time()``) of that 0, so the timeline can be laid against other processes' clocks
+        (e.g. when a user clicked *Mark as failed*).
+        """
         origin = self._cancel_at if self._cancel_at is not None else self.created_at
+        timeline = self.timeline
+        first = timeline[0]  # scope_created: recorded in __init__, always there
         return {
             "scope": self.name,
             "cause": self.cause.value if self.cause else None,
@@ -498,7 +516,8 @@ class TaskCancellation:
             "detail": self.cause_detail,
             "outcome": self._outcome.value if self._outcome else None,
             "budget_s": self.budget,
-            "timeline": [e.as_dict(origin) for e in self.timeline],
+            "wall_origin": round(first.wall + (origin - first.at), 3),
+            "timeline": [e.as_dict(origin) for e in timeline],
             "killed": self.killed,
             "stragglers": self.stragglers,
             "attached": self.attached,

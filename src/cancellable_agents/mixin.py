@@ -22,13 +22,16 @@ from typing import Any
 from cancellable_agents.agent_run import run_agent_in_scope
 from cancellable_agents.cancellation import DEFAULT_BUDGET, Outcome, TaskCancellation
 from cancellable_agents.causes import CancelCause, CauseVerdict, classify_sigterm
-from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.process_reaper import DescendantReaper
 
 log = logging.getLogger(__name__)
 
 #: The scope is created lazily and operators are deep-copied, so its lock cannot live on them.
 _scope_creation = threading.Lock()
+
+#: Seconds between SIGTERM and SIGKILL on Airflow's user-initiated kill paths.
+_AIRFLOW_GRACE = 5.0
 
 #: Prefix of the one structured log line a cancellation writes (parsed by the e2e tests).
 RECORD_PREFIX = "cancellable_agents.record "
@@ -68,6 +71,16 @@ class CancellableAgentMixin:
     - a kill after ``execute`` returned is a logged no-op;
     - with ``execution_timeout``, runs get their own deadline ``timeout_margin`` seconds
       earlier, so they end as ``TIMEOUT`` with everything unwound before Airflow's SIGALRM.
+
+    :param cancellation_budget: seconds the unwind may take (default 4; Airflow SIGKILLs 5 s
+        after SIGTERM, so more than that is never honoured).
+    :param timeout_margin: how much earlier than ``execution_timeout`` runs are stopped (2 s).
+    :param classify_timeout: how long to wait for the API server to tell why we were killed.
+    :param reap_descendants: terminate processes the task started outside a sandbox (subprocess,
+        MCP stdio servers) when it is killed (Linux; default ``True``).
+    :param cancellation_retry_policy: wrap ``retry_policy`` in
+        :class:`~cancellable_agents.retry.CancellationAwareRetryPolicy` (Airflow 3.3+), so kills
+        are decided by cause and never sent to a retry classifier. Default ``True``.
     """
 
     cancellation_budget: float = DEFAULT_BUDGET
@@ -75,11 +88,39 @@ class CancellableAgentMixin:
     classify_timeout: float = 1.0
     reap_descendants: bool = True
 
+    def __init__(
+        self,
+        *args: Any,
+        cancellation_budget: float | None = None,
+        timeout_margin: float | None = None,
+        classify_timeout: float | None = None,
+        reap_descendants: bool | None = None,
+        cancellation_retry_policy: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        settings = {
+            "cancellation_budget": cancellation_budget,
+            "timeout_margin": timeout_margin,
+            "classify_timeout": classify_timeout,
+            "reap_descendants": reap_descendants,
+        }
+        for name, value in settings.items():
+            if value is not None:
+                setattr(self, name, value)
+        _check_settings(self)
+        if cancellation_retry_policy:
+            self.retry_policy = _cancellation_aware(getattr(self, "retry_policy", None))
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _check_bases(cls)
-        if "execute" in cls.__dict__:
-            cls.execute = _guard_execute(cls.__dict__["execute"])  # type: ignore[attr-defined]
+        if cls.__init__ is CancellableAgentMixin.__init__:
+            _give_own_init(cls)
+        # Also an execute inherited from a plain operator (``class X(Mixin, PythonOperator)``).
+        execute = cls.__dict__.get("execute", getattr(cls, "execute", None))
+        if callable(execute):
+            cls.execute = _guard_execute(execute)  # type: ignore[attr-defined]
 
     # -- the scope -----------------------------------------------------------------------
 
@@ -219,6 +260,48 @@ def _check_bases(cls: type) -> None:
             f"{cls.__name__}: put CancellableAgentMixin before BaseOperator in the bases, e.g. "
             f"`class {cls.__name__}(CancellableAgentMixin, BaseOperator)`, or on_kill is never ours."
         )
+
+
+def _give_own_init(cls: type) -> None:
+    """Give ``cls`` an ``__init__`` of its own so BaseOperator's metaclass wraps it.
+
+    Airflow's ``apply_defaults`` must wrap the ``__init__`` that ``self.__init__`` resolves to;
+    the metaclass only wraps a class's own ``__init__``, and the mixin is not an operator.
+    """
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        super(cls, self).__init__(*args, **kwargs)  # type: ignore[misc,arg-type]
+
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+def _check_settings(operator: CancellableAgentMixin) -> None:
+    """Refuse settings that cannot work, naming the fix; warn about ones Airflow won't honour."""
+    for name in ("cancellation_budget", "classify_timeout"):
+        value = getattr(operator, name)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+    if operator.timeout_margin < 0:
+        raise ConfigurationError(f"timeout_margin must be >= 0 seconds, got {operator.timeout_margin!r}")
+    if operator.cancellation_budget >= _AIRFLOW_GRACE:
+        log.warning(
+            "cancellation_budget=%.1fs: Airflow SIGKILLs a task %.0fs after SIGTERM, so the unwind is cut "
+            "short there; keep it below %.0fs (default %.0fs).",
+            operator.cancellation_budget,
+            _AIRFLOW_GRACE,
+            _AIRFLOW_GRACE,
+            DEFAULT_BUDGET,
+        )
+
+
+def _cancellation_aware(policy: Any) -> Any:
+    """Wrap ``policy`` where Airflow has retry policies (3.3+); leave it alone elsewhere."""
+    try:
+        from cancellable_agents.retry import wrap_retry_policy
+    except ImportError:
+        return policy
+    return wrap_retry_policy(policy)
 
 
 def _ti_key(context: Any) -> tuple[str, str, str, int] | None:

@@ -165,7 +165,11 @@ class AirflowStack:
         out = self.home / "components" / "db-migrate.log"
         with out.open("wb") as log:
             done = subprocess.run(
-                [*AIRFLOW, "db", "migrate"], env=self.env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+                [*AIRFLOW, "db", "migrate"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
             )
         if done.returncode != 0:
             raise RuntimeError(f"airflow db migrate failed ({done.returncode}):\n{tail(out)}")
@@ -208,9 +212,7 @@ class AirflowStack:
         """Fail at once, with the logs, if a component died."""
         for component in self.components.values():
             if component.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{component.name} exited with {component.proc.returncode}\n{self.logs()}"
-                )
+                raise RuntimeError(f"{component.name} exited with {component.proc.returncode}\n{self.logs()}")
 
     def stop(self) -> None:
         for component in reversed(list(self.components.values())):

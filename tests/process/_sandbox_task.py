@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic_ai import Agent
@@ -46,7 +47,7 @@ def sleepers(marker: str) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
         info = read_proc(int(entry))

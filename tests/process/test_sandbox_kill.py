@@ -7,6 +7,7 @@ Long-running processes are ``sleep 3NN.<digits>`` with a per-test marker; surviv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -78,10 +79,8 @@ def marker() -> Iterator[str]:
     value = f"3{uuid.uuid4().int % 100:02d}.{uuid.uuid4().int % 10**8:08d}"
     yield value
     for pid in survivors(value):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class ChildTask:

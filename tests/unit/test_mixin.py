@@ -129,3 +129,41 @@ def test_timeout_path_on_kill_records_timeout_and_releases() -> None:
         op.on_kill()  # the Task SDK calls on_kill inside its `except AirflowTaskTimeout`
     assert released.is_set(), "on the timeout path nothing else unwinds: on_kill waits for it"
     assert op.cancellation.cause is CancelCause.TIMEOUT
+
+
+def test_cancellation_settings_are_operator_arguments() -> None:
+    op = LLMOperator(task_id="t", model="test", prompt="p", cancellation_budget=2.5, timeout_margin=1.0)
+    assert op.cancellation_budget == 2.5 and op.timeout_margin == 1.0
+    assert op.cancellation.budget == 2.5
+
+
+def test_bad_budget_is_refused_and_a_too_long_one_warned(caplog: pytest.LogCaptureFixture) -> None:
+    from cancellable_agents.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="cancellation_budget must be a positive"):
+        Echo(task_id="t", cancellation_budget=-1)
+    with caplog.at_level("WARNING"):
+        Echo(task_id="u", cancellation_budget=8)
+    assert "SIGKILLs a task 5s after SIGTERM" in caplog.text
+
+
+def test_mixin_operators_get_the_cancellation_aware_retry_policy() -> None:
+    from cancellable_agents import CancellationAwareRetryPolicy
+
+    assert isinstance(Echo(task_id="t").retry_policy, CancellationAwareRetryPolicy)
+    assert Echo(task_id="u", cancellation_retry_policy=False).retry_policy is None
+
+
+def test_inherited_execute_is_guarded_too() -> None:
+    from airflow.providers.standard.operators.python import PythonOperator
+
+    class KillablePython(CancellableAgentMixin, PythonOperator):
+        pass
+
+    def work() -> str:
+        op.on_kill()  # the kill lands while the callable runs
+        return "done"
+
+    op = KillablePython(task_id="t", python_callable=work)
+    with pytest.raises(TaskCancelled):
+        op.execute({"ti": None, "params": {}})

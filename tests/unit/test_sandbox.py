@@ -7,6 +7,7 @@ found in /proc (and cleaned up by pid) without touching anyone else's processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -100,10 +101,8 @@ def marker() -> Iterator[str]:
     value = f"3{uuid.uuid4().int % 100:02d}.{uuid.uuid4().int % 10**9:09d}"
     yield value
     for pid in survivors(value):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture(params=MODES)
@@ -271,9 +270,10 @@ def test_cancelling_the_scope_stops_commands_then_destroys_the_sandbox(mode: str
     assert not box.workdir.exists()
     assert box.wait(command, timeout=1).stopped
     kills = [k for k in scope.killed if k["command_id"] == command]
-    assert sorted(k["command"] for k in kills) == [f"/bin/sh -c sleep {marker} & sleep {marker}"] + [
-        f"sleep {marker}"
-    ] * 2
+    assert (
+        sorted(k["command"] for k in kills)
+        == [f"/bin/sh -c sleep {marker} & sleep {marker}"] + [f"sleep {marker}"] * 2
+    )
     events = [e.event for e in scope.timeline]
     assert events.index("token_cancelled") < events.index("resources_released")
     with pytest.raises((SandboxClosed, TaskCancelled)):
@@ -340,7 +340,12 @@ def test_scrubbed_environment_rules() -> None:
         "ANTHROPIC_API_KEY": "a",
         "AIRFLOW_HOME": "/opt/airflow",
     }
-    assert scrubbed_environment(base) == {"PATH": "/bin", "HOME": "/root", "LANG": "C", "AIRFLOW_HOME": "/opt/airflow"}
+    assert scrubbed_environment(base) == {
+        "PATH": "/bin",
+        "HOME": "/root",
+        "LANG": "C",
+        "AIRFLOW_HOME": "/opt/airflow",
+    }
     assert scrubbed_environment(base, {"GITHUB_TOKEN": "given"})["GITHUB_TOKEN"] == "given"
 
 

@@ -81,7 +81,12 @@ def build_model(model_id: str, *, base_url: str | None = None, api_key: str | No
     provider, _, name = model_id.partition(":")
     if not name:
         provider, name = "openai", model_id
-    if provider in ("openai", "openai-chat", "ollama", "vllm") and (base_url or provider != "openai"):
+    if provider in ("ollama", "vllm") and not base_url:
+        raise ConfigurationError(
+            f"Model {model_id!r} runs on your own server: set the connection's Base URL "
+            f"(e.g. http://localhost:11434/v1 for Ollama, http://localhost:8000/v1 for vLLM)."
+        )
+    if provider in ("openai", "openai-chat", "ollama", "vllm") and base_url:
         return _openai_compatible(name, base_url, api_key)
     if provider == "anthropic" and (base_url or api_key):
         from pydantic_ai.models.anthropic import AnthropicModel

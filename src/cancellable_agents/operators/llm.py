@@ -25,9 +25,10 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
     :param model_settings: pydantic-ai ``ModelSettings`` (temperature, max_tokens ...).
     :param stream: request a streamed response (tokens arrive as they are generated; a kill
         closes the live stream). Default ``False``.
-    :param cancellation_retry_policy: wrap ``retry_policy`` in
-        :class:`~cancellable_agents.retry.CancellationAwareRetryPolicy` (Airflow 3.3+), so kills
-        are decided by cause and never sent to a retry classifier. Default ``True``.
+
+    Cancellation settings (``cancellation_budget``, ``timeout_margin``, ``classify_timeout``,
+    ``reap_descendants``, ``cancellation_retry_policy``) are those of
+    :class:`~cancellable_agents.mixin.CancellableAgentMixin`.
     """
 
     template_fields: Sequence[str] = ("prompt", "system_prompt", "model")
@@ -44,7 +45,6 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
         model: str | None = None,
         model_settings: dict[str, Any] | None = None,
         stream: bool = False,
-        cancellation_retry_policy: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -55,8 +55,6 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
         self.model = model
         self.model_settings = model_settings
         self.stream = stream
-        if cancellation_retry_policy:
-            self.retry_policy = _cancellation_aware(getattr(self, "retry_policy", None))
 
     def build_agent(self) -> Any:
         """The pydantic-ai agent this task runs (override to customise)."""
@@ -78,15 +76,6 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
         result = self.run_agent_sync(self.build_agent(), self.prompt, **self.run_kwargs())
         self.log.info("Run finished: %s", result.usage)
         return _xcom_friendly(result.output)
-
-
-def _cancellation_aware(policy: Any) -> Any:
-    """Wrap ``policy`` where Airflow has retry policies (3.3+); leave it alone elsewhere."""
-    try:
-        from cancellable_agents.retry import wrap_retry_policy
-    except ImportError:
-        return policy
-    return wrap_retry_policy(policy)
 
 
 async def _consume_events(ctx: Any, events: Any) -> None:

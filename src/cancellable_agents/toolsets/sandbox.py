@@ -587,7 +587,7 @@ class LocalSandbox:
     def _monitor(self, cmd: _Command) -> None:
         """Track the tree until the main process exits, enforce the timeout, then finish."""
         deadline = None if cmd.timeout is None else cmd.started + cmd.timeout
-        while cmd.popen.poll() is None:
+        while not _has_exited(cmd.popen):
             self._track(cmd)
             if deadline is not None and time.monotonic() >= deadline:
                 deadline = None
@@ -623,6 +623,7 @@ class LocalSandbox:
             cmd.terminated.wait(self.stop_grace + KILL_WAIT + 2.0)
         else:
             self._kill_leftovers(cmd)
+        cmd.popen.wait()  # only now: until here its pid, the group id, could not be recycled
         self._reap_tracked(cmd)
         for reader in (cmd.stdout, cmd.stderr):
             reader.thread.join(READER_JOIN)
@@ -655,7 +656,7 @@ class LocalSandbox:
         )
 
     def _kill_leftovers(self, cmd: _Command) -> None:
-        """The main process ended on its own: nothing it started may outlive it."""
+        """The main process ended on its own (not yet reaped): nothing it started may outlive it."""
         if cmd.mode == "namespace":
             # The kernel empties the namespace once bwrap's init is gone; just wait for it.
             wait_until(lambda: not any(is_running(k) for k in cmd.known()), KILL_WAIT)
@@ -771,13 +772,28 @@ class LocalSandbox:
 
     def _signal_tree(self, cmd: _Command) -> None:
         tree = self._tree(cmd)
-        workers = {k for k in tree if k not in cmd.infra and not self._is_outer_bwrap(cmd, k)}
+        # Youngest first, so children are signalled before their parents: in a namespace the
+        # command's exit tears everything down, and each process should get its SIGTERM first.
+        workers = sorted(
+            (k for k in tree if k not in cmd.infra and not self._is_outer_bwrap(cmd, k)),
+            key=lambda k: (k.start, k.pid),
+            reverse=True,
+        )
         sent: dict[ProcKey, int] = {}
         cmd.final_signal = signal.SIGTERM
-        for key in workers:
-            if send_signal(key, signal.SIGTERM):
-                sent[key] = signal.SIGTERM
-        self._signal_group(cmd, signal.SIGTERM)
+        # Freeze, signal, thaw: every process has its SIGTERM pending before any of them can
+        # react to another's death (a shell exiting as its child dies, the namespace torn down
+        # as the command exits) or fork something new in the middle of the stop.
+        frozen = [key for key in workers if send_signal(key, signal.SIGSTOP)]
+        try:
+            for key in workers:
+                if send_signal(key, signal.SIGTERM):
+                    sent[key] = signal.SIGTERM
+            self._signal_group(cmd, signal.SIGTERM)
+        finally:
+            for key in frozen:
+                send_signal(key, signal.SIGCONT)
+            self._signal_group(cmd, signal.SIGCONT)
         if not workers or not wait_until(lambda: not any(is_running(k) for k in workers), self._grace()):
             cmd.final_signal = signal.SIGKILL
             sent.update(self._kill_everything(cmd, tree))
@@ -790,6 +806,11 @@ class LocalSandbox:
         tree.update(stragglers)
         wait_until(lambda: not any(is_running(k) for k in sent), KILL_WAIT)
         self._record(cmd, sent, tree, reason=cmd.stop_reason or "stopped")
+        if cmd.mode == "namespace":
+            # Running when the stop began, gone before our signal reached it: the kernel's
+            # SIGKILL of the emptied namespace ended it.
+            torn_down = {key: int(signal.SIGKILL) for key in workers if key not in sent}
+            self._record(cmd, torn_down, tree, reason=cmd.stop_reason or "stopped", by="namespace teardown")
 
     def _kill_everything(self, cmd: _Command, tree: dict[ProcKey, str]) -> dict[ProcKey, int]:
         # Namespace init first: its death makes the kernel SIGKILL the whole namespace at once.
@@ -816,7 +837,12 @@ class LocalSandbox:
         return cmd.mode == "namespace" and key == cmd.main
 
     def _record(
-        self, cmd: _Command, sent: Mapping[ProcKey, int], tree: Mapping[ProcKey, str], reason: str
+        self,
+        cmd: _Command,
+        sent: Mapping[ProcKey, int],
+        tree: Mapping[ProcKey, str],
+        reason: str,
+        by: str = "sandbox",
     ) -> None:
         scope = self._scope
         for key, sig in sent.items():
@@ -829,6 +855,7 @@ class LocalSandbox:
                 "exit_code": -int(sig) if key == cmd.main else None,
                 "mode": cmd.mode,
                 "reason": reason,
+                "by": by,
                 "command": tree.get(key, ""),
                 "sandbox": self.id,
                 "at": round(time.time(), 3),
@@ -937,6 +964,22 @@ class LocalSandbox:
         """Names in a directory, sorted; directories end with ``/``."""
         directory = self.resolve(path)
         return sorted(entry.name + ("/" if entry.is_dir() else "") for entry in directory.iterdir())
+
+
+def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the process ended, *without* reaping it.
+
+    An unreaped zombie keeps its pid, which is also its process group id, from being recycled:
+    the group can still be signalled safely while the command's leftovers are cleaned up.
+    """
+    if proc.returncode is not None:
+        return True
+    if not hasattr(os, "waitid"):
+        return proc.poll() is not None
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True  # reaped by someone else
 
 
 def _prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:

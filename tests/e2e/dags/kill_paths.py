@@ -7,7 +7,7 @@ local model server (2000 tokens, 50 ms apart: it is still streaming when the tes
 retry (try 2+) answers at once with the ``echo`` model, so a retried run finishes by itself.
 
 What the test reads back besides the task log and the REST API, written to ``E2E_STATE_DIR``:
-``<dag_id>.try<N>.json`` (the task's pid, its parent = the supervisor, its process group) and
+``<dag_id>.<run_id>.try<N>.json`` (the task's pid, its parent = the supervisor, its process group) and
 ``callbacks.jsonl`` (which callback fired for which try). The callbacks also log a
 ``E2E_CALLBACK`` line into the task log.
 """
@@ -34,7 +34,7 @@ CONN_ID = "local_model"
 SLOW_MODEL = "openai:slow?tokens=2000&delay=0.05"
 QUICK_MODEL = "openai:echo"
 #: Templated: the first try streams for 100 s, a retry answers at once.
-MODEL = "{{ '%s' if ti.try_number > 1 else '%s' }}" % (QUICK_MODEL, SLOW_MODEL)
+MODEL = f"{{{{ '{QUICK_MODEL}' if ti.try_number > 1 else '{SLOW_MODEL}' }}}}"
 PROMPT = "[{{ dag.dag_id }}/{{ run_id }}/try{{ ti.try_number }}] write a very long essay"
 
 #: Three processes (one escapes into its own session) that sleep until something kills them.
@@ -42,7 +42,8 @@ TREE_PROGRAM = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.for
 
 DEFAULTS: dict[str, Any] = {
     "retries": 1,
-    "retry_delay": timedelta(seconds=1),
+    # Long enough for the test's 0.2 s polling to see ``up_for_retry`` before the next try.
+    "retry_delay": timedelta(seconds=2),
 }
 
 
@@ -77,7 +78,7 @@ def begin_try(context: Any) -> None:
         sandbox.start([sys.executable, "-c", TREE_PROGRAM, marker])
         log.info("E2E_TREE started %s in sandbox %s (%s)", marker, sandbox.id, sandbox.mode)
     info = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "try": ti.try_number}
-    path = STATE_DIR / f"{ti.dag_id}.try{ti.try_number}.json"
+    path = STATE_DIR / f"{ti.dag_id}.{ti.run_id}.try{ti.try_number}.json"
     path.with_suffix(".tmp").write_text(json.dumps(info))
     path.with_suffix(".tmp").replace(path)
     log.info("E2E_MIDRUN %s", json.dumps(info))

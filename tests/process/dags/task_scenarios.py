@@ -14,15 +14,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow.sdk import DAG
 from airflow.sdk.bases.operator import BaseOperator
+from pydantic_ai import Agent
+from pydantic_ai.toolsets import FunctionToolset
 
 from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, current_cancellation
 from cancellable_agents.cancellation import Phase
+from cancellable_agents.hooks.model import build_model
+from cancellable_agents.toolsets.subagents import Subagent, SubagentToolset
 
 _FD = int(os.environ["SCENARIO_EVENTS_FD"])
 CONN = "local_model"
@@ -151,6 +156,8 @@ def build_task(scenario: str) -> BaseOperator:
             on_failure_callback=on_failure,
             on_success_callback=on_success,
         )
+    if scenario.startswith("subagent_"):
+        return build_subagent_task(scenario, common)
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 
@@ -163,6 +170,105 @@ def _block_until_kill_ignored(context: Any, result: Any = None) -> None:
     emit("post_execute", result=result)
     scope = context["task"].cancellation
     _wait_until(lambda: any(e.event == "cancel_ignored" for e in scope.timeline), 20)
+
+
+# -- sub-agent scenarios (issue 5) ---------------------------------------------------------
+
+#: Seconds each level's toolset takes to tear down: nested teardowns must overlap, not add up.
+SUBAGENT_TEARDOWN = 0.3
+_LEAF_STREAM = "slow?tokens=600&delay=0.05"
+
+
+class SlowTeardownToolset(FunctionToolset[Any]):
+    """A toolset whose ``__aexit__`` takes ``SUBAGENT_TEARDOWN`` seconds; reports start and end."""
+
+    def __init__(self, level: str) -> None:
+        super().__init__()
+        self.level = level
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SlowTeardownToolset:
+        return SlowTeardownToolset(self.level)
+
+    async def __aexit__(self, *args: Any) -> bool | None:
+        emit("teardown_started", level=self.level, seconds=SUBAGENT_TEARDOWN)
+        done = asyncio.ensure_future(asyncio.sleep(SUBAGENT_TEARDOWN))
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                continue  # a teardown that is cancelled again still finishes, like a real one
+        emit("teardown_finished", level=self.level)
+        return await super().__aexit__(*args)
+
+
+def _local_model(behaviour: str) -> Any:
+    """The model a sub-agent uses: the same local server as the task's connection."""
+    conn = json.loads(os.environ["AIRFLOW_CONN_LOCAL_MODEL"])
+    return build_model(_model(behaviour), base_url=conn["host"])
+
+
+def _delegate_to(name: str) -> str:
+    """The scripted behaviour: call ``delegate`` once with sub-agent ``name``, then answer."""
+    return f'tool?name=delegate&args={{"agent":"{name}","task":"dig deeper"}}'
+
+
+def _nested_agent(level: int, depth: int) -> Agent[Any, Any]:
+    """Level ``level`` of a chain of ``depth`` agents; the last one streams slowly."""
+    teardown = SlowTeardownToolset(f"level{level}")
+    if level == depth:
+        return Agent(_local_model(_LEAF_STREAM), toolsets=[teardown])
+    below = Subagent(f"level{level + 1}", _nested_agent(level + 1, depth), stream=level + 1 == depth)
+    return Agent(
+        _local_model(_delegate_to(below.name)),
+        toolsets=[SubagentToolset([below]), teardown],
+    )
+
+
+def child_work() -> str:
+    """A sync tool of a thread-driven sub-agent: cooperative polling until cancelled."""
+    scope = current_cancellation()
+    assert scope is not None, "a sub-agent's tool must see a scope"
+    emit("work_started", scope=scope.name, thread=threading.current_thread().name)
+    while not scope.wait(0.05):
+        emit("work_tick")
+    emit("work_stopped", scope=scope.name)
+    return "stopped"
+
+
+def _threads_after_failure(context: Any) -> None:
+    on_failure(context)
+    # The contract is about the state 1 s after the task raised; this wait is the measurement.
+    time.sleep(1.0)
+    emit("threads_after", names=sorted(t.name for t in threading.enumerate() if t.is_alive()))
+
+
+def build_subagent_task(scenario: str, common: dict[str, Any]) -> BaseOperator:
+    depth = {"subagent_depth1": 1, "subagent_depth2": 2, "subagent_depth3": 3}.get(scenario)
+    if depth == 1:
+        return AgentOperator(
+            prompt="go",
+            model=_model(_LEAF_STREAM),
+            stream=True,
+            toolsets=[SlowTeardownToolset("level1")],
+            **common,
+        )
+    if depth is not None:
+        below = Subagent("level2", _nested_agent(2, depth), stream=depth == 2)
+        return AgentOperator(
+            prompt="go",
+            model=_model(_delegate_to("level2")),
+            toolsets=[SubagentToolset([below]), SlowTeardownToolset("level1")],
+            **common,
+        )
+    if scenario == "subagent_thread":
+        worker = Agent(_local_model("tool?name=child_work"), tools=[child_work])
+        return AgentOperator(
+            prompt="go",
+            model=_model(_delegate_to("worker")),
+            toolsets=[SubagentToolset({"worker": worker}, threaded=True)],
+            **{**common, "on_failure_callback": _threads_after_failure},
+        )
+    raise SystemExit(f"unknown scenario {scenario!r}")
 
 
 SCENARIO = os.environ.get("SCENARIO", "stream")

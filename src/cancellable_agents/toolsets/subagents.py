@@ -1,0 +1,485 @@
+"""Delegation to sub-agents that stop when their parent stops: in order, with no lost interrupt.
+
+:class:`SubagentToolset` lets any pydantic-ai agent hand a task to named sub-agents (each a
+pydantic-ai agent, with its own tools and toolsets, e.g. a sandbox)::
+
+    researcher = Agent("openai:gpt-4o-mini", toolsets=[SandboxToolset()])
+    AgentOperator(task_id="lead", prompt="...", toolsets=[SubagentToolset({"researcher": researcher})])
+
+The model gets one tool, ``delegate(agent, task) -> str`` (name configurable; ``agent`` is an
+enum of the sub-agent names, the tool description lists their descriptions). Every delegation
+runs under a *child* of the run's :class:`~cancellable_agents.cancellation.TaskCancellation`:
+
+- the parent's cancel cancels the child with cause ``PARENT`` (``root_cause`` still says why the
+  task stopped); the child's grace budget is what the parent has left, and a child run started
+  from a tool inherits the parent run's deadline (pydantic-ai's ``RunContext.deadline``);
+- no lost interrupt: a cancel that lands while the child is being created, before its run has
+  registered, still reaches it; the child refuses to start and makes no model request;
+- a cancelled child never becomes a tool result, a ``ModelRetry`` or a retry of the delegation:
+  the delegation ends as cancellation. A child cancelled on its own (its own deadline, someone
+  cancelling its scope) cancels the parent with the same cause, so the task stops;
+- order: the whole scope tree is cancelled first and concurrently (children before the parent's
+  own token); each run stops its in-flight work (model stream, tools, its own children's
+  in-flight work) before its toolsets tear down, and a cancelled child's teardown overlaps its
+  parent's teardown instead of preceding it, so nesting depth does not add up teardown times;
+- the child's partial transcript, message count and usage are attached to its scope record, which
+  the parent's record lists under ``children``; the child's usage is added to the parent run's.
+
+Two ways to drive a child. ``SubagentToolset(...)`` (default) awaits the child on the parent's
+event loop, in its own asyncio task so a cancel reaches it as pydantic-ai's own first-party
+cancellation (``RunCancelled`` with the transcript) rather than as a bare ``CancelledError``.
+``SubagentToolset(..., threaded=True)`` makes ``delegate`` a sync tool that drives the child with
+``asyncio.run`` on the tool's worker thread (``Agent.run_sync`` is refused inside a sync tool).
+From your own tools, call :func:`run_subagent` (async) or :func:`run_subagent_sync` (threads).
+
+Writing sync tools (and code in threads) that stop in time
+----------------------------------------------------------
+
+A sync (``def``) tool runs on a worker thread; cancelling the run stops *waiting* for it, not the
+thread. :func:`~cancellable_agents.cancellation.current_cancellation` returns the scope of the run
+the tool belongs to (the sub-agent's scope inside a sub-agent, also in threads driving one), with
+``cancelled``, ``wait(timeout)`` and ``raise_if_cancelled()``. Three patterns::
+
+    from cancellable_agents import current_cancellation
+
+    def crunch(items: list[str]) -> str:          # a polling loop
+        scope = current_cancellation()
+        for item in items:
+            if scope is not None:
+                scope.raise_if_cancelled()        # TaskCancelled: the run is already stopping
+            process(item)                          # keep each step short (< budget)
+        return "ok"
+
+    def wait_for_approval(ticket: str) -> str:    # a blocking wait
+        scope = current_cancellation()
+        while not approved(ticket):
+            if scope is not None and scope.wait(2.0):   # wakes at once on cancel
+                return "cancelled"
+        return "approved"
+
+    def fetch(url: str) -> str:                   # an HTTP call: bound every call by a timeout
+        scope = current_cancellation()
+        timeout = min(30.0, scope.remaining()) if scope is not None else 30.0
+        with httpx.Client(timeout=timeout) as client:   # worst case: one timeout after the cancel
+            return client.get(url).text
+
+``wait`` wakes only once the run itself was told to stop, so returning after it cannot trigger one
+more model request. A thread *you* start from a tool sees the right scope only if it inherits the
+tool's context: ``threading.Thread(target=contextvars.copy_context().run, args=(fn,))`` (otherwise
+it falls back to the task's root scope). Prefer async tools where you can: they get
+``CancelledError`` at once. A tool that ignores all this is named in the log as a straggler.
+
+This module imports no Airflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic_ai import ModelRetry, RunContext
+from pydantic_ai.agent import AbstractAgent
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
+from pydantic_ai.toolsets import FunctionToolset
+from pydantic_ai.usage import RunUsage
+
+from cancellable_agents.agent_run import RunTracker, current_run_tracker, run_agent_in_scope_async
+from cancellable_agents.cancellation import Outcome, TaskCancellation, current_cancellation
+from cancellable_agents.causes import CancelCause
+from cancellable_agents.exceptions import TaskCancelled
+
+__all__ = ["Subagent", "SubagentToolset", "run_subagent", "run_subagent_sync"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Subagent:
+    """One named sub-agent of a :class:`SubagentToolset`.
+
+    :param name: what the model passes as ``agent`` (also the child scope's name in the record).
+    :param agent: any pydantic-ai agent (with its own tools, toolsets, model, instructions).
+    :param description: when to use it; shown to the model in the tool description.
+    :param stream: request streamed model responses (a cancel then closes a live stream).
+    :param run_kwargs: extra arguments for ``agent.run`` (``model_settings``, ``usage_limits``,
+        ``deps``, ``timeout`` ...). A ``timeout`` here is the child's own deadline: when it
+        passes, the child ends as ``TIMEOUT`` and, like any child cancellation, stops the parent.
+    """
+
+    name: str
+    agent: AbstractAgent[Any, Any]
+    description: str = ""
+    stream: bool = False
+    run_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the child's run."""
+        kwargs = dict(self.run_kwargs)
+        if self.stream:
+            kwargs.setdefault("event_stream_handler", _drain_events)
+        return kwargs
+
+
+class SubagentToolset(FunctionToolset[Any]):
+    """A ``delegate(agent, task) -> str`` tool that runs named sub-agents under child scopes.
+
+    :param agents: ``{"name": agent}`` or a sequence of :class:`Subagent` (names must be unique).
+    :param tool_name: the tool's name (default ``delegate``).
+    :param threaded: drive each child from the tool's worker thread (``asyncio.run``) instead of
+        awaiting it on the parent's loop. Both are cancelled the same way.
+    :param id: the toolset id (pydantic-ai durable execution needs one).
+
+    The child's output is returned as text (non-string outputs as JSON). Deep-copying the toolset
+    (Airflow copies operators) shares the agents, which hold no per-run state, and copies nothing
+    else; the toolset itself keeps no per-run state either, so one instance can serve many runs.
+    """
+
+    def __init__(
+        self,
+        agents: Mapping[str, AbstractAgent[Any, Any]] | Sequence[Subagent],
+        *,
+        tool_name: str = "delegate",
+        threaded: bool = False,
+        id: str | None = None,
+    ) -> None:
+        super().__init__(id=id)
+        self.subagents = _by_name(agents)
+        self.tool_name = tool_name
+        self.threaded = threaded
+        self.add_function(
+            self._tool_function(), name=tool_name, description=self._description(), takes_ctx=True
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SubagentToolset:
+        return type(self)(
+            list(self.subagents.values()), tool_name=self.tool_name, threaded=self.threaded, id=self.id
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self.subagents)!r}, tool_name={self.tool_name!r})"
+
+    async def ask(self, agent: str, task: str, *, usage: RunUsage | None = None) -> str:
+        """Run sub-agent ``agent`` on ``task`` (awaited on this loop) and return its output as text."""
+        sub = self._get(agent)
+        result = await run_subagent(sub.agent, task, name=sub.name, parent_usage=usage, **sub.kwargs())
+        return _as_text(result.output)
+
+    def ask_sync(self, agent: str, task: str, *, usage: RunUsage | None = None) -> str:
+        """Run sub-agent ``agent`` on ``task`` from this thread and return its output as text."""
+        sub = self._get(agent)
+        result = run_subagent_sync(sub.agent, task, name=sub.name, parent_usage=usage, **sub.kwargs())
+        return _as_text(result.output)
+
+    def _get(self, name: str) -> Subagent:
+        sub = self.subagents.get(name)
+        if sub is None:
+            raise ModelRetry(f"unknown sub-agent {name!r}; choose one of {sorted(self.subagents)}")
+        return sub
+
+    def _description(self) -> str:
+        lines = [
+            f"- {sub.name}: {sub.description}" if sub.description else f"- {sub.name}"
+            for sub in self.subagents.values()
+        ]
+        return (
+            "Delegate a self-contained task to a sub-agent and return its final answer. The sub-agent "
+            "does not see this conversation: put everything it needs into `task`. Sub-agents:\n"
+            + "\n".join(lines)
+        )
+
+    def _tool_function(self) -> Callable[..., Any]:
+        """The tool, with ``agent`` typed as a ``Literal`` of the names (an enum in the schema)."""
+        if self.threaded:
+
+            def delegate(ctx: RunContext[Any], agent: str, task: str) -> str:
+                """Delegate a task to a sub-agent.
+
+                Args:
+                    agent: Which sub-agent to ask.
+                    task: The complete task, with all context the sub-agent needs.
+                """
+                return self.ask_sync(agent, task, usage=ctx.usage)
+
+            tool: Callable[..., Any] = delegate
+        else:
+
+            async def delegate_async(ctx: RunContext[Any], agent: str, task: str) -> str:
+                """Delegate a task to a sub-agent.
+
+                Args:
+                    agent: Which sub-agent to ask.
+                    task: The complete task, with all context the sub-agent needs.
+                """
+                return await self.ask(agent, task, usage=ctx.usage)
+
+            tool = delegate_async
+        names = tuple(self.subagents)
+        tool.__annotations__ = {
+            "ctx": RunContext[Any],
+            "agent": Literal[names],  # type: ignore[valid-type]
+            "task": str,
+            "return": str,
+        }
+        return tool
+
+
+# -- running one child --------------------------------------------------------------------
+
+
+async def run_subagent(
+    agent: AbstractAgent[Any, Any],
+    user_prompt: Any = None,
+    *,
+    name: str | None = None,
+    scope: TaskCancellation | None = None,
+    parent_usage: RunUsage | None = None,
+    **run_kwargs: Any,
+) -> Any:
+    """``await agent.run(...)`` as a sub-agent of ``scope`` (default: the current run's scope).
+
+    Returns the ``AgentRunResult``. The child runs in its own asyncio task under
+    ``scope.child(name)``. If the awaiting task (the delegating tool) is cancelled, the child is
+    cancelled (``PARENT``), this waits, within the child's budget, until the child's in-flight
+    work has stopped, hands the child's remaining teardown to the parent run (which awaits it
+    after its own teardown) and re-raises ``CancelledError``. If the child is cancelled on its
+    own, the parent scope is cancelled with the same cause and the delegation ends as
+    cancellation too (``CancelledError`` once the parent run tells this tool to stop, or
+    :class:`TaskCancelled` where no run of ours is around). Never returns a cancelled child's
+    result. ``parent_usage`` (e.g. ``ctx.usage``) gets the child's usage added.
+    """
+    parent = scope if scope is not None else current_cancellation()
+    child = _child_scope(parent, name or _agent_name(agent))
+    tracker = RunTracker(child)
+    task = asyncio.create_task(
+        _run_child(child, agent, user_prompt, tracker, parent_usage, run_kwargs),
+        name=f"subagent-{child.name}",
+    )
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await _hand_over(child, task, tracker)
+        raise
+    except TaskCancelled as exc:
+        await _propagate(parent, child, exc)
+        raise
+
+
+def run_subagent_sync(
+    agent: AbstractAgent[Any, Any],
+    user_prompt: Any = None,
+    *,
+    name: str | None = None,
+    scope: TaskCancellation | None = None,
+    parent_usage: RunUsage | None = None,
+    **run_kwargs: Any,
+) -> Any:
+    """Run ``agent`` as a sub-agent from a thread (a sync tool): ``asyncio.run`` on this thread.
+
+    Same child scope, cancellation and record as :func:`run_subagent`. A parent's cancel reaches
+    the child's own event loop from the unwind thread; this returns or raises once the child has
+    unwound (its run ended), so no work is left on this thread. A child cancelled on its own
+    cancels the parent scope and raises :class:`TaskCancelled` after the parent run was told to
+    stop, so the exception cannot be taken for a tool error. Let it propagate.
+    """
+    parent = scope if scope is not None else current_cancellation()
+    child = _child_scope(parent, name or _agent_name(agent))
+    try:
+        return asyncio.run(_run_child(child, agent, user_prompt, RunTracker(child), parent_usage, run_kwargs))
+    except TaskCancelled as exc:
+        if parent is not None:
+            _cancel_parent(parent, child, exc)
+            parent.wait(parent.remaining())
+        raise
+
+
+def _child_scope(parent: TaskCancellation | None, name: str) -> TaskCancellation:
+    """A child of ``parent`` (born cancelled if the parent already is), or a scope of its own."""
+    if parent is None:
+        return TaskCancellation(name)
+    return parent.child(name)
+
+
+async def _run_child(
+    child: TaskCancellation,
+    agent: AbstractAgent[Any, Any],
+    user_prompt: Any,
+    tracker: RunTracker,
+    parent_usage: RunUsage | None,
+    run_kwargs: dict[str, Any],
+) -> Any:
+    """The child's run; whatever way it ends, its transcript and usage go on its record.
+
+    The delegation owns the child scope, so it settles it: ``COMPLETED`` only if neither the
+    child nor any ancestor was cancelled by then, else the result is discarded as cancelled.
+    """
+    try:
+        result = await run_agent_in_scope_async(child, agent, user_prompt, tracker=tracker, **run_kwargs)
+    except TaskCancelled as exc:
+        child.settle(Outcome.CANCELLED)
+        _attach_run(child, exc.all_messages(), exc.usage, parent_usage)
+        raise
+    except Exception:
+        child.settle(Outcome.FAILED)
+        raise
+    _attach_run(child, result.all_messages(), result.usage, parent_usage)
+    if child.settle(Outcome.COMPLETED) is not Outcome.COMPLETED:
+        child.record("result_discarded", reason="cancelled before the delegation accepted the result")
+        raise await asyncio.to_thread(_discarded, child, result)
+    return result
+
+
+def _discarded(child: TaskCancellation, result: Any) -> TaskCancelled:
+    """The error for a child whose result arrived after a cancel (waits briefly for the cause)."""
+    cause = child.wait_cause(min(1.5, child.remaining())) or CancelCause.UNKNOWN
+    return TaskCancelled(
+        f"{child.name}: cancelled after its result arrived; the result is discarded (cause: {cause.value})",
+        cause=cause,
+        root_cause=child.root_cause,
+        detail=child.cause_detail,
+        messages=result.all_messages(),
+        usage=result.usage,
+        timeline=child.timeline,
+        killed=child.killed,
+    )
+
+
+async def _hand_over(child: TaskCancellation, task: asyncio.Task[Any], tracker: RunTracker) -> None:
+    """The delegating tool was cancelled: stop the child's in-flight work, then let it tear down.
+
+    Waiting for the child's *in-flight* work keeps the order (work stops before the parent's
+    toolsets tear down); not waiting for the child's *teardown* keeps depth from adding up.
+    """
+    child.cancel(CancelCause.PARENT, detail="the delegating tool was cancelled")
+    stopped = asyncio.ensure_future(tracker.in_flight_stopped.wait())
+    try:
+        await _wait_despite_cancel([task, stopped], child.remaining())
+    finally:
+        stopped.cancel()
+    task.add_done_callback(_retrieve)
+    if task.done():
+        return
+    holder = current_run_tracker()
+    if holder is not None:
+        child.record("teardown_handed_to_parent")
+        holder.linger(task)
+        return
+    await _wait_despite_cancel([task], child.remaining())
+
+
+async def _propagate(parent: TaskCancellation | None, child: TaskCancellation, exc: TaskCancelled) -> None:
+    """The child was cancelled while this tool was not: stop the parent too, as cancellation.
+
+    With a run of ours around this tool, wait (within the budget) to be cancelled by it, so the
+    tool ends with ``CancelledError``, which no capability or retry logic can turn into a result.
+    """
+    if parent is None or current_run_tracker() is None:
+        return
+    _cancel_parent(parent, child, exc)
+    never = asyncio.get_running_loop().create_future()
+    try:
+        await asyncio.wait([never], timeout=parent.remaining())
+    finally:
+        never.cancel()
+
+
+def _cancel_parent(parent: TaskCancellation, child: TaskCancellation, exc: TaskCancelled) -> None:
+    if not parent.cancelled:
+        parent.cancel(exc.cause, detail=f"sub-agent {child.name!r} was cancelled ({exc.cause.value})")
+
+
+async def _wait_despite_cancel(futures: Iterable[asyncio.Future[Any]], timeout: float) -> None:
+    """Wait until one of ``futures`` is done or ``timeout`` passes, even if cancelled meanwhile.
+
+    The caller re-raises its own cancellation afterwards; repeated cancels (pydantic-ai and the
+    scope both cancel in-flight tools) must not cut the bounded wait short.
+    """
+    pending = list(futures)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not any(f.done() for f in pending) and (left := deadline - loop.time()) > 0:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a handed-over child's outcome as seen (it is on the child's record already)."""
+    if not task.cancelled():
+        task.exception()
+
+
+# -- the record ---------------------------------------------------------------------------
+
+
+def _attach_run(
+    child: TaskCancellation,
+    messages: list[ModelMessage],
+    usage: RunUsage | None,
+    parent_usage: RunUsage | None,
+) -> None:
+    if usage is not None and parent_usage is not None and parent_usage is not usage:
+        parent_usage.incr(usage)
+    child.attach(messages=len(messages), usage=_usage_dict(usage), transcript=_transcript(messages))
+
+
+def _transcript(messages: list[ModelMessage]) -> list[Any]:
+    try:
+        return list(ModelMessagesTypeAdapter.dump_python(messages, mode="json"))
+    except Exception as exc:  # a record must never fail the unwind
+        log.warning("could not serialise a sub-agent transcript: %r", exc)
+        return []
+
+
+def _usage_dict(usage: RunUsage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "requests": usage.requests,
+        "tool_calls": usage.tool_calls,
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+    }
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _by_name(agents: Mapping[str, AbstractAgent[Any, Any]] | Sequence[Subagent]) -> dict[str, Subagent]:
+    subs = (
+        [Subagent(name, agent) for name, agent in agents.items()]
+        if isinstance(agents, Mapping)
+        else list(agents)
+    )
+    if not subs:
+        raise ValueError(
+            "SubagentToolset needs at least one sub-agent, e.g. SubagentToolset({'helper': agent})."
+        )
+    by_name: dict[str, Subagent] = {}
+    for sub in subs:
+        if not isinstance(sub, Subagent):
+            raise TypeError(f"expected Subagent(name, agent) items, got {sub!r}")
+        if not sub.name or sub.name in by_name:
+            raise ValueError(f"sub-agent names must be unique and non-empty, got {sub.name!r} twice or empty")
+        by_name[sub.name] = sub
+    return by_name
+
+
+def _agent_name(agent: AbstractAgent[Any, Any]) -> str:
+    return getattr(agent, "name", None) or "subagent"
+
+
+def _as_text(output: Any) -> str:
+    if isinstance(output, str):
+        return output
+    dump = getattr(output, "model_dump", None)
+    return json.dumps(dump(mode="json") if callable(dump) else output, default=str)
+
+
+async def _drain_events(ctx: Any, events: Any) -> None:
+    """Passing an event handler makes pydantic-ai stream the model response."""
+    async for _ in events:
+        pass

@@ -1,0 +1,92 @@
+"""Session fixtures for the end-to-end tests: the local model server and a real Airflow 3.
+
+One Airflow per test session (a fresh ``AIRFLOW_HOME`` in a tmp dir, ``airflow db migrate``,
+api-server + scheduler + dag-processor on 127.0.0.1). Its DAGs folder is ``tests/e2e/dags``. The
+tasks reach the in-process model server through ``AIRFLOW_CONN_LOCAL_MODEL`` and report their
+pids and callbacks into ``E2E_STATE_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cancellable_agents.testing.openai_server import ScriptedModelServer
+from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
+from tests.e2e.procs import kill_marked, marked_processes
+
+DAGS_FOLDER = Path(__file__).with_name("dags")
+E2E_DAG_IDS = ("e2e_mark_failed", "e2e_clear", "e2e_eviction", "e2e_timeout")
+
+
+@dataclass
+class E2EEnv:
+    """What the tests need to drive and observe the running Airflow."""
+
+    stack: AirflowStack
+    rest: RestClient
+    model_server: ScriptedModelServer
+    state_dir: Path
+    marker: str
+    ready_s: float
+
+
+@pytest.fixture(scope="session")
+def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
+    """Start the model server and Airflow; stop both (and anything marked) at the end."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    state_dir = home / "e2e_state"
+    state_dir.mkdir()
+    marker = f"cancellable-agents-e2e-{uuid.uuid4().hex[:10]}"
+    with ScriptedModelServer() as model_server:
+        conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
+        stack = AirflowStack(
+            home,
+            DAGS_FOLDER,
+            {
+                "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
+                "E2E_STATE_DIR": str(state_dir),
+                "E2E_MARKER": marker,
+            },
+        )
+        started = time.monotonic()
+        stack.migrate()
+        migrated = time.monotonic()
+        try:
+            stack.start()
+            stack.wait_healthy()
+            ready = time.monotonic()
+            rest = stack.client()
+            _await_dags(stack, rest)
+            print(
+                f"\n[e2e] AIRFLOW_HOME={home}\n[e2e] db migrate {migrated - started:.1f}s, "
+                f"components healthy {ready - migrated:.1f}s, DAGs parsed {time.monotonic() - ready:.1f}s"
+            )
+            yield E2EEnv(stack, rest, model_server, state_dir, marker, ready - migrated)
+            rest.close()
+        finally:
+            stack.remember_processes()
+            stack.stop()
+            # The sandboxed trees run in their own sessions; anything left carries our marker.
+            kill_marked(marker)
+            leftovers = marked_processes(marker)
+            assert not leftovers, f"processes with marker {marker} survived the session: {leftovers}"
+
+
+def _await_dags(stack: AirflowStack, rest: RestClient, timeout: float = 90) -> None:
+    """Wait until the dag-processor has serialized all e2e DAGs (they are unpaused at creation)."""
+
+    def parsed() -> bool:
+        stack.check_alive()
+        body = rest.json("GET", "/api/v2/dags", params={"dag_id_pattern": "e2e_", "limit": 100})
+        return set(E2E_DAG_IDS) <= {d["dag_id"] for d in body["dags"]}
+
+    wait_until(
+        parsed, timeout, "the dag-processor to parse tests/e2e/dags", interval=0.25, on_timeout=stack.logs
+    )

@@ -1,0 +1,314 @@
+"""Drive one kill path against the real Airflow and collect everything the tests assert on.
+
+A path is: trigger a run of its DAG, wait until the task is mid-run (its sandboxed process tree
+is up and the model server is streaming its answer), kill it the way a user or the
+infrastructure does, wait for the run to settle, then read back the task logs (REST API), the
+task instance's states (REST API, polled), the callbacks that fired, the model server's record
+of the request and /proc. Nothing is asserted here: a driver returns a :class:`PathResult` so the
+four paths can run in parallel and each test judges its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cancellable_agents.mixin import RECORD_PREFIX
+from cancellable_agents.testing.openai_server import RequestRecord
+from tests.e2e.airflow_stack import tail, wait_until
+from tests.e2e.procs import ancestors, cmdline, is_alive, marked_processes
+
+if TYPE_CHECKING:
+    from tests.e2e.conftest import E2EEnv
+
+TASK_ID = "agent"
+CALLBACK_PREFIX = "E2E_CALLBACK "
+MID_RUN_TOKENS = 10
+START_TIMEOUT = 90.0
+SETTLE_TIMEOUT = 90.0
+#: The sandboxed tree is three Python processes (plus bubblewrap's two in namespace mode).
+TREE_PROCESSES = 3
+
+
+@dataclass
+class PathResult:
+    """What one kill path did, as seen from outside the task."""
+
+    path: str
+    dag_id: str
+    run_id: str
+    task_pid: int = 0
+    supervisor_pid: int = 0
+    tree_before: dict[int, str] = field(default_factory=dict)
+    click_wall: float | None = None
+    states_seen: list[tuple[int, str | None]] = field(default_factory=list)
+    final_ti: dict[str, Any] = field(default_factory=dict)
+    run_state: str | None = None
+    tries: list[dict[str, Any]] = field(default_factory=list)
+    logs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    callbacks_fired: list[dict[str, Any]] = field(default_factory=list)
+    request: RequestRecord | None = None
+    survivors: dict[int, str] = field(default_factory=dict)
+    error: BaseException | None = None
+
+    # -- reading the task log ---------------------------------------------------------------
+
+    def records(self, try_number: int) -> list[dict[str, Any]]:
+        """The ``cancellable_agents.record`` JSON objects in that try's log."""
+        return [
+            json.loads(event[len(RECORD_PREFIX) :])
+            for event in self._events(try_number)
+            if event.startswith(RECORD_PREFIX)
+        ]
+
+    def log_callbacks(self, try_number: int) -> list[str]:
+        """Names of the callbacks that logged into that try's log, in order."""
+        return [
+            event[len(CALLBACK_PREFIX) :].split()[0]
+            for event in self._events(try_number)
+            if event.startswith(CALLBACK_PREFIX)
+        ]
+
+    def log_text(self, try_number: int) -> str:
+        """That try's log as one JSON text (events, error details, tracebacks)."""
+        return json.dumps(self.logs.get(try_number, []), default=str)
+
+    def _events(self, try_number: int) -> list[str]:
+        return [str(entry.get("event", "")) for entry in self.logs.get(try_number, [])]
+
+    def tag(self, try_number: int) -> str:
+        """The prefix of that try's prompt, which identifies its request on the model server."""
+        return f"[{self.dag_id}/{self.run_id}/try{try_number}]"
+
+    # -- timings ------------------------------------------------------------------------------
+
+    @staticmethod
+    def event_ms(record: dict[str, Any], name: str) -> float | None:
+        return next((e["ms"] for e in record["timeline"] if e["event"] == name), None)
+
+    def kill_wall(self) -> float:
+        """Wall-clock time the task's scope received the kill (``kill_received`` is ms 0)."""
+        return float(self.records(1)[0]["wall_origin"])
+
+
+@dataclass(frozen=True)
+class KillPath:
+    """How a path kills its task, and when its run counts as settled."""
+
+    name: str
+    dag_id: str
+    kill: Callable[[E2EEnv, PathResult], float | None]
+    settled: Callable[[PathResult], bool]
+
+
+# -- the kills ---------------------------------------------------------------------------------
+
+
+def mark_failed(env: E2EEnv, result: PathResult) -> float:
+    """What the UI's *Mark as failed* sends."""
+    clicked = time.time()
+    env.rest.json("PATCH", _ti_path(result), json={"new_state": "failed"})
+    return clicked
+
+
+def clear(env: E2EEnv, result: PathResult) -> float:
+    """What the UI's *Clear* sends for one running task instance (not retried blindly: a second
+    clear would hit the next try)."""
+    body = {
+        "dry_run": False,
+        "task_ids": [TASK_ID],
+        "dag_run_id": result.run_id,
+        "only_failed": False,
+        "reset_dag_runs": True,
+    }
+    for _ in range(3):
+        clicked = time.time()
+        response = env.rest.request(
+            "POST", f"/api/v2/dags/{result.dag_id}/clearTaskInstances", json=body, retry=False
+        )
+        if response.status_code == 200:
+            cleared = [ti["task_id"] for ti in response.json()["task_instances"]]
+            assert cleared == [TASK_ID], f"clear touched {cleared}"
+            return clicked
+        ti = env.rest.json("GET", _ti_path(result))
+        if response.status_code < 500 or (ti["try_number"], ti["state"]) != (1, "running"):
+            raise AssertionError(f"clear failed: {response.status_code} {response.text}; TI now {ti}")
+        time.sleep(0.3)
+    raise AssertionError("clear kept failing with 5xx")
+
+
+def evict(env: E2EEnv, result: PathResult) -> float:
+    """SIGTERM the task's supervisor, as a worker shutdown (k8s pod termination) does.
+
+    The supervisor is the LocalExecutor worker process that forked the task; it is checked to
+    be under the scheduler this test started before it is signalled.
+    """
+    scheduler = env.stack.components["scheduler"].proc.pid
+    supervisor = result.supervisor_pid
+    assert scheduler in ancestors(supervisor), f"pid {supervisor} is not under our scheduler {scheduler}"
+    assert "LocalExecutor" in cmdline(supervisor), f"pid {supervisor} is not a worker: {cmdline(supervisor)}"
+    clicked = time.time()
+    os.kill(supervisor, signal.SIGTERM)
+    return clicked
+
+
+def no_kill(env: E2EEnv, result: PathResult) -> None:
+    """``execution_timeout`` ends this one by itself."""
+    return None
+
+
+def _terminal_run(result: PathResult) -> bool:
+    return result.run_state in ("success", "failed")
+
+
+def _retried(result: PathResult) -> bool:
+    return _terminal_run(result) and result.final_ti.get("try_number") == 2
+
+
+PATHS = {
+    "mark_failed": KillPath("mark_failed", "e2e_mark_failed", mark_failed, _terminal_run),
+    "clear": KillPath("clear", "e2e_clear", clear, _retried),
+    "eviction": KillPath("eviction", "e2e_eviction", evict, _retried),
+    "timeout": KillPath("timeout", "e2e_timeout", no_kill, _retried),
+}
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def drive(env: E2EEnv, path: KillPath) -> PathResult:
+    """Run ``path`` end to end; failures are kept in ``result.error`` with what was seen so far."""
+    result = PathResult(path.name, path.dag_id, f"{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        _trigger(env, result)
+        _await_mid_run(env, result)
+        result.click_wall = path.kill(env, result)
+        _await_settled(env, result, path.settled)
+        _collect(env, result)
+    except BaseException as exc:
+        result.error = exc
+        _collect_quietly(env, result)
+    return result
+
+
+def _ti_path(result: PathResult) -> str:
+    return f"/api/v2/dags/{result.dag_id}/dagRuns/{result.run_id}/taskInstances/{TASK_ID}"
+
+
+def _trigger(env: E2EEnv, result: PathResult) -> None:
+    response = env.rest.request(
+        "POST",
+        f"/api/v2/dags/{result.dag_id}/dagRuns",
+        json={"dag_run_id": result.run_id, "logical_date": None},
+    )
+    # 409: an earlier attempt of this retried POST did create the run.
+    if response.status_code not in (200, 409):
+        raise AssertionError(f"trigger {result.dag_id} -> {response.status_code}: {response.text}")
+
+
+def _await_mid_run(env: E2EEnv, result: PathResult) -> None:
+    """Until try 1 has said who it is, its tree is up and its answer is streaming."""
+    pid_file = env.state_dir / f"{result.dag_id}.{result.run_id}.try1.json"
+    marker = tree_marker(env, result, 1)
+
+    def ready() -> bool:
+        env.stack.check_alive()
+        if not pid_file.exists():
+            return False
+        request = _request(env, result, 1)
+        tree = marked_processes(marker)
+        return bool(request and request.tokens_sent >= MID_RUN_TOKENS and len(tree) >= TREE_PROCESSES)
+
+    wait_until(ready, START_TIMEOUT, f"{result.dag_id} try 1 to be mid-run", interval=0.1)
+    info = json.loads(pid_file.read_text())
+    result.task_pid, result.supervisor_pid = info["pid"], info["ppid"]
+    result.tree_before = marked_processes(marker)
+
+
+def _await_settled(env: E2EEnv, result: PathResult, settled: Callable[[PathResult], bool]) -> None:
+    """Poll the TI (noting every (try, state) seen) until the run settled and try 1's process is gone."""
+
+    def probe() -> bool:
+        env.stack.check_alive()
+        ti = env.rest.json("GET", _ti_path(result))
+        seen = (ti["try_number"], ti["state"])
+        if not result.states_seen or result.states_seen[-1] != seen:
+            result.states_seen.append(seen)
+        result.final_ti = ti
+        run = env.rest.json("GET", f"/api/v2/dags/{result.dag_id}/dagRuns/{result.run_id}")
+        result.run_state = run["state"]
+        return settled(result) and not is_alive(result.task_pid)
+
+    wait_until(probe, SETTLE_TIMEOUT, f"{result.dag_id} to settle", interval=0.2)
+
+
+def _collect(env: E2EEnv, result: PathResult) -> None:
+    tries = env.rest.json("GET", f"{_ti_path(result)}/tries")["task_instances"]
+    result.tries = sorted(tries, key=lambda t: t["try_number"])
+    for entry in result.tries:
+        number = entry["try_number"]
+        body = env.rest.json(
+            "GET",
+            f"{_ti_path(result)}/logs/{number}",
+            params={"full_content": "true"},
+            headers={"Accept": "application/json"},
+        )
+        result.logs[number] = [e for e in body["content"] if isinstance(e, dict)]
+    result.callbacks_fired = _callbacks(env, result)
+    result.request = _request(env, result, 1)
+    result.survivors = _survivors(env, result)
+
+
+def _collect_quietly(env: E2EEnv, result: PathResult) -> None:
+    # Diagnostics only: the first error is the one to report.
+    with contextlib.suppress(BaseException):
+        _collect(env, result)
+
+
+def _callbacks(env: E2EEnv, result: PathResult) -> list[dict[str, Any]]:
+    """Callbacks of this run from any process (task process or dag-processor), in order."""
+    path = env.state_dir / "callbacks.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [c for c in lines if c["dag_id"] == result.dag_id and c["run_id"] == result.run_id]
+
+
+def _request(env: E2EEnv, result: PathResult, try_number: int) -> RequestRecord | None:
+    tag = result.tag(try_number)
+    return next((r for r in env.model_server.requests if tag in json.dumps(r.messages)), None)
+
+
+def tree_marker(env: E2EEnv, result: PathResult, try_number: int) -> str:
+    """The argv marker of a try's sandboxed tree (``tree_marker`` in ``dags/kill_paths.py``)."""
+    return f"{env.marker}:{result.dag_id}:try{try_number}"
+
+
+def _survivors(env: E2EEnv, result: PathResult, timeout: float = 3.0) -> dict[int, str]:
+    """Processes of try 1's tree still alive; the kernel may take a moment to finish a namespace."""
+    marker = tree_marker(env, result, 1)
+    deadline = time.monotonic() + timeout
+    while (alive := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def diagnostics(env: E2EEnv, result: PathResult) -> str:
+    """Component log tails, the task log files of this run and what was observed, for failures."""
+    parts = [
+        f"path={result.path} dag={result.dag_id} run={result.run_id} task_pid={result.task_pid} "
+        f"supervisor={result.supervisor_pid} states_seen={result.states_seen} run_state={result.run_state}",
+        f"callbacks fired: {result.callbacks_fired}",
+        f"model request: {result.request}",
+        env.stack.logs(lines=40),
+    ]
+    for log_file in env.stack.task_log_files(result.dag_id, result.run_id, TASK_ID):
+        parts.append(f"----- task log {log_file} -----\n{tail(log_file, 60)}")
+    return "\n".join(parts)

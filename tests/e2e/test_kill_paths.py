@@ -1,0 +1,200 @@
+"""The four ways Airflow stops a running agent task, against a real Airflow 3 on loopback.
+
+All four paths run at once, in four DAG runs (the ``outcomes`` fixture); each test then judges
+one path from the task log (read through the REST API), the task instance's states and tries
+(REST API), the callbacks that fired, the local model server's record of the request, and /proc.
+Latencies are printed (``-s``): click -> on_kill is Airflow's (the supervisor notices a user's
+click at its next heartbeat, up to 5 s later); on_kill -> unwound is ours and must stay inside
+the 5 s Airflow allows before SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv
+from tests.e2e.driver import PATHS, PathResult, diagnostics, drive
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+#: Airflow SIGKILLs a task 5 s after its SIGTERM: everything must have unwound before that.
+BUDGET_MS = 5000.0
+#: The supervisor heartbeats every 5 s ([workers] min_heartbeat_interval); a user's click
+#: reaches the task at the next one.
+HEARTBEAT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def outcomes(e2e: E2EEnv) -> Iterator[dict[str, PathResult]]:
+    """Drive all four kill paths in parallel DAG runs; print the measurements afterwards."""
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(PATHS), thread_name_prefix="e2e-path") as pool:
+        futures = {name: pool.submit(drive, e2e, path) for name, path in PATHS.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    took = time.monotonic() - started
+    yield results
+    print(f"\n[e2e] Airflow ready in {e2e.ready_s:.1f}s; the four paths took {took:.1f}s in parallel")
+    for result in results.values():
+        print(_measurements(result))
+
+
+@contextlib.contextmanager
+def explained(e2e: E2EEnv, result: PathResult) -> Iterator[None]:
+    """Re-raise a driver error or a failed assertion with the logs that explain it."""
+    try:
+        if result.error is not None:
+            raise AssertionError(f"{result.path}: {result.error!r}") from result.error
+        yield
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{diagnostics(e2e, result)}") from exc
+
+
+def _the_record(result: PathResult, cause: str, detail: str) -> dict[str, Any]:
+    """Assert what every path shares about try 1's record and its unwind; return the record."""
+    records = result.records(1)
+    assert len(records) == 1, f"expected exactly one record line in try 1's log, got {len(records)}"
+    record = records[0]
+    assert (record["cause"], record["detail"]) == (cause, detail), record
+    assert record["outcome"] == "cancelled"
+    events = [e["event"] for e in record["timeline"]]
+    assert events.count("kill_received") == 1, events
+    for name in ("run_unwound", "resources_released"):
+        at = result.event_ms(record, name)
+        assert at is not None and 0 <= at < BUDGET_MS, f"{name} at {at} ms (budget {BUDGET_MS} ms): {events}"
+    assert record["stragglers"] == []
+    for later in result.logs:
+        if later > 1:
+            assert result.records(later) == [], f"try {later} was not killed but logged a record"
+    return record
+
+
+def _stopped_everything(result: PathResult, *, earliest_ms: float = -50.0) -> None:
+    """The model server saw this task's stream closed after the kill; the task's tree is gone.
+
+    ``earliest_ms``: how long before ``kill_received`` the disconnect may be seen (the timeout
+    path records the cause only after pydantic-ai's own deadline already closed the stream).
+    """
+    assert len(result.tree_before) >= 3, (
+        f"the sandboxed tree was not running before the kill: {result.tree_before}"
+    )
+    request = result.request
+    assert request is not None, f"no request tagged {result.tag(1)} reached the model server"
+    assert request.outcome == "disconnected", f"the model server saw {request.outcome!r}, not a disconnect"
+    assert request.disconnected_at is not None
+    seen_ms = _disconnect_after_kill_ms(result)
+    assert earliest_ms <= seen_ms < BUDGET_MS, f"server saw the disconnect {seen_ms:.0f} ms after on_kill"
+    assert result.survivors == {}, f"processes started by the task survived: {result.survivors}"
+
+
+def _disconnect_after_kill_ms(result: PathResult) -> float:
+    assert result.request is not None and result.request.disconnected_at is not None
+    # The model server runs in this process: its monotonic clock maps to wall time here.
+    wall = result.request.disconnected_at + (time.time() - time.monotonic())
+    return (wall - result.kill_wall()) * 1000
+
+
+def _click_to_kill_s(result: PathResult) -> float:
+    assert result.click_wall is not None
+    return result.kill_wall() - result.click_wall
+
+
+def _callbacks(result: PathResult) -> list[tuple[str, int]]:
+    return [(c["callback"], c["try"]) for c in result.callbacks_fired]
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+def test_e2e_dags_parse_without_import_errors(e2e: E2EEnv) -> None:
+    errors = e2e.rest.json("GET", "/api/v2/importErrors")
+    assert errors["total_entries"] == 0, errors
+    dags = e2e.rest.json("GET", "/api/v2/dags", params={"dag_id_pattern": "e2e_"})
+    assert {d["dag_id"] for d in dags["dags"]} >= set(E2E_DAG_IDS)
+
+
+def test_mark_failed_stops_the_task_and_does_not_retry(e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+    result = outcomes["mark_failed"]
+    with explained(e2e, result):
+        _the_record(result, "user", "marked failed")
+        _stopped_everything(result)
+        assert 0 <= _click_to_kill_s(result) < HEARTBEAT_S + 2
+        assert (result.final_ti["state"], result.final_ti["try_number"]) == ("failed", 1)
+        assert [t["try_number"] for t in result.tries] == [1], "a task marked failed must not be retried"
+        assert result.run_state == "failed"
+        assert result.log_callbacks(1) == ["on_failure_callback"]
+        assert _callbacks(result) == [("on_failure_callback", 1)], "only on_failure_callback may fire"
+
+
+def test_clear_stops_the_try_and_the_next_try_starts(e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+    result = outcomes["clear"]
+    with explained(e2e, result):
+        _the_record(result, "user", "cleared")
+        _stopped_everything(result)
+        assert 0 <= _click_to_kill_s(result) < HEARTBEAT_S + 2
+        assert result.final_ti["try_number"] == 2 and result.final_ti["state"] in ("running", "success")
+        assert any(try_ == 2 and state in ("running", "success") for try_, state in result.states_seen)
+        # Inside the task a user's stop is a failure (CancellationAwareRetryPolicy on_user=FAIL):
+        # on_failure_callback, never a misleading on_retry_callback from the task process.
+        assert result.log_callbacks(1) == ["on_failure_callback"]
+        assert result.log_callbacks(2) == []
+
+
+def test_worker_eviction_retries(e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+    result = outcomes["eviction"]
+    with explained(e2e, result):
+        _the_record(result, "eviction", "worker shutdown")
+        _stopped_everything(result)
+        assert 0 <= _click_to_kill_s(result) < 1.0, "the supervisor forwards SIGTERM at once"
+        assert (1, "up_for_retry") in result.states_seen
+        assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2)
+        assert result.log_callbacks(1) == ["on_retry_callback"]
+        assert _callbacks(result) == [("on_retry_callback", 1)], "only on_retry_callback may fire"
+
+
+def test_execution_timeout_unwinds_gracefully_and_retries(
+    e2e: E2EEnv, outcomes: dict[str, PathResult]
+) -> None:
+    result = outcomes["timeout"]
+    with explained(e2e, result):
+        record = _the_record(result, "timeout", "the run's deadline passed")
+        _stopped_everything(result, earliest_ms=-1000.0)
+        # The run's deadline is execution_timeout minus timeout_margin (2 s) after the scope began.
+        since_created_s = -(result.event_ms(record, "scope_created") or 0.0) / 1000
+        assert 8.0 - 2.0 - 1.0 < since_created_s < 8.0, (
+            f"timed out {since_created_s:.2f}s after the scope began"
+        )
+        assert "AirflowTaskTimeout" not in result.log_text(1), "SIGALRM fired: the graceful deadline lost"
+        assert (1, "up_for_retry") in result.states_seen
+        assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2)
+        assert result.log_callbacks(1) == ["on_retry_callback"]
+        assert _callbacks(result) == [("on_retry_callback", 1)], "only on_retry_callback may fire"
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def _measurements(result: PathResult) -> str:
+    """One line per path for the closing note (best effort: it also runs after failures)."""
+    try:
+        record = result.records(1)[0]
+        if result.click_wall is not None:
+            click = f"click->on_kill {_click_to_kill_s(result) * 1000:.0f} ms"
+        else:
+            since = -(result.event_ms(record, "scope_created") or 0.0) / 1000
+            click = f"scope created->on_kill {since:.2f} s (execution_timeout 8 s, margin 2 s)"
+        return (
+            f"[e2e] {result.path:<11} {click}; "
+            f"on_kill->run_unwound {result.event_ms(record, 'run_unwound')} ms, "
+            f"->resources_released {result.event_ms(record, 'resources_released')} ms, "
+            f"->server saw disconnect {_disconnect_after_kill_ms(result):.0f} ms; cause {record['cause']}/"
+            f"{record['detail']}; TI {result.final_ti.get('state')} try {result.final_ti.get('try_number')} "
+            f"(seen {result.states_seen}); callbacks {_callbacks(result)}"
+        )
+    except Exception as exc:
+        return f"[e2e] {result.path}: no measurements ({exc!r}; error: {result.error!r})"

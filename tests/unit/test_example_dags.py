@@ -1,0 +1,281 @@
+"""The example DAGs parse, run with the keyless model, and the kill-me DAG stops as it says.
+
+Parsing happens in-process with Airflow's ``DagBag``. Runs happen in a child process (this file
+run as a script) with its own migrated ``AIRFLOW_HOME``, through ``dag.test()``, which executes
+tasks with the Task SDK's real SIGTERM handler, so the kill test signals the child exactly as
+Airflow's supervisor signals a task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE_DAGS = ROOT / "example_dags"
+RESULT_PREFIX = "EXAMPLE_DAG_RESULT "
+RECORD_PREFIX = "cancellable_agents.record "
+
+EXPECTED_DAGS = {
+    "example_cancellable_llm",
+    "example_cancellable_agent_sandbox",
+    "example_cancellable_subagents",
+    "example_cancellable_kill_me",
+}
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+
+def _parse(monkeypatch: pytest.MonkeyPatch, conn: str | None) -> Any:
+    from airflow.dag_processing.dagbag import DagBag
+
+    if conn is None:
+        monkeypatch.delenv("CANCELLABLE_AGENTS_CONN", raising=False)
+    else:
+        monkeypatch.setenv("CANCELLABLE_AGENTS_CONN", conn)
+    return DagBag(dag_folder=str(EXAMPLE_DAGS))
+
+
+def _model_tasks(bag: Any) -> list[Any]:
+    from cancellable_agents import LLMOperator
+
+    return [t for dag in bag.dags.values() for t in dag.tasks if isinstance(t, LLMOperator)]
+
+
+def test_every_example_dag_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    bag = _parse(monkeypatch, conn=None)
+    assert bag.import_errors == {}
+    assert set(bag.dag_ids) == EXPECTED_DAGS
+    assert all(sorted(dag.tags) == ["cancellable-agents", "example"] for dag in bag.dags.values())
+
+
+def test_examples_are_keyless_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without configuration every model task uses the keyless test model and no connection."""
+    tasks = _model_tasks(_parse(monkeypatch, conn=None))
+    assert len(tasks) >= 8
+    assert {(t.llm_conn_id, t.model) for t in tasks} == {(None, "test")}
+
+
+def test_a_connection_switches_every_example_to_a_real_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting ``CANCELLABLE_AGENTS_CONN`` is the only change needed: the model comes from it."""
+    tasks = _model_tasks(_parse(monkeypatch, conn="my_llm"))
+    assert {(t.llm_conn_id, t.model) for t in tasks} == {("my_llm", None)}
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+def _airflow_env(home: Path) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(EXAMPLE_DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("CANCELLABLE_AGENTS_CONN", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    env = _airflow_env(tmp_path_factory.mktemp("airflow_home"))
+    migrate = [sys.executable, "-m", "airflow", "db", "migrate"]
+    subprocess.run(migrate, env=env, check=True, capture_output=True, timeout=180)
+    return env
+
+
+def _run_dag(env: dict[str, str], dag_id: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, __file__, dag_id], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    output = f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    raise AssertionError(f"{dag_id}: no result (exit {proc.returncode})\n{output}")
+
+
+@pytest.mark.process
+def test_plain_llm_dag_runs(airflow_env: dict[str, str]) -> None:
+    result = _run_dag(airflow_env, "example_cancellable_llm")
+    assert result["state"] == "success", result
+    assert set(result["tis"].values()) == {"success"}, result
+    assert set(result["xcom"]["triage"]) == {"severity", "summary"}  # structured output, as a dict
+    assert result["xcom"]["notify"].startswith("severity ")
+
+
+@pytest.mark.process
+def test_sandbox_dag_runs_commands(airflow_env: dict[str, str]) -> None:
+    result = _run_dag(airflow_env, "example_cancellable_agent_sandbox")
+    assert result["state"] == "success", result
+    assert set(result["tis"].values()) == {"success"}, result
+    # The test model calls every tool once: the answer holds the sandbox's real command results.
+    for task_id in ("profile_python", "disk_report"):
+        answer = result["xcom"][task_id]
+        tool_results = answer if isinstance(answer, dict) else json.loads(answer)
+        assert tool_results["run_shell"]["exit_code"] == 127  # `sh -c a`: command not found
+        assert "NameError" in tool_results["run_python"]["stderr"]
+
+
+@pytest.mark.process
+def test_subagents_dag_delegates_to_a_sub_agent_with_a_sandbox(airflow_env: dict[str, str]) -> None:
+    result = _run_dag(airflow_env, "example_cancellable_subagents")
+    assert result["state"] == "success", result
+    answer = result["xcom"]["disk_usage_report"]
+    lead = answer if isinstance(answer, dict) else json.loads(answer)
+    # The lead called `delegate`; the researcher it picked ran its own sandbox tools.
+    researcher = json.loads(lead["delegate"])
+    assert researcher["run_shell"]["exit_code"] == 127
+
+
+# -- the kill-me DAG --------------------------------------------------------------------------
+
+
+class _Child:
+    """The child process with its output lines readable without blocking."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own group, so cleanup never reaches beyond it
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._queue.put(line)
+
+    def wait_for_line(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        for line in list(self.lines):
+            if needle in line:
+                return line
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if needle in line:
+                return line
+        raise AssertionError(f"no line with {needle!r} within {timeout}s:\n{''.join(self.lines[-80:])}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def child_factory() -> Iterator[Any]:
+    started: list[_Child] = []
+
+    def start(env: dict[str, str], *args: str) -> _Child:
+        child = _Child(env, *args)
+        started.append(child)
+        return child
+
+    yield start
+    for child in started:
+        child.close()
+
+
+def _wait_for_process(root_pid: int, cmdline: list[str], timeout: float) -> Any:
+    """Poll the child's process tree until ``cmdline`` runs in it (no event exists to await)."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in root.children(recursive=True):
+            try:
+                if proc.cmdline() == cmdline:
+                    return proc
+            except psutil.Error:  # exited, or a zombie, between listing and reading it
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"{cmdline} did not start under pid {root_pid} within {timeout}s")
+
+
+def _record(line: str) -> dict[str, Any]:
+    start = line.index(RECORD_PREFIX) + len(RECORD_PREFIX)
+    record, _ = json.JSONDecoder().raw_decode(line[start:])
+    return record
+
+
+@pytest.mark.process
+def test_kill_me_sandbox_task_stops_its_process_tree_on_sigterm(
+    airflow_env: dict[str, str], child_factory: Any
+) -> None:
+    """SIGTERM to the running ``sandbox_command`` task, as a worker shutdown delivers it."""
+    child = child_factory(airflow_env, "example_cancellable_kill_me", "sandbox_command")
+    sleeper = _wait_for_process(child.proc.pid, ["sleep", "600"], timeout=120)
+
+    os.kill(child.proc.pid, signal.SIGTERM)
+
+    record = _record(child.wait_for_line(RECORD_PREFIX, timeout=30))
+    decision = child.wait_for_line("Retry policy decision", timeout=30)
+    assert record["cause"] == "eviction", record
+    assert record["outcome"] == "cancelled"
+    assert any(k["command"] == "sleep 600" and k["pid"] == sleeper.pid for k in record["killed"]), record
+    assert record["stragglers"] == []
+    assert "action=retry" in decision
+    assert not sleeper.is_running(), "the background `sleep 600` outlived the kill"
+    assert child.proc.wait(60) == 0
+
+
+# -- the child ----------------------------------------------------------------------------------
+
+
+def _child_main(dag_id: str, only_task: str | None) -> None:
+    """Run ``dag_id`` (or just ``only_task``, without retries) with ``dag.test()``; print the result."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    dag = DagBag(dag_folder=str(EXAMPLE_DAGS)).dags[dag_id]
+    if only_task is not None:
+        dag = dag.partial_subset(task_ids=[only_task], include_upstream=False)
+        for task in dag.tasks:
+            task.retries = 0  # one try: the retry decision is still logged, dag.test() then ends
+    run = dag.test()
+    with create_session() as session:
+        rows = session.scalars(
+            select(XComModel).where(
+                XComModel.dag_id == dag_id, XComModel.run_id == run.run_id, XComModel.key == "return_value"
+            )
+        ).all()
+        xcom = {row.task_id: XComModel.deserialize_value(row) for row in rows}
+    result = {
+        "state": str(run.state),
+        "tis": {ti.task_id: str(ti.state) for ti in run.get_task_instances()},
+        "xcom": xcom,
+    }
+    print(RESULT_PREFIX + json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
