@@ -8,7 +8,7 @@ kill does (``airflow/sdk/execution_time/task_runner.py``, Airflow 3.3.2):
 - the SIGTERM handler (:func:`install_sigterm_handler`) is ``_on_term``: in the task's own process
   it calls ``ti.task.on_kill()`` on the main thread and returns; Airflow raises nothing;
 - :func:`execute_like_task_sdk` is ``_execute_task`` + ``_run_execute_callable``: templates,
-  ``pre_execute`` (when overridden), ``execute`` in a copied context carrying the
+  the ``pre_execute=`` hook and ``pre_execute`` (when overridden), ``execute`` in a copied context carrying the
   ``ExecutorSafeguard`` sentinel, and with ``execution_timeout`` the SDK's own
   ``timeout`` context manager (SIGALRM), calling ``on_kill()`` in its ``except AirflowTaskTimeout``.
 
@@ -86,6 +86,8 @@ def execute_like_task_sdk(
     from airflow.sdk.execution_time.timeout import timeout
 
     task.render_template_fields(context)  # _prepare -> ti.render_templates()
+    if (pre_execute_hook := getattr(task, "_pre_execute_hook", None)) is not None:
+        pre_execute_hook(context)
     if getattr(task.pre_execute, "__func__", None) is not BaseOperator.pre_execute:
         task.pre_execute(context)
     ctx = contextvars.copy_context()
@@ -104,6 +106,8 @@ def execute_like_task_sdk(
         except AirflowTaskTimeout:
             task.on_kill()
             raise
+    if (post_execute_hook := getattr(task, "_post_execute_hook", None)) is not None:
+        post_execute_hook(context, result)
     if getattr(task.post_execute, "__func__", None) is not BaseOperator.post_execute:
         task.post_execute(context, result)
     return result

@@ -315,7 +315,8 @@ class DescendantReaper:
 
     Create with :meth:`start` when the run starts. Thread-safe; :meth:`reap` is idempotent.
     It never signals this process, its threads, processes that existed before :meth:`start`,
-    or anything started by those.
+    or anything started by those. It works per *process*: it cannot tell which scope started a
+    descendant, so use one per task process (Airflow's model), not one per scope in a shared one.
     """
 
     #: How often the tree is polled while the run is active.

@@ -33,6 +33,8 @@ CALLBACK_PREFIX = "E2E_CALLBACK "
 MID_RUN_TOKENS = 10
 START_TIMEOUT = 90.0
 SETTLE_TIMEOUT = 90.0
+#: Task instance states after which the run may be settled.
+FINISHED = ("success", "failed", "up_for_retry", "skipped", "upstream_failed")
 #: The sandboxed tree is three Python processes (plus bubblewrap's two in namespace mode).
 TREE_PROCESSES = 3
 
@@ -48,6 +50,7 @@ class PathResult:
     supervisor_pid: int = 0
     tree_before: dict[int, str] = field(default_factory=dict)
     click_wall: float | None = None
+    answered_wall: float | None = None
     states_seen: list[tuple[int, str | None]] = field(default_factory=list)
     final_ti: dict[str, Any] = field(default_factory=dict)
     run_state: str | None = None
@@ -104,21 +107,21 @@ class KillPath:
 
     name: str
     dag_id: str
-    kill: Callable[[E2EEnv, PathResult], float | None]
+    kill: Callable[[E2EEnv, PathResult], tuple[float, float] | None]
     settled: Callable[[PathResult], bool]
 
 
 # -- the kills ---------------------------------------------------------------------------------
 
 
-def mark_failed(env: E2EEnv, result: PathResult) -> float:
-    """What the UI's *Mark as failed* sends."""
+def mark_failed(env: E2EEnv, result: PathResult) -> tuple[float, float]:
+    """What the UI's *Mark as failed* sends; returns when it was sent and when it was answered."""
     clicked = time.time()
     env.rest.json("PATCH", _ti_path(result), json={"new_state": "failed"})
-    return clicked
+    return clicked, time.time()
 
 
-def clear(env: E2EEnv, result: PathResult) -> float:
+def clear(env: E2EEnv, result: PathResult) -> tuple[float, float]:
     """What the UI's *Clear* sends for one running task instance (not retried blindly: a second
     clear would hit the next try)."""
     body = {
@@ -136,7 +139,7 @@ def clear(env: E2EEnv, result: PathResult) -> float:
         if response.status_code == 200:
             cleared = [ti["task_id"] for ti in response.json()["task_instances"]]
             assert cleared == [TASK_ID], f"clear touched {cleared}"
-            return clicked
+            return clicked, time.time()
         ti = env.rest.json("GET", _ti_path(result))
         if response.status_code < 500 or (ti["try_number"], ti["state"]) != (1, "running"):
             raise AssertionError(f"clear failed: {response.status_code} {response.text}; TI now {ti}")
@@ -144,7 +147,7 @@ def clear(env: E2EEnv, result: PathResult) -> float:
     raise AssertionError("clear kept failing with 5xx")
 
 
-def evict(env: E2EEnv, result: PathResult) -> float:
+def evict(env: E2EEnv, result: PathResult) -> tuple[float, float]:
     """SIGTERM the task's supervisor, as a worker shutdown (k8s pod termination) does.
 
     The supervisor is the LocalExecutor worker process that forked the task; it is checked to
@@ -156,7 +159,7 @@ def evict(env: E2EEnv, result: PathResult) -> float:
     assert "LocalExecutor" in cmdline(supervisor), f"pid {supervisor} is not a worker: {cmdline(supervisor)}"
     clicked = time.time()
     os.kill(supervisor, signal.SIGTERM)
-    return clicked
+    return clicked, clicked
 
 
 def no_kill(env: E2EEnv, result: PathResult) -> None:
@@ -189,7 +192,9 @@ def drive(env: E2EEnv, path: KillPath) -> PathResult:
     try:
         _trigger(env, result)
         _await_mid_run(env, result)
-        result.click_wall = path.kill(env, result)
+        clicked = path.kill(env, result)
+        if clicked is not None:
+            result.click_wall, result.answered_wall = clicked
         _await_settled(env, result, path.settled)
         _collect(env, result)
     except BaseException as exc:
@@ -242,11 +247,14 @@ def _await_settled(env: E2EEnv, result: PathResult, settled: Callable[[PathResul
         if not result.states_seen or result.states_seen[-1] != seen:
             result.states_seen.append(seen)
         result.final_ti = ti
+        if ti["state"] not in FINISHED:
+            return False
         run = env.rest.json("GET", f"/api/v2/dags/{result.dag_id}/dagRuns/{result.run_id}")
         result.run_state = run["state"]
         return settled(result) and not is_alive(result.task_pid)
 
-    wait_until(probe, SETTLE_TIMEOUT, f"{result.dag_id} to settle", interval=0.2)
+    # 0.25 s: fast enough to see a 2 s up_for_retry, light enough for a 1-worker api-server.
+    wait_until(probe, SETTLE_TIMEOUT, f"{result.dag_id} to settle", interval=0.25)
 
 
 def _collect(env: E2EEnv, result: PathResult) -> None:

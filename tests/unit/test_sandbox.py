@@ -388,7 +388,7 @@ def test_local_sandbox_satisfies_the_protocols() -> None:
 def test_namespace_mode_without_bubblewrap_says_how_to_fix_it() -> None:
     code = (
         "from cancellable_agents.toolsets.sandbox import LocalSandbox, SandboxUnavailable\n"
-        "print(LocalSandbox(isolation='auto').mode)\n"
+        "box = LocalSandbox(isolation='auto')\nprint(box.mode)\nbox.destroy()\n"
         "try:\n    LocalSandbox(isolation='namespace')\n"
         "except SandboxUnavailable as exc:\n    print(exc)\n"
     )

@@ -506,7 +506,23 @@ def test_child_deadline_ends_the_task_as_timeout() -> None:
     assert kid.cause is CancelCause.TIMEOUT
 
 
-# -- children driven from threads ---------------------------------------------------------
+def test_child_inherits_the_parent_runs_deadline() -> None:
+    leaf = Blocked()
+    parent = Agent(
+        FunctionModel(Delegating("slow")), toolsets=[SubagentToolset({"slow": Agent(FunctionModel(leaf))})]
+    )
+    scope = TaskCancellation()
+    begun = time.monotonic()
+    with pytest.raises(TaskCancelled) as info:
+        run_agent_in_scope(scope, parent, "go", timeout=0.3)
+    assert time.monotonic() - begun < 0.3 + 1.0
+    assert info.value.cause is CancelCause.TIMEOUT and leaf.cancelled.is_set()
+    (kid,) = scope.children
+    # Both deadlines are the same instant: whichever fires first, the root cause is TIMEOUT.
+    assert kid.cause in (CancelCause.TIMEOUT, CancelCause.PARENT) and kid.root_cause is CancelCause.TIMEOUT
+
+
+# -- sync tools and children driven from threads ------------------------------------------
 
 
 def _polling_child(log: list[tuple[float, str]], started: threading.Event) -> Agent[Any, Any]:
@@ -526,12 +542,13 @@ def _polling_child(log: list[tuple[float, str]], started: threading.Event) -> Ag
     return child
 
 
-def test_thread_driven_child_is_cancelled_and_its_thread_stops() -> None:
+@pytest.mark.parametrize("threaded", [True, False], ids=["thread-driven child", "loop-driven child"])
+def test_sync_tool_of_a_child_sees_its_scope_and_stops_with_the_parent(threaded: bool) -> None:
     log: list[tuple[float, str]] = []
     started = threading.Event()
     parent = Agent(
         FunctionModel(Delegating("worker")),
-        toolsets=[SubagentToolset({"worker": _polling_child(log, started)}, threaded=True)],
+        toolsets=[SubagentToolset({"worker": _polling_child(log, started)}, threaded=threaded)],
     )
     scope = TaskCancellation()
     _cancel_when(started, scope, CancelCause.USER)

@@ -56,6 +56,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,6 +111,8 @@ KILL_RESERVE = 0.3
 KILL_WAIT = 1.0
 #: How long output readers may take to drain once the tree is gone.
 READER_JOIN = 1.0
+#: Finished commands whose results stay available to ``wait`` (oldest are forgotten first).
+KEEP_RESULTS = 256
 #: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
 
@@ -448,6 +451,9 @@ class LocalSandbox:
         self.mode: Mode = _choose_mode(isolation)
         self.id = uuid.uuid4().hex[:8]
         self.workdir, self._owns_workdir = _prepare_workdir(workdir)
+        if self._owns_workdir:
+            # A sandbox nobody destroyed still does not leave its directory behind at exit.
+            weakref.finalize(self, shutil.rmtree, self.workdir, True)
         self.stop_grace = stop_grace
         self.output_limit = output_limit
         self.python = python or sys.executable or "python3"
@@ -518,10 +524,17 @@ class LocalSandbox:
                 raise SandboxClosed(f"sandbox {self.id} was destroyed; it starts no more commands")
             cmd = self._spawn(command_id, self._wrap(argv), env, tag, timeout, stdin)
             self._commands[command_id] = cmd
+            self._forget_old_results()
         if self._scope is not None and self._scope.cancelled:
             # The scope's stop_all may have looked before this command existed.
             self.stop(command_id)
         return command_id
+
+    def _forget_old_results(self) -> None:
+        """Keep the results of the last ``KEEP_RESULTS`` finished commands (memory stays bounded)."""
+        finished = [cid for cid, c in self._commands.items() if c.done.is_set()]
+        for command_id in finished[: max(0, len(finished) - KEEP_RESULTS)]:
+            del self._commands[command_id]
 
     def _wrap(self, argv: list[str]) -> list[str]:
         if self.mode != "namespace":
@@ -829,6 +842,9 @@ class LocalSandbox:
         # be recycled, so the group signal cannot reach a stranger.
         if cmd.mode != "process-group" or cmd.popen.returncode is not None:
             return
+        leader = read_proc(cmd.main.pid)
+        if leader is None or leader.start != cmd.main.start:
+            return  # reaped behind our back (e.g. by the descendant reaper): the id is not ours
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(cmd.main.pid, sig)
 

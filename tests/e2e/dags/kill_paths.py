@@ -40,6 +40,10 @@ PROMPT = "[{{ dag.dag_id }}/{{ run_id }}/try{{ ti.try_number }}] write a very lo
 #: Three processes (one escapes into its own session) that sleep until something kills them.
 TREE_PROGRAM = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.fork()\ntime.sleep(300)\n"
 
+#: Long enough for a first try to start streaming on a loaded 2-core machine (imports alone can
+#: take seconds there), short enough to keep the suite quick.
+EXECUTION_TIMEOUT_S = 15
+
 DEFAULTS: dict[str, Any] = {
     "retries": 1,
     # Long enough for the test's 0.2 s polling to see ``up_for_retry`` before the next try.
@@ -138,4 +142,4 @@ with _dag("e2e_eviction", "Killed by SIGTERM to its supervisor (worker eviction)
     _agent_decorated("e2e_eviction")
 
 with _dag("e2e_timeout", "Killed by its execution_timeout: must end gracefully, then retry."):
-    _agent_operator(execution_timeout=timedelta(seconds=8))
+    _agent_operator(execution_timeout=timedelta(seconds=EXECUTION_TIMEOUT_S))

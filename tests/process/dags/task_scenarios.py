@@ -146,7 +146,7 @@ def build_task(scenario: str) -> BaseOperator:
             prompt="write a lot",
             model=_model("slow?tokens=600&delay=0.05"),
             stream=True,
-            execution_timeout=timedelta(seconds=4),
+            execution_timeout=timedelta(seconds=8),
             **common,
         )
     if scenario == "timeout_sigalrm":

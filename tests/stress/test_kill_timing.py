@@ -1,0 +1,274 @@
+"""Kill-timing stress: many real runs, each killed at a random moment, never lost, never leaking.
+
+A long-lived task process (``_stress_child.py``: the Task SDK's own SIGTERM handler shape and
+SIGALRM timeout, a fresh ``AgentOperator`` per run, the local HTTP model server) runs one planned
+run after another. For each run the parent draws, from one seeded RNG, the tools (async tool with
+a subprocess, cooperative sync tool, sandbox command in either isolation mode, sub-agent), the
+task state the cause query will answer, and the trigger: SIGTERM (1, or a burst of 2-20) at a
+moment drawn across every phase (before start, during ``pre_execute``, model request, tool,
+sub-agent, teardown, after the result, or any time at all), or ``execution_timeout``.
+
+Invariants, on every run (the child checks what needs the inside view, see ``check()`` there):
+exactly one terminal outcome; a kill before the result makes ``execute`` raise ``TaskCancelled``
+(never a success), a kill after it is a logged no-op; no exception escapes ``on_kill``; the
+recorded cause matches the trigger; the run ends inside Airflow's 5 s grace; no thread of ours,
+no started process and no HTTP request is left after the 4 s budget; a kill before the run makes
+no model request.
+
+Default budget ~100 s; ``CANCELLABLE_AGENTS_STRESS_SECONDS`` runs longer, and
+``CANCELLABLE_AGENTS_STRESS_SEED`` replays a sequence of plans (timing still varies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.taskproc import GRACE, TaskChild, kill_markers, wait_markers_gone
+from cancellable_agents.testing.openai_server import ScriptedModelServer
+from cancellable_agents.toolsets.sandbox import bwrap_support
+
+SECONDS = float(os.environ.get("CANCELLABLE_AGENTS_STRESS_SECONDS", "100"))
+SEED = int(os.environ.get("CANCELLABLE_AGENTS_STRESS_SEED", str(random.SystemRandom().randrange(10**9))))
+#: The provider's default grace budget: everything must be gone this long after the kill.
+BUDGET = 4.0
+START_TIMEOUT = 120.0
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(int(SECONDS) + 300)]
+
+PHASES = ("before_start", "pre_execute", "model", "tool", "subagent", "teardown", "after_result", "random")
+STATES = ("failed", "restarting", "running", "hang", "error")
+
+
+# -- planning -------------------------------------------------------------------------------
+
+
+def draw_plan(rng: random.Random, run: int, namespace_ok: bool) -> dict[str, Any]:
+    """One run's plan; everything random comes from ``rng`` so a seed replays the sequence."""
+    marker = f"7{rng.randrange(100):02d}.{rng.randrange(10**8):08d}"
+    if rng.random() < 0.15:
+        return _timeout_plan(rng, run, marker)
+    phase = rng.choice(PHASES)
+    tools: dict[str, Any] = {}
+    if rng.random() < 0.6 or phase == "tool":
+        tools["async_ms"] = rng.randint(30, 400)
+    if rng.random() < 0.5:
+        tools["sync_ms"] = rng.randint(30, 400)
+    if rng.random() < 0.4:
+        tools["shell"] = rng.choice(["namespace", "process-group"] if namespace_ok else ["process-group"])
+        tools["shell_s"] = round(rng.uniform(0.05, 0.4), 3)
+    if rng.random() < 0.3 or phase == "subagent":
+        tools["subagent_tokens"] = rng.randint(5, 40)
+    burst = 1 if rng.random() < 0.7 else rng.randint(2, 20)
+    return {
+        "run": run,
+        "marker": marker,
+        "phase": phase,
+        "state": rng.choice(STATES),
+        "tools": tools,
+        "tokens": rng.randint(5, 40),
+        "delay_first": round(rng.uniform(0.0, 0.2), 3),
+        "teardown_ms": rng.randint(10, 150),
+        "timeout": None,
+        "burst": burst,
+        "burst_gap": round(rng.uniform(0.0, 0.003), 4),
+        "jitter": rng.random(),
+    }
+
+
+def _timeout_plan(rng: random.Random, run: int, marker: str) -> dict[str, Any]:
+    seconds = round(rng.uniform(0.6, 1.5), 3)
+    return {
+        "run": run,
+        "marker": marker,
+        "phase": "timeout",
+        "state": "running",
+        "tools": {},
+        "tokens": 0,
+        "delay_first": 0.0,
+        "teardown_ms": rng.randint(10, 100),
+        # margin 0: the run's own deadline and Airflow's SIGALRM race each other.
+        "timeout": {"seconds": seconds, "margin": rng.choice([0.0, 0.0, 0.2, 0.4])},
+        "burst": 0,
+        "burst_gap": 0.0,
+        "jitter": 0.0,
+    }
+
+
+def expected_seconds(plan: dict[str, Any]) -> float:
+    """A rough length of the run, for kills at a random moment."""
+    tools = plan["tools"]
+    longest = max(
+        [tools.get("async_ms", 0) / 1000, tools.get("sync_ms", 0) / 1000, tools.get("shell_s", 0)]
+        + [tools.get("subagent_tokens", 0) * 0.01 + 0.05]
+    )
+    return 2 * plan["delay_first"] + longest + plan["teardown_ms"] / 1000 + 0.15
+
+
+# -- one run, parent side -------------------------------------------------------------------
+
+
+@dataclass
+class RunRecord:
+    plan: dict[str, Any]
+    violations: list[str] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class Stress:
+    """Runs plans in a long-lived task process; a spent process is replaced by a warm spare."""
+
+    def __init__(self, server: ScriptedModelServer, env: dict[str, str], log_dir: Path) -> None:
+        self.server, self.env, self.log_dir = server, env, log_dir
+        self.child: TaskChild | None = None
+        self.spare: TaskChild | None = None
+        self.children = 0
+
+    def _spawn(self) -> TaskChild:
+        self.children += 1
+        return TaskChild("tests.stress._stress_child", self.env, self.log_dir / f"child-{self.children}.log")
+
+    def ensure_child(self) -> TaskChild:
+        if self.child is not None and self.child.alive:
+            return self.child
+        if self.child is not None:
+            self.child.close(2.0)
+        self.child = self.spare if self.spare is not None and self.spare.alive else self._spawn()
+        self.spare = self._spawn()
+        return self.child
+
+    def close(self) -> None:
+        for child in (self.child, self.spare):
+            if child is not None:
+                child.close(5.0)
+
+    def run(self, plan: dict[str, Any]) -> RunRecord:
+        record = RunRecord(plan)
+        child = self.ensure_child()
+        self.server.reset()
+        child.send(plan)
+        if child.wait_for({"started"}, START_TIMEOUT) is None:
+            record.violations.append(f"the task process did not start the run\n{child.tail(20)}")
+            child.sigkill()
+            return record
+        finished: dict[str, Any] | None = None
+        kill_at = None
+        if plan["burst"]:
+            finished, kill_at = self._kill_at_the_moment(child, plan)
+        limit = (kill_at if kill_at is not None else time.monotonic()) + GRACE
+        if plan["timeout"]:
+            limit += plan["timeout"]["seconds"]
+        if finished is None:
+            finished = child.wait_for({"finished"}, max(0.0, limit - time.monotonic()))
+        if finished is None:
+            record.violations.append("no terminal outcome inside the 5 s grace: Airflow would SIGKILL (lost kill)")
+            child.sigkill()
+            kill_markers(plan["marker"])
+            return record
+        child.send({"signals": plan["burst"] if kill_at is not None else 0})
+        report = child.wait_for({"report"}, BUDGET + GRACE + 5)
+        if report is None:
+            record.violations.append(f"the task process did not report\n{child.tail(20)}")
+            child.sigkill()
+        else:
+            record.report = report
+            record.violations += report["violations"]
+            if report["exiting"] and not child.wait_exit(GRACE):
+                child.sigkill()
+        start = kill_at if kill_at is not None else finished["at"]
+        record.violations += self._leaks(plan, start, kill_at)
+        return record
+
+    def _kill_at_the_moment(self, child: TaskChild, plan: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:
+        """Wait for the plan's phase, add the plan's jitter, send the burst. Returns ``finished``
+        if the run ended before the moment came (the kill then lands after the result)."""
+        phase, finished = plan["phase"], None
+        anchors = {
+            "before_start": "waiting_for_kill",
+            "pre_execute": "waiting_for_kill",
+            "tool": "tool_started",
+            "subagent": "subagent_started",
+            "teardown": "teardown_started",
+            "after_result": "after_result",
+        }
+        window = 0.0
+        if phase in anchors:
+            event = child.wait_for({anchors[phase], "finished"}, 30)
+            if event is not None and event["event"] == "finished":
+                finished = event
+            window = {"tool": 0.2, "subagent": 0.1, "teardown": plan["teardown_ms"] / 1000}.get(phase, 0.0)
+        elif phase == "model":
+            self.server.wait_for_request(1, timeout=30)
+            window = plan["delay_first"]
+        elif phase == "random":
+            window = expected_seconds(plan) * 1.2
+        if window:
+            time.sleep(plan["jitter"] * window)  # the drawn moment inside the phase
+        return finished, child.sigterm(plan["burst"], plan["burst_gap"])
+
+    def _leaks(self, plan: dict[str, Any], start: float, kill_at: float | None) -> list[str]:
+        out = []
+        deadline = start + BUDGET + 0.5
+        if wait_markers_gone(plan["marker"], deadline) is None:
+            survivors = kill_markers(plan["marker"])
+            out.append(f"started processes alive after the budget: pids {survivors}")
+        records = self.server.requests
+        # In these phases the task process waits for the kill before the run: it must not start.
+        if plan["phase"] in ("before_start", "pre_execute") and records:
+            out.append(f"a kill before the run must make no model request; the server saw {len(records)}")
+        if self.server.wait_for_finished(len(records), timeout=max(0.0, deadline - time.monotonic())) is None:
+            open_ = [r.model[:40] for r in self.server.requests if r.outcome is None]
+            out.append(f"HTTP requests still open after the budget: {open_}")
+        return out
+
+
+@pytest.fixture
+def stress(tmp_path: Path) -> Iterator[Stress]:
+    with ScriptedModelServer() as server, ScriptedModelServer() as warmup:
+        env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(tmp_path / "airflow_home"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW_CONN_BENCH_MODEL": json.dumps({"conn_type": "cancellable_agents_model", "host": server.base_url}),
+            "BENCH_WARMUP_URL": warmup.base_url,
+        }
+        harness = Stress(server, env, tmp_path)
+        try:
+            yield harness
+        finally:
+            harness.close()
+
+
+def test_kills_at_any_moment_are_never_lost_and_never_leak(stress: Stress) -> None:
+    rng = random.Random(SEED)
+    namespace_ok = bwrap_support().usable
+    stress.ensure_child()
+    deadline = time.monotonic() + SECONDS
+    records: list[RunRecord] = []
+    while time.monotonic() < deadline:
+        records.append(stress.run(draw_plan(rng, len(records), namespace_ok)))
+    bad = [r for r in records if r.violations]
+    phases = Counter(r.plan["phase"] for r in records)
+    bursts = sum(1 for r in records if r.plan["burst"] > 1)
+    print(
+        f"\n[stress] {len(records)} runs, {len(bad)} violations, seed {SEED} "
+        f"({stress.children} task processes; phases {dict(sorted(phases.items()))}; {bursts} bursts)"
+    )
+    for r in bad[:10]:
+        print(f"[stress] run {r.plan['run']} plan={json.dumps(r.plan)}\n    " + "\n    ".join(r.violations))
+        if r.report:
+            print(f"    report: {json.dumps({k: v for k, v in r.report.items() if k != 'violations'})}")
+    assert records, "no run finished inside the budget"
+    assert not bad, (
+        f"{len(bad)} of {len(records)} runs broke an invariant; replay with "
+        f"CANCELLABLE_AGENTS_STRESS_SEED={SEED} (first: run {bad[0].plan['run']}: {bad[0].violations[0]})"
+    )
