@@ -105,7 +105,8 @@ def current_cancellation() -> TaskCancellation | None:
     if scope is not None:
         return scope
     with _roots_lock:
-        return _active_roots[0] if len(_active_roots) == 1 else None
+        roots = set(_active_roots)  # the same scope may be active at several depths
+    return roots.pop() if len(roots) == 1 else None
 
 
 class TaskCancellation:
@@ -134,7 +135,9 @@ class TaskCancellation:
         self._cancelled = threading.Event()
         self._signalled = threading.Event()
         self._cause_decided = threading.Event()
-        self._released = threading.Event()
+        self._release_done = threading.Condition(self._lock)
+        self._unwound = False
+        self._late_releases = 0
         self._cause: CauseVerdict | None = None
         self._outcome: Outcome | None = None
         self._cancel_at: float | None = None
@@ -320,12 +323,29 @@ class TaskCancellation:
         resource = _Resource(name, cleanup, phase, loop)
         with self._lock:
             self._resources.append(resource)
-            late = self._cancelled.is_set()
+            late = self._cancelled.is_set() and self._claim([resource])
+            if late:
+                self._late_releases += 1
         if late:
             threading.Thread(
-                target=self._release_phase, args=([resource],), name=f"release-{name}", daemon=True
+                target=self._release_late, args=(resource,), name=f"release-{name}", daemon=True
             ).start()
         return ResourceHandle(self, resource)
+
+    def _release_late(self, resource: _Resource) -> None:
+        try:
+            self._join_release(self._start_release([resource]))
+        finally:
+            with self._release_done:
+                self._late_releases -= 1
+                self._release_done.notify_all()
+
+    def _claim(self, resources: list[_Resource]) -> list[_Resource]:
+        """Mark resources as being released (caller holds the lock); each is released once."""
+        claimed = [r for r in resources if not r.released]
+        for resource in claimed:
+            resource.released = True
+        return claimed
 
     def _forget(self, resource: _Resource) -> None:
         with self._lock, contextlib.suppress(ValueError):
@@ -401,8 +421,9 @@ class TaskCancellation:
         return self.cause
 
     def wait_released(self, timeout: float | None = None) -> bool:
-        """Wait until every registered resource was released (or given up on)."""
-        return self._released.wait(timeout)
+        """Wait until every registered resource was released (or given up on), late ones included."""
+        with self._release_done:
+            return self._release_done.wait_for(lambda: self._unwound and not self._late_releases, timeout)
 
     def settle(self, outcome: Outcome) -> Outcome:
         """Record the run's terminal outcome; the first one wins and is returned.
@@ -430,7 +451,7 @@ class TaskCancellation:
             )
             classifier.start()
         with self._lock:
-            pending = [r for r in self._resources if not r.released]
+            pending = self._claim(list(self._resources))
         # Stop the run first (no new model request), then in-flight work, then tear down what held it.
         self._cancel_token()
         self._signalled.set()
@@ -445,7 +466,9 @@ class TaskCancellation:
             if kid.cancelled:
                 kid.wait_released(self.remaining())
         self.record("resources_released", remaining_s=round(self.remaining(), 3))
-        self._released.set()
+        with self._release_done:
+            self._unwound = True
+            self._release_done.notify_all()
 
     def _cancel_token(self) -> None:
         try:
@@ -461,7 +484,6 @@ class TaskCancellation:
     def _start_release(self, resources: list[_Resource]) -> list[tuple[_Resource, threading.Thread]]:
         workers = []
         for resource in resources:
-            resource.released = True
             worker = threading.Thread(
                 target=self._release_one, args=(resource,), name=f"release-{resource.name}", daemon=True
             )

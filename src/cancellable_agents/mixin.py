@@ -45,22 +45,36 @@ def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(execute)
     def guarded(self: CancellableAgentMixin, context: Any) -> Any:
-        scope = self.cancellation
+        if self.__dict__.get("_in_execute"):
+            return execute(self, context)  # a subclass's execute calling super(): guard once
+        self.__dict__["_in_execute"] = True
         try:
-            result = execute(self, context)
-        except TaskCancelled:
-            scope.settle(Outcome.CANCELLED)
-            raise
-        except BaseException:
-            scope.settle(Outcome.FAILED)
-            raise
-        if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
-            raise self._task_cancelled("killed before execute returned; its result is discarded")
-        self._close_reaper()
-        return result
+            return _run_guarded(self, execute, context)
+        finally:
+            self.__dict__["_in_execute"] = False
 
     guarded._cancellable_agents_guard = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], context: Any) -> Any:
+    scope = operator.cancellation
+    try:
+        # Active for all of execute, so tools and sandboxes find the scope outside a run too.
+        with scope.activate():
+            result = execute(operator, context)
+    except TaskCancelled:
+        scope.settle(Outcome.CANCELLED)
+        raise
+    except BaseException as exc:
+        scope.settle(Outcome.FAILED)
+        if not _is_timeout(exc):  # on the timeout path on_kill unwinds and reaps
+            operator._finish_reaper()  # a failed task leaves nothing running behind it
+        raise
+    if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
+        raise operator._task_cancelled("killed before execute returned; its result is discarded")
+    operator._close_reaper()
+    return result
 
 
 class CancellableAgentMixin:

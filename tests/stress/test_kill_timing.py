@@ -153,6 +153,7 @@ class Stress:
 
     def run(self, plan: dict[str, Any]) -> RunRecord:
         record = RunRecord(plan)
+        t0 = time.monotonic()
         child = self.ensure_child()
         self.server.reset()
         child.send(plan)
@@ -174,8 +175,10 @@ class Stress:
             child.sigkill()
             kill_markers(plan["marker"])
             return record
+        t1 = time.monotonic()
         child.send({"signals": plan["burst"] if kill_at is not None else 0})
         report = child.wait_for({"report"}, BUDGET + GRACE + 5)
+        t2 = time.monotonic()
         if report is None:
             record.violations.append(f"the task process did not report\n{child.tail(20)}")
             child.sigkill()
@@ -186,6 +189,7 @@ class Stress:
                 child.sigkill()
         start = kill_at if kill_at is not None else finished["at"]
         record.violations += self._leaks(plan, start, kill_at)
+        print("DBG", plan["phase"], plan["state"], round(t1 - t0, 2), round(t2 - t1, 2), round(time.monotonic() - t2, 2))
         return record
 
     def _kill_at_the_moment(self, child: TaskChild, plan: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:

@@ -311,3 +311,26 @@ def test_summary_is_relative_to_the_kill() -> None:
     assert kill["ms"] == 0.0
     assert summary["timeline"][0]["ms"] == -5000.0
     assert summary["cause"] == "user" and summary["detail"] == "marked failed"
+
+
+def test_resource_registered_during_the_unwind_is_released_once() -> None:
+    scope = TaskCancellation()
+    calls: list[str] = []
+    gate = threading.Event()
+    scope.register(lambda: gate.wait(2), name="slow")
+    scope.cancel(CancelCause.USER)
+    for n in range(5):
+        scope.register(lambda n=n: calls.append(f"late{n}"), name=f"late{n}")
+    gate.set()
+    assert scope.wait_released(5)
+    assert sorted(calls) == [f"late{n}" for n in range(5)]
+
+
+def test_wait_released_covers_late_releases() -> None:
+    scope = TaskCancellation()
+    scope.cancel(CancelCause.USER)
+    assert scope.wait_released(5)
+    finished = threading.Event()
+    scope.register(lambda: (time.sleep(0.2), finished.set()), name="late")
+    assert scope.wait_released(5)
+    assert finished.is_set(), "wait_released must not return while a late release still runs"

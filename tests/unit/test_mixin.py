@@ -167,3 +167,18 @@ def test_inherited_execute_is_guarded_too() -> None:
     op = KillablePython(task_id="t", python_callable=work)
     with pytest.raises(TaskCancelled):
         op.execute({"ti": None, "params": {}})
+
+
+def test_the_scope_is_current_for_all_of_execute() -> None:
+    from cancellable_agents import current_cancellation
+
+    seen: list[Any] = []
+
+    class Looks(CancellableAgentMixin, BaseOperator):
+        def execute(self, context: Any) -> None:
+            seen.append(current_cancellation())
+
+    op = Looks(task_id="t")
+    op.execute({})
+    assert seen == [op.cancellation]
+    assert current_cancellation() is None

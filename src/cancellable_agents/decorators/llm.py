@@ -24,8 +24,8 @@ def prompt_from_callable(operator: DecoratedOperator, context: Context) -> str:
     prompt = operator.python_callable(*operator.op_args, **kwargs)
     if not isinstance(prompt, str) or not prompt.strip():
         raise TypeError(
-            f"{getattr(operator, 'custom_operator_name', 'TaskFlow')} functions must return the prompt as a non-empty string, "
-            f"got {prompt!r}"
+            f"{getattr(operator, 'custom_operator_name', 'TaskFlow')} functions must return the prompt "
+            f"as a non-empty string, got {prompt!r}"
         )
     return prompt
 

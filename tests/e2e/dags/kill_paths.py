@@ -46,7 +46,7 @@ EXECUTION_TIMEOUT_S = 15
 
 DEFAULTS: dict[str, Any] = {
     "retries": 1,
-    # Long enough for the test's 0.2 s polling to see ``up_for_retry`` before the next try.
+    # Long enough for the test's 0.25 s polling to see ``up_for_retry`` before the next try.
     "retry_delay": timedelta(seconds=2),
 }
 
