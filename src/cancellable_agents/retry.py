@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from airflow.sdk.definitions.context import Context
 
 _CAUSE_WORDS = {
-    CancelCause.USER: "stopped by a user",
+    CancelCause.USER: "stopped by a user",  # marked failed or success
     CancelCause.EVICTION: "evicted (worker shutdown)",
     CancelCause.TIMEOUT: "timed out",
     CancelCause.PARENT: "its parent was cancelled",
@@ -47,8 +47,10 @@ class CancellationAwareRetryPolicy(RetryPolicy):
 
     :param inner: the policy for ordinary failures (e.g. an ``ExceptionRetryPolicy`` or
         common.ai's ``LLMRetryPolicy``); ``None`` means Airflow's default handling.
-    :param on_user: marked failed/success or cleared by a user (default ``FAIL``: the user
-        said stop; a cleared try is already being replaced by the next one).
+    :param on_user: marked failed or success by a user (default ``FAIL``: the user said stop;
+        Airflow would otherwise send a retry the server refuses and fire ``on_retry_callback``).
+    :param on_cleared: cleared by a user (default ``RETRY``: the next try is already starting,
+        which is what ``on_retry_callback`` announces; ``FAIL`` would raise a failure alert).
     :param on_eviction: SIGTERM while the server still has the try running (default ``RETRY``).
     :param on_timeout: ``execution_timeout`` or the run's deadline (default ``DEFAULT``).
     :param on_unknown: the cause could not be decided in time (default ``DEFAULT``).
@@ -59,6 +61,7 @@ class CancellationAwareRetryPolicy(RetryPolicy):
         self,
         inner: RetryPolicy | None = None,
         on_user: RetryAction = RetryAction.FAIL,
+        on_cleared: RetryAction = RetryAction.RETRY,
         on_eviction: RetryAction = RetryAction.RETRY,
         on_timeout: RetryAction = RetryAction.DEFAULT,
         on_unknown: RetryAction = RetryAction.DEFAULT,
@@ -73,6 +76,7 @@ class CancellationAwareRetryPolicy(RetryPolicy):
             CancelCause.TIMEOUT: RetryAction(on_timeout),
             CancelCause.UNKNOWN: RetryAction(on_unknown),
         }
+        self.on_cleared = RetryAction(on_cleared)
         self.eviction_delay = eviction_delay
 
     def evaluate(
@@ -87,10 +91,14 @@ class CancellationAwareRetryPolicy(RetryPolicy):
             if self.inner is None:
                 return RetryDecision.default()
             return self.inner.evaluate(exception, try_number, max_tries, context)
-        return self.decide(cause)
+        return self.decide(cause, _detail(exception, context))
 
-    def decide(self, cause: CancelCause) -> RetryDecision:
+    def decide(self, cause: CancelCause, detail: str = "") -> RetryDecision:
         """The decision for a cancellation with ``cause`` (a parent cancel counts as its root)."""
+        if cause is CancelCause.USER and detail == "cleared":
+            action = self.on_cleared
+            reason = f"cancelled: cleared by a user — {_ACTION_WORDS[action]}"
+            return RetryDecision(action=action, reason=reason)
         action = self.actions.get(cause, self.actions[CancelCause.UNKNOWN])
         reason = f"cancelled: {_CAUSE_WORDS[cause]} — {_ACTION_WORDS[action]}"
         delay = self.eviction_delay if cause is CancelCause.EVICTION else None
@@ -100,6 +108,7 @@ class CancellationAwareRetryPolicy(RetryPolicy):
         data: dict[str, Any] = {
             "__type": "CancellationAwareRetryPolicy",
             "actions": {cause.value: action.value for cause, action in self.actions.items()},
+            "on_cleared": self.on_cleared.value,
         }
         if self.eviction_delay is not None:
             data["eviction_delay"] = self.eviction_delay.total_seconds()
@@ -113,6 +122,7 @@ class CancellationAwareRetryPolicy(RetryPolicy):
         delay = data.get("eviction_delay")
         return cls(
             on_user=actions.get(CancelCause.USER, RetryAction.FAIL),
+            on_cleared=RetryAction(data.get("on_cleared", "retry")),
             on_eviction=actions.get(CancelCause.EVICTION, RetryAction.RETRY),
             on_timeout=actions.get(CancelCause.TIMEOUT, RetryAction.DEFAULT),
             on_unknown=actions.get(CancelCause.UNKNOWN, RetryAction.DEFAULT),
@@ -142,6 +152,14 @@ def cancellation_cause(exception: BaseException, context: Any = None) -> CancelC
     if isinstance(exception, RunCancelled):
         return scope.root_cause or CancelCause.UNKNOWN
     return None
+
+
+def _detail(exception: BaseException, context: Any) -> str:
+    """Which user action it was (``cleared``, ``marked failed`` ...), from the error or the scope."""
+    if isinstance(exception, TaskCancelled):
+        return exception.detail
+    scope = _task_scope(context)
+    return scope.cause_detail if scope is not None else ""
 
 
 def wrap_retry_policy(policy: RetryPolicy | None) -> CancellationAwareRetryPolicy:

@@ -151,9 +151,10 @@ def test_clear_stops_the_try_and_the_next_try_starts(e2e: E2EEnv, outcomes: dict
         assert _click_to_kill_s(result) >= 0 and _answer_to_kill_s(result) < 2 * HEARTBEAT_S
         assert result.final_ti["try_number"] == 2 and result.final_ti["state"] in ("running", "success")
         assert any(try_ == 2 and state in ("running", "success") for try_, state in result.states_seen)
-        # Inside the task a user's stop is a failure (CancellationAwareRetryPolicy on_user=FAIL):
-        # on_failure_callback, never a misleading on_retry_callback from the task process.
-        assert result.log_callbacks(1) == ["on_failure_callback"]
+        # A clear means "this try ends, the next one starts": the task announces a retry
+        # (CancellationAwareRetryPolicy on_cleared=RETRY), never a failure alert.
+        assert result.log_callbacks(1) == ["on_retry_callback"]
+        assert "on_failure_callback" not in [c for c, _ in _callbacks(result)]
         assert result.log_callbacks(2) == []
 
 

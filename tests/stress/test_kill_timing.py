@@ -45,7 +45,17 @@ START_TIMEOUT = 120.0
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(int(SECONDS) + 300)]
 
-PHASES = ("before_start", "pre_execute", "model", "tool", "subagent", "teardown", "after_result", "random")
+PHASES = (
+    "before_start",
+    "pre_execute",
+    "model",
+    "tool",
+    "subagent",
+    "teardown",
+    "result",
+    "after_result",
+    "random",
+)
 STATES = ("failed", "restarting", "running", "hang", "error")
 
 
@@ -198,6 +208,7 @@ class Stress:
             "tool": "tool_started",
             "subagent": "subagent_started",
             "teardown": "teardown_started",
+            "result": "teardown_started",
             "after_result": "after_result",
         }
         window = 0.0
@@ -206,6 +217,10 @@ class Stress:
             if event is not None and event["event"] == "finished":
                 finished = event
             window = {"tool": 0.2, "subagent": 0.1, "teardown": plan["teardown_ms"] / 1000}.get(phase, 0.0)
+        if phase == "result" and finished is None:
+            # The teardown is the run's last step: aim at its end, where the result arrives and the
+            # outcome is settled (a few ms either side; the machine's jitter spreads it further).
+            time.sleep(max(0.0, plan["teardown_ms"] / 1000 - 0.002 + plan["jitter"] * 0.005))
         elif phase == "model":
             self.server.wait_for_request(1, timeout=30)
             window = plan["delay_first"]

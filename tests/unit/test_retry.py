@@ -78,6 +78,18 @@ def test_every_cause_can_be_overridden(cause: CancelCause, action: RetryAction) 
     assert policy.evaluate(_cancelled(cause, root), 1, 3).action is action
 
 
+def test_a_clear_retries_by_default_and_can_be_overridden() -> None:
+    cleared = TaskCancelled("killed", cause=CancelCause.USER, detail="cleared")
+    decision = CancellationAwareRetryPolicy(inner=MustNotBeAsked()).evaluate(cleared, 1, 3)
+    assert decision.action is RetryAction.RETRY
+    assert decision.reason == "cancelled: cleared by a user — retrying"
+    marked = TaskCancelled("killed", cause=CancelCause.USER, detail="marked failed")
+    assert CancellationAwareRetryPolicy().evaluate(marked, 1, 3).action is RetryAction.FAIL
+    custom = CancellationAwareRetryPolicy(on_cleared=RetryAction.FAIL)
+    assert custom.evaluate(cleared, 1, 3).action is RetryAction.FAIL
+    assert CancellationAwareRetryPolicy.deserialize(custom.serialize()).on_cleared is RetryAction.FAIL
+
+
 def test_parent_cancellation_is_decided_by_its_root_cause() -> None:
     policy = CancellationAwareRetryPolicy(inner=MustNotBeAsked())
     decision = policy.evaluate(_cancelled(CancelCause.PARENT, root=CancelCause.EVICTION), 1, 3)
