@@ -109,6 +109,8 @@ class KillPath:
     dag_id: str
     kill: Callable[[E2EEnv, PathResult], tuple[float, float] | None]
     settled: Callable[[PathResult], bool]
+    #: Mid-run means "streaming the answer"; a path that kills before the run waits for the tree only.
+    streams: bool = True
 
 
 # -- the kills ---------------------------------------------------------------------------------
@@ -180,6 +182,7 @@ PATHS = {
     "clear": KillPath("clear", "e2e_clear", clear, _retried),
     "eviction": KillPath("eviction", "e2e_eviction", evict, _retried),
     "timeout": KillPath("timeout", "e2e_timeout", no_kill, _retried),
+    "evict_in_comms": KillPath("evict_in_comms", "e2e_evict_in_comms", evict, _retried, streams=False),
 }
 
 
@@ -191,7 +194,7 @@ def drive(env: E2EEnv, path: KillPath) -> PathResult:
     result = PathResult(path.name, path.dag_id, f"{path.name}-{uuid.uuid4().hex[:8]}")
     try:
         _trigger(env, result)
-        _await_mid_run(env, result)
+        _await_mid_run(env, result, path.streams)
         clicked = path.kill(env, result)
         if clicked is not None:
             result.click_wall, result.answered_wall = clicked
@@ -218,8 +221,8 @@ def _trigger(env: E2EEnv, result: PathResult) -> None:
         raise AssertionError(f"trigger {result.dag_id} -> {response.status_code}: {response.text}")
 
 
-def _await_mid_run(env: E2EEnv, result: PathResult) -> None:
-    """Until try 1 has said who it is, its tree is up and its answer is streaming."""
+def _await_mid_run(env: E2EEnv, result: PathResult, streams: bool = True) -> None:
+    """Until try 1 has said who it is, its tree is up and (``streams``) its answer is streaming."""
     pid_file = env.state_dir / f"{result.dag_id}.{result.run_id}.try1.json"
     marker = tree_marker(env, result, 1)
 
@@ -227,8 +230,10 @@ def _await_mid_run(env: E2EEnv, result: PathResult) -> None:
         env.stack.check_alive()
         if not pid_file.exists():
             return False
-        request = _request(env, result, 1)
         tree = marked_processes(marker)
+        if not streams:
+            return len(tree) >= TREE_PROCESSES
+        request = _request(env, result, 1)
         return bool(request and request.tokens_sent >= MID_RUN_TOKENS and len(tree) >= TREE_PROCESSES)
 
     wait_until(ready, START_TIMEOUT, f"{result.dag_id} try 1 to be mid-run", interval=0.1)

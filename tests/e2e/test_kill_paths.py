@@ -190,7 +190,34 @@ def test_execution_timeout_unwinds_gracefully_and_retries(
         assert _callbacks(result) == [("on_retry_callback", 1)], "only on_retry_callback may fire"
 
 
+def test_sigterm_during_a_supervisor_call_does_not_deadlock(
+    e2e: E2EEnv, outcomes: dict[str, PathResult]
+) -> None:
+    result = outcomes["evict_in_comms"]
+    with explained(e2e, result):
+        records = result.records(1)
+        assert len(records) == 1, "on_kill must not hang: the record is written after the unwind"
+        record = records[0]
+        # The cause query waits for the main thread's comms call to finish, never deadlocks; if
+        # it could not answer in time the cause would be unknown, never a guess.
+        assert record["cause"] in ("eviction", "unknown"), record
+        events = [e["event"] for e in record["timeline"]]
+        assert events.count("kill_received") == 1 and "run_refused" in events, events
+        decided = result.event_ms(record, "cause_decided")
+        assert decided is not None and decided < BUDGET_MS
+        assert "E2E_COMMS_CALLS" in result.log_text(1)
+        assert result.survivors == {}, f"processes started by the task survived: {result.survivors}"
+        assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2)
+        print(f"\n[e2e] evict_in_comms: cause {record['cause']} decided {decided:.1f} ms after the kill")
+
+
 # -- reporting ---------------------------------------------------------------------------------
+
+
+def _disconnect_ms_text(result: PathResult) -> str:
+    if result.request is None:
+        return "n/a (killed before the run)"
+    return f"{_disconnect_after_kill_ms(result):.0f} ms"
 
 
 def _measurements(result: PathResult) -> str:
@@ -207,7 +234,7 @@ def _measurements(result: PathResult) -> str:
             f"[e2e] {result.path:<11} {click}; "
             f"on_kill->run_unwound {result.event_ms(record, 'run_unwound')} ms, "
             f"->resources_released {result.event_ms(record, 'resources_released')} ms, "
-            f"->server saw disconnect {_disconnect_after_kill_ms(result):.0f} ms; cause {record['cause']}/"
+            f"->server saw disconnect {_disconnect_ms_text(result)}; cause {record['cause']}/"
             f"{record['detail']}; TI {result.final_ti.get('state')} try {result.final_ti.get('try_number')} "
             f"(seen {result.states_seen}); callbacks {_callbacks(result)}"
         )

@@ -88,6 +88,22 @@ def begin_try(context: Any) -> None:
     log.info("E2E_MIDRUN %s", json.dumps(info))
 
 
+def talk_to_the_supervisor_until_killed(context: Any) -> None:
+    """Try 1: keep the main thread inside supervisor comms calls (Variable.get) until killed, so
+    the SIGTERM lands mid-call: the deadlock the design forbids (cause query from on_kill)."""
+    begin_try(context)
+    if context["ti"].try_number > 1:
+        return
+    from airflow.sdk import Variable
+
+    scope = context["task"].cancellation
+    calls = 0
+    while not scope.cancelled and calls < 100_000:
+        Variable.get("e2e_absent", default=None)
+        calls += 1
+    log.info("E2E_COMMS_CALLS %d", calls)
+
+
 def _dag(dag_id: str, doc: str) -> DAG:
     return DAG(
         dag_id,
@@ -101,14 +117,14 @@ def _dag(dag_id: str, doc: str) -> DAG:
     )
 
 
-def _agent_operator(**kwargs: Any) -> AgentOperator:
+def _agent_operator(pre_execute: Any = begin_try, **kwargs: Any) -> AgentOperator:
     return AgentOperator(
         task_id="agent",
         prompt=PROMPT,
         model=MODEL,
         llm_conn_id=CONN_ID,
         stream=True,
-        pre_execute=begin_try,
+        pre_execute=pre_execute,
         on_failure_callback=on_failure,
         on_retry_callback=on_retry,
         **kwargs,
@@ -143,3 +159,6 @@ with _dag("e2e_eviction", "Killed by SIGTERM to its supervisor (worker eviction)
 
 with _dag("e2e_timeout", "Killed by its execution_timeout: must end gracefully, then retry."):
     _agent_operator(execution_timeout=timedelta(seconds=EXECUTION_TIMEOUT_S))
+
+with _dag("e2e_evict_in_comms", "Evicted while its main thread is inside a supervisor call: no deadlock."):
+    _agent_operator(pre_execute=talk_to_the_supervisor_until_killed)
