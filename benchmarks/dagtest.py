@@ -41,7 +41,11 @@ def airflow_env(home: Path, server: ScriptedModelServer) -> dict[str, str]:
 def migrate(env: dict[str, str]) -> None:
     """``airflow db migrate`` once for the benchmark's own AIRFLOW_HOME (idempotent)."""
     subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True, timeout=600
+        [sys.executable, "-m", "airflow", "db", "migrate"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
     )
 
 
@@ -98,4 +102,3 @@ def _one(rep: int, task: object, server: ScriptedModelServer) -> RepResult:
         sigkilled=failed is None,
         leaked=leaked,
     )
-

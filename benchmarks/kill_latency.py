@@ -153,7 +153,11 @@ def _one_rep(
 
 
 def _await_moment(
-    scenario: Scenario, marker: str, child: TaskChild, server: ScriptedModelServer, events: list[dict[str, Any]]
+    scenario: Scenario,
+    marker: str,
+    child: TaskChild,
+    server: ScriptedModelServer,
+    events: list[dict[str, Any]],
 ) -> None:
     ok: Any = True
     if scenario.ready == "tokens":

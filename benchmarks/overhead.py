@@ -10,6 +10,7 @@ Done twice: with an async tool and with a sync tool (sync tools run on tracked t
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -99,7 +100,7 @@ def measure_task_setup(reps: int = 50) -> dict[str, Any]:
     times = []
     for i in range(reps):
         op = LLMOperator(task_id=f"setup_{i}", prompt="x", model="test")
-        times.append(_timed(lambda op=op: op.pre_execute({})))
+        times.append(_timed(functools.partial(op.pre_execute, {})))
         reaper = op.__dict__.get("_reaper")
         if reaper is not None:
             reaper.close()
@@ -108,13 +109,13 @@ def measure_task_setup(reps: int = 50) -> dict[str, Any]:
 
 def overhead_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"| {STEPS}-step agent | bare run_sync (ms) | ours run_agent_sync (ms) | ratio | overhead per run (ms) "
-        "| per step (µs) |",
+        f"| {STEPS}-step agent | bare run_sync (ms) | ours run_agent_sync (ms) | ratio "
+        "| overhead per run (ms) | per step (µs) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tool']} tool, {r['pairs']} pairs | {r['bare_ms']:.2f} | {r['ours_ms']:.2f} | {r['ratio']:.3f} "
-            f"| {r['overhead_ms']:.3f} | {r['overhead_per_step_us']:.1f} |"
+            f"| {r['tool']} tool, {r['pairs']} pairs | {r['bare_ms']:.2f} | {r['ours_ms']:.2f} "
+            f"| {r['ratio']:.3f} | {r['overhead_ms']:.3f} | {r['overhead_per_step_us']:.1f} |"
         )
     return "\n".join(lines)

@@ -55,7 +55,7 @@ def fmt_ms(value: float) -> str:
     if value == INF:
         return "never"
     if math.isnan(value):
-        return "–"
+        return "-"
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
@@ -92,7 +92,8 @@ def target_verdict(scenario: str, raised: Summary, gone: Summary) -> str:
 def latency_table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     """Per scenario and implementation: raised and gone, median / p95 / max, lost and leaks."""
     lines = [
-        "| scenario | impl | n | → raised p50 | p95 | max | → all gone p50 | p95 | max | lost kills | leaks | target |",
+        "| scenario | impl | n | → raised p50 | p95 | max | → all gone p50 | p95 | max "
+        "| lost kills | leaks | target |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for scenario, impl, raised, gone, leaks in _rows(results):
@@ -119,7 +120,10 @@ def ratio_table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str | No
         if not ours or not theirs:
             continue
         found = True
-        r_ours, r_theirs = summarize([r["raised_ms"] for r in ours]), summarize([r["raised_ms"] for r in theirs])
+        r_ours, r_theirs = (
+            summarize([r["raised_ms"] for r in ours]),
+            summarize([r["raised_ms"] for r in theirs]),
+        )
         g_ours, g_theirs = summarize([r["gone_ms"] for r in ours]), summarize([r["gone_ms"] for r in theirs])
         leaks = sum(1 for r in theirs if r["leaked"])
         lines.append(
@@ -134,8 +138,8 @@ def _ratio(theirs: float, ours: float) -> str:
     if theirs == INF and ours != INF:
         return "∞"
     if ours in (0.0, INF) or math.isnan(ours) or math.isnan(theirs):
-        return "–"
-    return f"{theirs / ours:.1f}×"
+        return "-"
+    return f"{theirs / ours:.1f}x"
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -161,7 +165,10 @@ def draw_chart(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.42 * len(rows) + 1.8), sharey=True)
     rng = random.Random(0)
     labels = [f"{BY_NAME[s].title if s in BY_NAME else s} [{impl}]" for s, impl, _ in rows]
-    for ax, key, title in ((axes[0], "raised_ms", "SIGTERM → run raised"), (axes[1], "gone_ms", "SIGTERM → all gone")):
+    for ax, key, title in (
+        (axes[0], "raised_ms", "SIGTERM → run raised"),
+        (axes[1], "gone_ms", "SIGTERM → all gone"),
+    ):
         for y, (_, impl, reps) in enumerate(rows):
             finite = [r[key] for r in reps if r[key] is not None]
             never = len(reps) - len(finite)
@@ -172,7 +179,9 @@ def draw_chart(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
                 ax.plot([max(med, 0.1)] * 2, [y - 0.3, y + 0.3], color="k", linewidth=1.5)
             if never:
                 ax.scatter([never_x], [y], marker="x", s=40, color="red")
-                ax.annotate(f"{never}× never", (never_x, y), xytext=(6, -3), textcoords="offset points", fontsize=7)
+                ax.annotate(
+                    f"{never}x never", (never_x, y), xytext=(6, -3), textcoords="offset points", fontsize=7
+                )
         ax.axvline(GRACE * 1000, color="red", linestyle="--", linewidth=0.8)
         target = RAISED_TARGET_MS if key == "raised_ms" else GONE_TARGET_MS
         ax.axvline(target, color="grey", linestyle=":", linewidth=0.8)

@@ -44,7 +44,10 @@ def common_ai_status() -> tuple[bool, str]:
             f"apache-airflow-providers-common-ai is not importable ({exc}); install the `common-ai` extra "
             "(`uv pip install -e '.[common-ai]'`) to compare"
         )
-    return True, f"apache-airflow-providers-common-ai {metadata.version('apache-airflow-providers-common-ai')}"
+    return (
+        True,
+        f"apache-airflow-providers-common-ai {metadata.version('apache-airflow-providers-common-ai')}",
+    )
 
 
 def skip_reason(scenario: Scenario) -> str | None:
@@ -129,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     setup: dict[str, Any] = {}
     if args.overhead_pairs > 0:
         print(f"overhead: {args.overhead_pairs} interleaved pairs per tool kind ...")
-        overhead_rows = [overhead.measure("async", args.overhead_pairs), overhead.measure("sync", args.overhead_pairs)]
+        overhead_rows = [
+            overhead.measure("async", args.overhead_pairs),
+            overhead.measure("sync", args.overhead_pairs),
+        ]
         setup = overhead.measure_task_setup()
 
     payload = {
@@ -157,7 +163,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(
-    scenario: Scenario, impl: str, reps: int, server: ScriptedModelServer, env: dict[str, str], out: Path, logs: Path
+    scenario: Scenario,
+    impl: str,
+    reps: int,
+    server: ScriptedModelServer,
+    env: dict[str, str],
+    out: Path,
+    logs: Path,
 ) -> list[RepResult]:
     if scenario.name == "stream-dagtest":
         from benchmarks import dagtest
@@ -179,8 +191,12 @@ def _child_env(server: ScriptedModelServer, out: Path) -> dict[str, str]:
 
 def _versions() -> dict[str, str]:
     found = {}
-    for dist in ("airflow-provider-cancellable-agents", "apache-airflow", "pydantic-ai-slim",
-                 "apache-airflow-providers-common-ai"):
+    for dist in (
+        "airflow-provider-cancellable-agents",
+        "apache-airflow",
+        "pydantic-ai-slim",
+        "apache-airflow-providers-common-ai",
+    ):
         try:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -201,7 +217,7 @@ def _print_report(
     print()
     print(report.latency_table(results))
     for name, reason in skipped.items():
-        print(f"| {BY_NAME[name].title} | – | 0 | {reason} |")
+        print(f"| {BY_NAME[name].title} | - | 0 | {reason} |")
     notes = [f"- {BY_NAME[s].title}: {BY_NAME[s].note}" for s in results if BY_NAME[s].note]
     if notes:
         print()
@@ -218,7 +234,8 @@ def _print_report(
         print()
         print(overhead.overhead_table(overhead_rows))
         if setup:
-            print(f"\nOnce per task: pre_execute (scope + descendant reaper) {setup['pre_execute_ms']:.2f} ms (median).")
+            setup_ms = setup["pre_execute_ms"]
+            print(f"\nOnce per task: pre_execute (scope + descendant reaper) {setup_ms:.2f} ms (median).")
     print()
     print(f"wrote {out / 'results.json'} and {out / 'kill_latency.png'}")
 

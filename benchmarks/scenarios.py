@@ -152,7 +152,7 @@ def warm_up() -> None:
 
     with contextlib.suppress(ImportError):
         import airflow.providers.common.ai.mixins.cancellable_run  # noqa: F401
-    import cancellable_agents.operators.agent  # noqa: F401
+    import cancellable_agents.operators.agent
     import cancellable_agents.toolsets.sandbox  # noqa: F401
 
     ModelHook(llm_conn_id=CONN_ID, model="openai:echo").get_model()
@@ -161,7 +161,9 @@ def warm_up() -> None:
         return
     for stream in (False, True):
         kwargs = {"event_stream_handler": drain_events} if stream else {}
-        run_agent_in_scope(TaskCancellation("warm-up"), Agent(build_model("openai:echo", base_url=url)), "hi", **kwargs)
+        run_agent_in_scope(
+            TaskCancellation("warm-up"), Agent(build_model("openai:echo", base_url=url)), "hi", **kwargs
+        )
     leaf = Subagent("leaf", Agent(build_model(f"openai:{LONG_STREAM}", base_url=url)), stream=True)
     lead = Agent(build_model(f"openai:{_delegate('leaf')}", base_url=url), toolsets=[SubagentToolset([leaf])])
     scope = TaskCancellation("warm-up")
@@ -195,7 +197,9 @@ def build_task(rep: Rep) -> Any:
     return builders[name](rep)
 
 
-def _operator(rep: Rep, behaviour: str, *, stream: bool, tools: Any = (), toolsets: Any = (), **kw: Any) -> Any:
+def _operator(
+    rep: Rep, behaviour: str, *, stream: bool, tools: Any = (), toolsets: Any = (), **kw: Any
+) -> Any:
     """Ours: the provider's ``AgentOperator`` through the connection; common.ai: its mixin."""
     if rep.impl == "ours":
         from cancellable_agents import AgentOperator
@@ -214,7 +218,9 @@ def _operator(rep: Rep, behaviour: str, *, stream: bool, tools: Any = (), toolse
 
     from cancellable_agents.hooks.model import build_model
 
-    agent = Agent(build_model(f"openai:{behaviour}", base_url=base_url()), tools=list(tools), toolsets=list(toolsets))
+    agent = Agent(
+        build_model(f"openai:{behaviour}", base_url=base_url()), tools=list(tools), toolsets=list(toolsets)
+    )
     return common_ai_operator(agent, stream=stream, **kw)
 
 
@@ -246,7 +252,12 @@ def _llm_task(rep: Rep, behaviour: str, *, stream: bool, **kw: Any) -> Any:
         from cancellable_agents import LLMOperator
 
         return LLMOperator(
-            task_id="agent", prompt="go", llm_conn_id=CONN_ID, model=f"openai:{behaviour}", stream=stream, **kw
+            task_id="agent",
+            prompt="go",
+            llm_conn_id=CONN_ID,
+            model=f"openai:{behaviour}",
+            stream=stream,
+            **kw,
         )
     return _operator(rep, behaviour, stream=stream, **kw)
 
@@ -310,9 +321,12 @@ def _subagent_task(rep: Rep, depth: int) -> Any:
 
         below = Subagent("level1", _our_level(1, depth), stream=depth == 1)
         return _operator(rep, _delegate("level1"), stream=False, toolsets=[SubagentToolset([below])])
-    return _operator(rep, model_string("tool", name="delegate", args={"task": "dig"}), stream=False, tools=[
-        _plain_delegation(_plain_level(1, depth), stream=depth == 1)
-    ])
+    return _operator(
+        rep,
+        model_string("tool", name="delegate", args={"task": "dig"}),
+        stream=False,
+        tools=[_plain_delegation(_plain_level(1, depth), stream=depth == 1)],
+    )
 
 
 def _delegate(name: str) -> str:

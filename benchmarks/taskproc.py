@@ -8,8 +8,8 @@ kill does (``airflow/sdk/execution_time/task_runner.py``, Airflow 3.3.2):
 - the SIGTERM handler (:func:`install_sigterm_handler`) is ``_on_term``: in the task's own process
   it calls ``ti.task.on_kill()`` on the main thread and returns; Airflow raises nothing;
 - :func:`execute_like_task_sdk` is ``_execute_task`` + ``_run_execute_callable``: templates,
-  the ``pre_execute=`` hook and ``pre_execute`` (when overridden), ``execute`` in a copied context carrying the
-  ``ExecutorSafeguard`` sentinel, and with ``execution_timeout`` the SDK's own
+  the ``pre_execute=`` hook and ``pre_execute`` (when overridden), ``execute`` in a copied
+  context carrying the ``ExecutorSafeguard`` sentinel, and with ``execution_timeout`` the SDK's own
   ``timeout`` context manager (SIGALRM), calling ``on_kill()`` in its ``except AirflowTaskTimeout``.
 
 One child runs many repetitions (a scope is per task instance, so every repetition builds a

@@ -23,6 +23,7 @@ _EXPORTS = {
     "LocalSandbox": "cancellable_agents.toolsets.sandbox",
     "SandboxToolset": "cancellable_agents.toolsets.sandbox",
     "SubagentToolset": "cancellable_agents.toolsets.subagents",
+    "Subagent": "cancellable_agents.toolsets.subagents",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -28,12 +28,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from benchmarks.scenarios import CONN_ID, base_url, drain_events, model_string, warm_up
+from benchmarks.taskproc import Channel, FakeTI, execute_like_task_sdk, install_sigterm_handler, our_threads
 from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
 import cancellable_agents.mixin as mixin
-from benchmarks.scenarios import CONN_ID, base_url, drain_events, model_string, warm_up
-from benchmarks.taskproc import Channel, FakeTI, execute_like_task_sdk, install_sigterm_handler, our_threads
 from cancellable_agents import AgentOperator, TaskCancelled, current_cancellation
 from cancellable_agents.cancellation import Outcome
 from cancellable_agents.causes import CancelCause, CauseVerdict, verdict_for_state
@@ -144,7 +144,12 @@ def _tools(plan: dict[str, Any]) -> tuple[list[Any], list[Any], list[str]]:
         toolsets.append(SandboxToolset(isolation=spec["shell"]))
         names.append("run_shell")
     if spec.get("subagent_tokens"):
-        leaf = Agent(build_model("openai:" + model_string("slow", tokens=spec["subagent_tokens"], delay=0.01), base_url=base_url()))
+        leaf = Agent(
+            build_model(
+                "openai:" + model_string("slow", tokens=spec["subagent_tokens"], delay=0.01),
+                base_url=base_url(),
+            )
+        )
 
         async def delegate_work(command: str) -> str:
             """Ask a helper agent."""
@@ -164,7 +169,9 @@ def build_task(plan: dict[str, Any]) -> Any:
         behaviour = model_string("slow", tokens=400, delay=0.01)
     elif names:
         command = f"setsid sleep {plan['marker']} & sleep {plan['tools'].get('shell_s', 0.1)}"
-        behaviour = model_string("tools", names=",".join(names), args={"command": command}, then="done", delay_first=delay)
+        behaviour = model_string(
+            "tools", names=",".join(names), args={"command": command}, then="done", delay_first=delay
+        )
     else:
         behaviour = model_string("slow", tokens=plan["tokens"], delay=0.01, delay_first=delay)
     kwargs: dict[str, Any] = {}

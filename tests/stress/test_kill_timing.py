@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from benchmarks.taskproc import GRACE, TaskChild, kill_markers, wait_markers_gone
+
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.toolsets.sandbox import bwrap_support
 
@@ -57,6 +57,16 @@ PHASES = (
     "random",
 )
 STATES = ("failed", "restarting", "running", "hang", "error")
+#: The child's event that opens each phase.
+ANCHORS = {
+    "before_start": "waiting_for_kill",
+    "pre_execute": "waiting_for_kill",
+    "tool": "tool_started",
+    "subagent": "subagent_started",
+    "teardown": "teardown_started",
+    "result": "teardown_started",
+    "after_result": "after_result",
+}
 
 
 # -- planning -------------------------------------------------------------------------------
@@ -118,8 +128,10 @@ def expected_seconds(plan: dict[str, Any]) -> float:
     """A rough length of the run, for kills at a random moment."""
     tools = plan["tools"]
     longest = max(
-        [tools.get("async_ms", 0) / 1000, tools.get("sync_ms", 0) / 1000, tools.get("shell_s", 0)]
-        + [tools.get("subagent_tokens", 0) * 0.01 + 0.05]
+        tools.get("async_ms", 0) / 1000,
+        tools.get("sync_ms", 0) / 1000,
+        tools.get("shell_s", 0),
+        tools.get("subagent_tokens", 0) * 0.01 + 0.05,
     )
     return 2 * plan["delay_first"] + longest + plan["teardown_ms"] / 1000 + 0.15
 
@@ -162,80 +174,73 @@ class Stress:
                 child.close(5.0)
 
     def run(self, plan: dict[str, Any]) -> RunRecord:
+        """One planned run: start it, trigger it, then check what the parent can see."""
         record = RunRecord(plan)
         child = self.ensure_child()
         self.server.reset()
         child.send(plan)
         if child.wait_for({"started"}, START_TIMEOUT) is None:
-            record.violations.append(f"the task process did not start the run\n{child.tail(20)}")
-            child.sigkill()
-            return record
-        finished: dict[str, Any] | None = None
-        kill_at = None
-        if plan["burst"]:
-            finished, kill_at = self._kill_at_the_moment(child, plan)
-        limit = (kill_at if kill_at is not None else time.monotonic()) + GRACE
-        if plan["timeout"]:
-            limit += plan["timeout"]["seconds"]
+            return self._abandon(record, child, f"the task process did not start the run\n{child.tail(20)}")
+        finished = self._wait_for_moment(child, plan) if plan["burst"] else None
+        kill_at = child.sigterm(plan["burst"], plan["burst_gap"]) if plan["burst"] else None
+        limit = (kill_at or time.monotonic()) + GRACE + (plan["timeout"]["seconds"] if plan["timeout"] else 0)
+        finished = finished or child.wait_for({"finished"}, max(0.0, limit - time.monotonic()))
         if finished is None:
-            finished = child.wait_for({"finished"}, max(0.0, limit - time.monotonic()))
-        if finished is None:
-            record.violations.append("no terminal outcome inside the 5 s grace: Airflow would SIGKILL (lost kill)")
-            child.sigkill()
-            kill_markers(plan["marker"])
-            return record
+            return self._abandon(
+                record, child, "no outcome inside the 5 s grace: Airflow would SIGKILL (lost kill)"
+            )
         child.send({"signals": plan["burst"] if kill_at is not None else 0})
         report = child.wait_for({"report"}, BUDGET + GRACE + 5)
         if report is None:
-            record.violations.append(f"the task process did not report\n{child.tail(20)}")
-            child.sigkill()
+            self._abandon(record, child, f"the task process did not report\n{child.tail(20)}")
         else:
             record.report = report
             record.violations += report["violations"]
             if report["exiting"] and not child.wait_exit(GRACE):
                 child.sigkill()
-        start = kill_at if kill_at is not None else finished["at"]
-        record.violations += self._leaks(plan, start, kill_at)
+        record.violations += self._leaks(plan, kill_at if kill_at is not None else finished["at"])
         return record
 
-    def _kill_at_the_moment(self, child: TaskChild, plan: dict[str, Any]) -> tuple[dict[str, Any] | None, float]:
-        """Wait for the plan's phase, add the plan's jitter, send the burst. Returns ``finished``
-        if the run ended before the moment came (the kill then lands after the result)."""
-        phase, finished = plan["phase"], None
-        anchors = {
-            "before_start": "waiting_for_kill",
-            "pre_execute": "waiting_for_kill",
-            "tool": "tool_started",
-            "subagent": "subagent_started",
-            "teardown": "teardown_started",
-            "result": "teardown_started",
-            "after_result": "after_result",
-        }
-        window = 0.0
-        if phase in anchors:
-            event = child.wait_for({anchors[phase], "finished"}, 30)
-            if event is not None and event["event"] == "finished":
-                finished = event
-            window = {"tool": 0.2, "subagent": 0.1, "teardown": plan["teardown_ms"] / 1000}.get(phase, 0.0)
-        if phase == "result" and finished is None:
-            # The teardown is the run's last step: aim at its end, where the result arrives and the
-            # outcome is settled (a few ms either side; the machine's jitter spreads it further).
-            time.sleep(max(0.0, plan["teardown_ms"] / 1000 - 0.002 + plan["jitter"] * 0.005))
+    def _abandon(self, record: RunRecord, child: TaskChild, why: str) -> RunRecord:
+        record.violations.append(why)
+        child.sigkill()
+        kill_markers(record.plan["marker"])
+        return record
+
+    def _wait_for_moment(self, child: TaskChild, plan: dict[str, Any]) -> dict[str, Any] | None:
+        """Wait for the plan's phase and its drawn moment inside it.
+
+        Returns the ``finished`` event if the run ended before the phase came (the kill then
+        lands after the result, which is a case of its own).
+        """
+        phase = plan["phase"]
+        if phase in ANCHORS:
+            event = child.wait_for({ANCHORS[phase], "finished"}, 30)
+            if event is None or event["event"] == "finished":
+                return event
         elif phase == "model":
             self.server.wait_for_request(1, timeout=30)
-            window = plan["delay_first"]
-        elif phase == "random":
-            window = expected_seconds(plan) * 1.2
-        if window:
-            time.sleep(plan["jitter"] * window)  # the drawn moment inside the phase
-        return finished, child.sigterm(plan["burst"], plan["burst_gap"])
+        if phase == "result":
+            # The teardown is the run's last step: aim at its end, where the result arrives and
+            # the outcome is settled (a few ms either side; the machine's jitter spreads it more).
+            time.sleep(max(0.0, plan["teardown_ms"] / 1000 - 0.002 + plan["jitter"] * 0.005))
+            return None
+        windows = {
+            "tool": 0.2,
+            "subagent": 0.1,
+            "teardown": plan["teardown_ms"] / 1000,
+            "model": plan["delay_first"],
+            "random": expected_seconds(plan) * 1.2,
+        }
+        time.sleep(plan["jitter"] * windows.get(phase, 0.0))  # the drawn moment inside the phase
+        return None
 
-    def _leaks(self, plan: dict[str, Any], start: float, kill_at: float | None) -> list[str]:
+    def _leaks(self, plan: dict[str, Any], start: float) -> list[str]:
+        """Processes and HTTP requests of the run still there at the end of the budget."""
         out = []
         deadline = start + BUDGET + 0.5
         if wait_markers_gone(plan["marker"], deadline) is None:
-            survivors = kill_markers(plan["marker"])
-            out.append(f"started processes alive after the budget: pids {survivors}")
+            out.append(f"started processes alive after the budget: pids {kill_markers(plan['marker'])}")
         records = self.server.requests
         # In these phases the task process waits for the kill before the run: it must not start.
         if plan["phase"] in ("before_start", "pre_execute") and records:
@@ -253,7 +258,9 @@ def stress(tmp_path: Path) -> Iterator[Stress]:
             **os.environ,
             "AIRFLOW_HOME": str(tmp_path / "airflow_home"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW_CONN_BENCH_MODEL": json.dumps({"conn_type": "cancellable_agents_model", "host": server.base_url}),
+            "AIRFLOW_CONN_BENCH_MODEL": json.dumps(
+                {"conn_type": "cancellable_agents_model", "host": server.base_url}
+            ),
             "BENCH_WARMUP_URL": warmup.base_url,
         }
         harness = Stress(server, env, tmp_path)

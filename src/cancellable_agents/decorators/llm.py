@@ -17,28 +17,9 @@ from airflow.sdk.definitions.context import Context, context_merge
 from cancellable_agents.operators.llm import LLMOperator
 
 
-def prompt_from_callable(operator: DecoratedOperator, context: Context) -> str:
-    """Call the decorated function with its TaskFlow arguments; it must return a non-empty prompt."""
-    context_merge(context, operator.op_kwargs)
-    kwargs = determine_kwargs(operator.python_callable, operator.op_args, context)
-    prompt = operator.python_callable(*operator.op_args, **kwargs)
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise TypeError(
-            f"{getattr(operator, 'custom_operator_name', 'TaskFlow')} functions must return the prompt "
-            f"as a non-empty string, got {prompt!r}"
-        )
-    return prompt
-
-
-class _LLMDecoratedOperator(DecoratedOperator, LLMOperator):
-    """Runs the decorated function to get the prompt, then behaves as :class:`LLMOperator`."""
-
-    template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *LLMOperator.template_fields)
-    template_fields_renderers: ClassVar[dict[str, str]] = {
-        **DecoratedOperator.template_fields_renderers,
-        **LLMOperator.template_fields_renderers,
-    }
-    custom_operator_name: str = "@task.llm"
+class PromptFromCallable(DecoratedOperator):
+    """The TaskFlow part of ``@task.llm`` / ``@task.agent``: the function's return value is the
+    prompt; the operator the class is combined with does the rest."""
 
     def __init__(
         self,
@@ -57,8 +38,28 @@ class _LLMDecoratedOperator(DecoratedOperator, LLMOperator):
         )
 
     def execute(self, context: Context) -> Any:
-        self.prompt = prompt_from_callable(self, context)
-        return LLMOperator.execute(self, context)
+        context_merge(context, self.op_kwargs)
+        kwargs = determine_kwargs(self.python_callable, self.op_args, context)
+        prompt = self.python_callable(*self.op_args, **kwargs)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise TypeError(
+                f"{getattr(self, 'custom_operator_name', 'TaskFlow')} functions must return the prompt "
+                f"as a non-empty string, got {prompt!r}"
+            )
+        self.prompt = prompt
+        # Skip DecoratedOperator.execute (it would only call the function again).
+        return super(DecoratedOperator, self).execute(context)
+
+
+class _LLMDecoratedOperator(PromptFromCallable, LLMOperator):
+    """Runs the decorated function to get the prompt, then behaves as :class:`LLMOperator`."""
+
+    template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *LLMOperator.template_fields)
+    template_fields_renderers: ClassVar[dict[str, str]] = {
+        **DecoratedOperator.template_fields_renderers,
+        **LLMOperator.template_fields_renderers,
+    }
+    custom_operator_name: str = "@task.llm"
 
 
 def llm_task(python_callable: Callable[..., Any] | None = None, **kwargs: Any) -> TaskDecorator:
