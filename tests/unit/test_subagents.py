@@ -609,3 +609,29 @@ def test_works_with_a_plain_pydantic_ai_run_and_token() -> None:
     with pytest.raises(RunCancelled):
         parent.run_sync("go", cancellation_token=token)
     assert leaf.cancelled.wait(2), "without a task scope, the child is still cancelled with its parent"
+
+
+def test_a_sub_agent_without_a_model_runs_on_its_parents() -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from cancellable_agents.agent_run import run_agent_in_scope
+    from cancellable_agents.cancellation import TaskCancellation
+    from cancellable_agents.toolsets.subagents import SubagentToolset
+
+    seen: list[str] = []
+
+    def parent_model(messages: Any, info: Any) -> ModelResponse:
+        prompt = messages[0].parts[-1].content
+        seen.append(prompt)
+        if prompt == "do the task":  # the child's request, on the same model
+            return ModelResponse(parts=[TextPart("child done")])
+        if len(messages) == 1:
+            return ModelResponse(parts=[ToolCallPart("delegate", {"agent": "helper", "task": "do the task"})])
+        return ModelResponse(parts=[TextPart("parent done")])
+
+    parent = Agent(FunctionModel(parent_model), toolsets=[SubagentToolset({"helper": Agent(None)})])
+    result = run_agent_in_scope(TaskCancellation(), parent, "start")
+    assert result.output == "parent done"
+    assert "do the task" in seen

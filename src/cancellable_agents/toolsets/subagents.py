@@ -171,16 +171,21 @@ class SubagentToolset(FunctionToolset[Any]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({list(self.subagents)!r}, tool_name={self.tool_name!r})"
 
-    async def ask(self, agent: str, task: str, *, usage: RunUsage | None = None) -> str:
-        """Run sub-agent ``agent`` on ``task`` (awaited on this loop) and return its output as text."""
+    async def ask(self, agent: str, task: str, *, usage: RunUsage | None = None, model: Any = None) -> str:
+        """Run sub-agent ``agent`` on ``task`` (awaited on this loop) and return its output as text.
+
+        ``model`` (the parent's) is used by a sub-agent built without a model of its own.
+        """
         sub = self._get(agent)
-        result = await run_subagent(sub.agent, task, name=sub.name, parent_usage=usage, **sub.kwargs())
+        kwargs = _with_fallback_model(sub, model)
+        result = await run_subagent(sub.agent, task, name=sub.name, parent_usage=usage, **kwargs)
         return _as_text(result.output)
 
-    def ask_sync(self, agent: str, task: str, *, usage: RunUsage | None = None) -> str:
+    def ask_sync(self, agent: str, task: str, *, usage: RunUsage | None = None, model: Any = None) -> str:
         """Run sub-agent ``agent`` on ``task`` from this thread and return its output as text."""
         sub = self._get(agent)
-        result = run_subagent_sync(sub.agent, task, name=sub.name, parent_usage=usage, **sub.kwargs())
+        kwargs = _with_fallback_model(sub, model)
+        result = run_subagent_sync(sub.agent, task, name=sub.name, parent_usage=usage, **kwargs)
         return _as_text(result.output)
 
     def _get(self, name: str) -> Subagent:
@@ -211,7 +216,7 @@ class SubagentToolset(FunctionToolset[Any]):
                     agent: Which sub-agent to ask.
                     task: The complete task, with all context the sub-agent needs.
                 """
-                return self.ask_sync(agent, task, usage=ctx.usage)
+                return self.ask_sync(agent, task, usage=ctx.usage, model=ctx.model)
 
             tool: Callable[..., Any] = delegate
         else:
@@ -223,7 +228,7 @@ class SubagentToolset(FunctionToolset[Any]):
                     agent: Which sub-agent to ask.
                     task: The complete task, with all context the sub-agent needs.
                 """
-                return await self.ask(agent, task, usage=ctx.usage)
+                return await self.ask(agent, task, usage=ctx.usage, model=ctx.model)
 
             tool = delegate_async
         names = tuple(self.subagents)
@@ -478,6 +483,15 @@ def _by_name(agents: Mapping[str, AbstractAgent[Any, Any]] | Sequence[Subagent])
 
 def _agent_name(agent: AbstractAgent[Any, Any]) -> str:
     return getattr(agent, "name", None) or "subagent"
+
+
+def _with_fallback_model(sub: Subagent, parent_model: Any) -> dict[str, Any]:
+    """A sub-agent built without a model (``Agent(None, ...)``) runs on its parent's, so it can
+    use the task's connection instead of needing one of its own."""
+    kwargs = sub.kwargs()
+    if parent_model is not None and getattr(sub.agent, "model", None) is None and "model" not in kwargs:
+        kwargs["model"] = parent_model
+    return kwargs
 
 
 def _as_text(output: Any) -> str:
