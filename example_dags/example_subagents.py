@@ -17,34 +17,24 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG
 from pydantic_ai import Agent
 
-from cancellable_agents import AgentOperator, SandboxToolset, SubagentToolset
-from cancellable_agents.hooks.model import ModelHook
-from cancellable_agents.toolsets.subagents import Subagent
+from cancellable_agents import AgentOperator, SandboxToolset, Subagent, SubagentToolset
 
 LLM_CONN_ID = os.environ.get("CANCELLABLE_AGENTS_CONN")
 MODEL = None if LLM_CONN_ID else "test"
 
-
-class ResearchTeam(AgentOperator):
-    """A lead agent and its sub-agents, all on this task's model."""
-
-    def build_agent(self) -> Agent:
-        # Built when the task runs: the connection is read on the worker, never at parse time.
-        model = ModelHook(llm_conn_id=self.llm_conn_id, model=self.model).get_model()
-        researcher = Agent(
-            model,
-            instructions="Find facts by running commands in your sandbox. Report only what you saw.",
-            toolsets=[SandboxToolset(command_timeout=60)],
-        )
-        writer = Agent(model, instructions="Turn notes into a five-line report for engineers.")
-        team = SubagentToolset(
-            [
-                Subagent("researcher", researcher, description="runs shell commands to find facts"),
-                Subagent("writer", writer, description="writes the final report from notes"),
-            ]
-        )
-        return Agent(model, system_prompt=self.system_prompt, toolsets=[team])
-
+# Sub-agents built without a model (``Agent(None, ...)``) run on the lead's: the task's connection.
+researcher = Agent(
+    None,
+    instructions="Find facts by running commands in your sandbox. Report only what you saw.",
+    toolsets=[SandboxToolset(command_timeout=60)],
+)
+writer = Agent(None, instructions="Turn notes into a five-line report for engineers.")
+team = SubagentToolset(
+    [
+        Subagent("researcher", researcher, description="runs shell commands to find facts"),
+        Subagent("writer", writer, description="writes the final report from notes"),
+    ]
+)
 
 with DAG(
     dag_id="example_cancellable_subagents",
@@ -53,10 +43,11 @@ with DAG(
     catchup=False,
     tags=["cancellable-agents", "example"],
 ):
-    ResearchTeam(
+    AgentOperator(
         task_id="disk_usage_report",
         prompt="Which directories under /tmp use the most space? Have it checked, then written up.",
         system_prompt="You lead a small team. Delegate the checking and the writing; do neither yourself.",
+        toolsets=[team],
         execution_timeout=timedelta(minutes=15),
         llm_conn_id=LLM_CONN_ID,
         model=MODEL,
