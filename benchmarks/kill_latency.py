@@ -34,6 +34,8 @@ START_TIMEOUT = 90.0
 READY_TIMEOUT = 30.0
 #: What is still there this long after the grace ended counts as leaked.
 LEAK_SLACK = 1.0
+#: What ends this much later than the run raised "outlived the run" (measurement slack: polling).
+OUTLIVE_SLACK = 0.02
 
 
 @dataclass
@@ -48,6 +50,8 @@ class RepResult:
     cause: str | None = None
     sigkilled: bool = False
     leaked: list[str] = field(default_factory=list)
+    outlived: list[str] = field(default_factory=list)
+    """What was still running more than ``OUTLIVE_SLACK`` after ``execute`` raised."""
     error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -219,50 +223,57 @@ def _result(
     sigkilled: bool,
 ) -> RepResult:
     end = next((e for e in events if e["event"] in ("raised", "returned")), None)
-    done = next((e for e in events if e["event"] == "rep_done"), None)
-    # A leak is whatever is still there a second after the grace (after the supervisor's SIGKILL).
-    deadline = sent + GRACE + LEAK_SLACK
-    leaked: list[str] = []
-    times: list[float] = []
-    raised = end is not None and end["event"] == "raised" and not sigkilled
-    if raised:
-        assert end is not None
-        times.append(end["at"])
-    # Tool threads end with the process: wait for its exit if it is leaving (or was SIGKILLed).
-    if done is None or not done["clean"]:
-        child.wait_exit(max(0.0, deadline - time.monotonic()) + 0.5)
-        if child.exited_at is None:
-            leaked.append("threads")
-        else:
-            times.append(child.exited_at)
-    times.extend(e["t"] for e in events if e["event"] == "tool_exited")
-    http_end = _http_closed(server, deadline)
-    if http_end is None:
-        leaked.append("http")
-    else:
-        times.append(http_end)
-    if scenario.marker_count:
-        gone = wait_markers_gone(marker, deadline)
-        if gone is None:
-            leaked.append("processes")
-        else:
-            times.append(gone)
-    if end is None:
+    raised_at = end["at"] if end is not None and end["event"] == "raised" and not sigkilled else None
+    ended = _what_ended_when(events, child, server, marker, scenario, deadline=sent + GRACE + LEAK_SLACK)
+    leaked = [kind for kind, at in ended.items() if at is None]
+    times = [at for at in ended.values() if at is not None] + ([raised_at] if raised_at is not None else [])
+    outlived = []
+    if raised_at is not None:
+        outlived = [kind for kind, at in ended.items() if at is None or at > raised_at + OUTLIVE_SLACK]
+    if end is None or sigkilled:
         outcome = "lost: SIGKILL at 5 s"
-    elif end["event"] == "returned":
-        outcome = "lost: ended SUCCESS"
     else:
-        outcome = "raised" if not sigkilled else "lost: SIGKILL at 5 s"
+        outcome = "raised" if end["event"] == "raised" else "lost: ended SUCCESS"
     return RepResult(
         rep,
-        raised_ms=(end["at"] - sent) * 1000 if raised and end is not None else None,
-        gone_ms=None if leaked else max(0.0, (max(times) - sent) * 1000),
+        raised_ms=None if raised_at is None else (raised_at - sent) * 1000,
+        gone_ms=None if leaked else max(0.0, (max(times, default=sent) - sent) * 1000),
         outcome=outcome,
         exc_type=end.get("exc_type", "") if end else "",
         cause=end.get("cause") if end else None,
         sigkilled=sigkilled,
         leaked=leaked,
+        outlived=outlived,
     )
+
+
+def _what_ended_when(
+    events: list[dict[str, Any]],
+    child: TaskChild,
+    server: ScriptedModelServer,
+    marker: str,
+    scenario: Scenario,
+    deadline: float,
+) -> dict[str, float | None]:
+    """When each kind of thing the repetition started was last seen gone (``None``: a leak).
+
+    A leaked thing still there at ``deadline`` (a second after the grace, i.e. after the
+    supervisor's SIGKILL) is killed by the caller.
+    """
+    ended: dict[str, float | None] = {}
+    done = next((e for e in events if e["event"] == "rep_done"), None)
+    exits = [e["t"] for e in events if e["event"] == "tool_exited"]
+    if done is None or not done["clean"]:
+        # The task process is leaving (or was SIGKILLed): its threads end with it.
+        child.wait_exit(max(0.0, deadline - time.monotonic()) + 0.5)
+        if done is None or done["threads"]:
+            ended["threads"] = child.exited_at
+    if exits and "threads" not in ended:
+        ended["threads"] = max(exits)
+    ended["http"] = _http_closed(server, deadline)
+    if scenario.marker_count:
+        ended["processes"] = wait_markers_gone(marker, deadline)
+    return ended
 
 
 def _http_closed(server: ScriptedModelServer, deadline: float) -> float | None:

@@ -1,11 +1,13 @@
 """What the cancellation scope costs a normal run, measured in one process, interleaved.
 
-A 50-step agent (pydantic-ai ``FunctionModel``: 49 tool calls, then an answer) runs bare
-(``agent.run_sync``) and through the provider (``AgentOperator.run_agent_sync`` of a fresh
-operator, i.e. a fresh task scope, tracked tools and ordered teardown), alternating which goes
-first in each pair, so drift on a busy machine hits both alike. Reported: median per-run time of
-each, their ratio, and the median of the paired differences (the absolute overhead per run).
-Done twice: with an async tool and with a sync tool (sync tools run on tracked threads).
+A 50-step agent (pydantic-ai ``FunctionModel`` with an async model function, as a real HTTP model
+is async: 49 tool calls, then an answer) runs bare (``agent.run_sync``) and through the provider
+(``AgentOperator.run_agent_sync`` of a fresh operator, i.e. a fresh task scope, tracked tools and
+ordered teardown), alternating which goes first in each pair, so drift on a busy machine hits
+both alike. Reported: median per-run time of each, their ratio, and the median of the paired
+differences (the absolute overhead per run). Done with an async tool and with a sync tool (sync
+tools run on one tracked thread per call), plus a control row: bare with an *empty* per-run
+pydantic-ai capability, i.e. what pydantic-ai itself charges for any per-run capability.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic_ai import Agent
+from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 STEPS = 50
+Variant = Literal["async", "sync", "empty-capability"]
+VARIANTS: tuple[Variant, ...] = ("async", "sync", "empty-capability")
 
 
 def fifty_step_agent(kind: Literal["async", "sync"]) -> Agent[None, str]:
     """An agent whose model calls ``step`` ``STEPS - 1`` times, then answers."""
 
-    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    async def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         done = sum(isinstance(p, ToolReturnPart) for m in messages for p in getattr(m, "parts", []))
         if done >= STEPS - 1:
             return ModelResponse(parts=[TextPart("done")])
@@ -48,48 +53,59 @@ def fifty_step_agent(kind: Literal["async", "sync"]) -> Agent[None, str]:
     return agent
 
 
+class _EmptyCapability(AbstractCapability[Any]):
+    """Does nothing: measures pydantic-ai's own cost of a per-run capability."""
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def measure(kind: Literal["async", "sync"], pairs: int = 200, warmup: int = 10) -> dict[str, Any]:
-    """Interleave ``pairs`` bare and scoped runs; return medians (ms), ratio and overhead (ms)."""
+def _check(result: Any) -> None:
+    assert result.output == "done"
+
+
+def _candidate(variant: Variant, agent: Agent[None, str], index: int) -> Callable[[], None]:
+    """The run compared with the bare one; per-task setup (a fresh operator) happens here, untimed."""
+    if variant == "empty-capability":
+        return lambda: _check(agent.run_sync("go", capabilities=[_EmptyCapability()]))
     from cancellable_agents import AgentOperator
 
-    agent = fifty_step_agent(kind)
+    op = AgentOperator(task_id=f"overhead_{index}", agent=agent)
+    return lambda: _check(op.run_agent_sync(agent, "go"))
+
+
+def measure(variant: Variant, pairs: int = 200, warmup: int = 10) -> dict[str, Any]:
+    """Interleave ``pairs`` bare and compared runs; return medians (ms), ratio and overhead (ms)."""
+    agent = fifty_step_agent("sync" if variant == "sync" else "async")
 
     def bare() -> None:
-        assert agent.run_sync("go").output == "done"
-
-    def scoped(op: Any) -> Callable[[], None]:
-        def run() -> None:
-            assert op.run_agent_sync(agent, "go").output == "done"
-
-        return run
+        _check(agent.run_sync("go"))
 
     bare_s: list[float] = []
-    ours_s: list[float] = []
+    other_s: list[float] = []
     for i in range(warmup + pairs):
-        op = AgentOperator(task_id=f"overhead_{i}", agent=agent)  # built outside the timed region
-        first, second = (bare, scoped(op)) if i % 2 == 0 else (scoped(op), bare)
-        t_first, t_second = _timed(first), _timed(second)
-        t_bare, t_ours = (t_first, t_second) if i % 2 == 0 else (t_second, t_first)
+        other = _candidate(variant, agent, i)
+        if i % 2 == 0:
+            t_bare, t_other = _timed(bare), _timed(other)
+        else:
+            t_other, t_bare = _timed(other), _timed(bare)
         if i >= warmup:
             bare_s.append(t_bare)
-            ours_s.append(t_ours)
-    diffs = [o - b for o, b in zip(ours_s, bare_s, strict=True)]
-    med_bare, med_ours = statistics.median(bare_s), statistics.median(ours_s)
+            other_s.append(t_other)
+    diff = statistics.median([o - b for o, b in zip(other_s, bare_s, strict=True)])
+    med_bare, med_other = statistics.median(bare_s), statistics.median(other_s)
     return {
-        "tool": kind,
+        "variant": variant,
         "steps": STEPS,
         "pairs": pairs,
         "bare_ms": round(med_bare * 1000, 3),
-        "ours_ms": round(med_ours * 1000, 3),
-        "ratio": round(med_ours / med_bare, 3),
-        "overhead_ms": round(statistics.median(diffs) * 1000, 3),
-        "overhead_per_step_us": round(statistics.median(diffs) / STEPS * 1e6, 1),
+        "other_ms": round(med_other * 1000, 3),
+        "ratio": round(med_other / med_bare, 4),
+        "overhead_ms": round(diff * 1000, 3),
+        "overhead_per_step_us": round(diff / STEPS * 1e6, 1),
     }
 
 
@@ -107,15 +123,22 @@ def measure_task_setup(reps: int = 50) -> dict[str, Any]:
     return {"pre_execute_ms": round(statistics.median(times) * 1000, 3), "reps": reps}
 
 
+_LABELS = {
+    "async": "ours, async tool",
+    "sync": "ours, sync tool",
+    "empty-capability": "control: bare + empty capability",
+}
+
+
 def overhead_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"| {STEPS}-step agent | bare run_sync (ms) | ours run_agent_sync (ms) | ratio "
+        f"| {STEPS}-step agent (pairs) | bare run_sync (ms) | compared run (ms) | ratio "
         "| overhead per run (ms) | per step (µs) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tool']} tool, {r['pairs']} pairs | {r['bare_ms']:.2f} | {r['ours_ms']:.2f} "
+            f"| {_LABELS[r['variant']]} ({r['pairs']}) | {r['bare_ms']:.2f} | {r['other_ms']:.2f} "
             f"| {r['ratio']:.3f} | {r['overhead_ms']:.3f} | {r['overhead_per_step_us']:.1f} |"
         )
     return "\n".join(lines)

@@ -24,11 +24,11 @@ import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from benchmarks import overhead, report
 from benchmarks.kill_latency import RepResult, measure_scenario
-from benchmarks.scenarios import BY_NAME, CONN_ENV, SCENARIOS, WARMUP_ENV, Scenario
+from benchmarks.scenarios import BY_NAME, CONN_ENV, SCENARIOS, WARMUP_ENV, Impl, Scenario
 from benchmarks.taskproc import ROOT
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -131,11 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     overhead_rows: list[dict[str, Any]] = []
     setup: dict[str, Any] = {}
     if args.overhead_pairs > 0:
-        print(f"overhead: {args.overhead_pairs} interleaved pairs per tool kind ...")
-        overhead_rows = [
-            overhead.measure("async", args.overhead_pairs),
-            overhead.measure("sync", args.overhead_pairs),
-        ]
+        print(f"overhead: {args.overhead_pairs} interleaved pairs per variant ...")
+        overhead_rows = [overhead.measure(variant, args.overhead_pairs) for variant in overhead.VARIANTS]
         setup = overhead.measure_task_setup()
 
     payload = {
@@ -175,7 +172,7 @@ def _measure(
         from benchmarks import dagtest
 
         return dagtest.measure(reps, server, out / "airflow_home", logs)
-    return measure_scenario(scenario, impl, reps, server, env, logs)  # type: ignore[arg-type]
+    return measure_scenario(scenario, cast(Impl, impl), reps, server, env, logs)
 
 
 def _child_env(server: ScriptedModelServer, out: Path) -> dict[str, str]:

@@ -51,9 +51,8 @@ def test_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedMode
     assert record["outcome"] == "cancelled"
     assert [e["event"] for e in record["timeline"]].count("kill_received") == 1
     assert _report("streaming request", sent, failed) < GRACE * 1000
-    print(
-        f"[latency] streaming request: SIGTERM -> server saw disconnect {(disconnect.disconnected_at - sent) * 1000:.1f} ms"
-    )
+    gone_ms = (disconnect.disconnected_at - sent) * 1000
+    print(f"[latency] streaming request: SIGTERM -> server saw disconnect {gone_ms:.1f} ms")
 
 
 def test_non_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedModelServer) -> None:
