@@ -462,3 +462,22 @@ def test_toolset_rejects_escaping_paths_and_keeps_a_sandbox_it_was_given(tmp_pat
 def test_command_result_ok_means_exit_0_and_not_stopped() -> None:
     assert CommandResult("c", 0, "", "").ok
     assert not CommandResult("c", 0, "", "", stopped=True).ok
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not bwrap_support().usable, reason=f"no PID namespaces here: {bwrap_support().reason}")
+def test_an_interpreter_installed_under_tmp_stays_visible_in_namespace_mode() -> None:
+    # CI clones (and their venvs) often live under /tmp, which the sandbox replaces privately.
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as root:
+        venv = Path(root) / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+        box = LocalSandbox(isolation="namespace", python=str(venv / "bin" / "python"))
+        try:
+            result = box.run(["python", "-c", "import sys; print(sys.prefix)"])
+            assert result.exit_code == 0, result.stderr
+            result = box.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.prefix)"])
+            assert (result.exit_code, result.stdout.strip()) == (0, str(venv)), result.stderr
+        finally:
+            box.destroy()

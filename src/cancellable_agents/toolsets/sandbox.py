@@ -547,6 +547,8 @@ class LocalSandbox:
             wrapper.append("--new-session")
         # /tmp's tmpfs goes before the workdir bind, or a workdir under /tmp would be hidden.
         wrapper += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        for path in _interpreter_paths_under_tmp(self.python):
+            wrapper += ["--ro-bind", path, path]
         wrapper += ["--bind", wd, wd, "--chdir", wd, "--"]
         return wrapper + argv
 
@@ -996,6 +998,15 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True  # reaped by someone else
+
+
+def _interpreter_paths_under_tmp(python: str) -> list[str]:
+    """Installations the private /tmp would hide: a venv or checkout that lives under /tmp (as CI
+    clones often do) stays visible, read-only, so ``run_python`` still finds its interpreter."""
+    roots = {os.path.dirname(os.path.dirname(p)) for p in (os.path.abspath(python), os.path.realpath(python))}
+    candidates = {sys.prefix, sys.base_prefix, *roots}
+    under_tmp = sorted(p for p in candidates if p == "/tmp" or p.startswith("/tmp/"))
+    return [p for p in under_tmp if not any(p != q and p.startswith(q + "/") for q in under_tmp)]
 
 
 def _prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
