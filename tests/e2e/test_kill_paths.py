@@ -234,7 +234,8 @@ def _measurements(result: PathResult) -> str:
             f"[e2e] {result.path:<11} {click}; "
             f"on_kill->run_unwound {result.event_ms(record, 'run_unwound')} ms, "
             f"->resources_released {result.event_ms(record, 'resources_released')} ms, "
-            f"->server saw disconnect {_disconnect_ms_text(result)}; cause {record['cause']}/"
+            f"->server saw disconnect {_disconnect_ms_text(result)}, "
+            f"->cause decided {result.event_ms(record, 'cause_decided')} ms; cause {record['cause']}/"
             f"{record['detail']}; TI {result.final_ti.get('state')} try {result.final_ti.get('try_number')} "
             f"(seen {result.states_seen}); callbacks {_callbacks(result)}"
         )
