@@ -14,14 +14,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 from typing import Any
 
 from benchmarks import scenarios
-from benchmarks.taskproc import Channel, execute_like_task_sdk, install_sigterm_handler
+from benchmarks.taskproc import (
+    Channel,
+    SignalLatch,
+    execute_like_task_sdk,
+    install_sigterm_handler,
+    marker_processes,
+)
 
 channel = Channel()
+seen = SignalLatch()
 
 
 def run_rep(command: dict[str, Any]) -> bool:
@@ -29,7 +35,7 @@ def run_rep(command: dict[str, Any]) -> bool:
     scenario = scenarios.BY_NAME[command["scenario"]]
     rep = scenarios.Rep(scenario, command["impl"], command["marker"], channel.emit, set())
     task = scenarios.build_task(rep)
-    seen = threading.Event()
+    seen.clear()
 
     def on_signal() -> None:
         channel.emit("signal")
@@ -52,7 +58,12 @@ def run_rep(command: dict[str, Any]) -> bool:
         channel.emit("trigger", at=_timeout_trigger(task, armed))
     channel.emit(outcome, at=ended, exc_type=exc_type, cause=_cause(task))
     clean = outcome == "raised" and exc_type in ("TaskCancelled", "RunCancelled") and not _alive(rep)
-    channel.emit("rep_done", clean=clean, threads=[t.name for t in rep.tool_threads if t.is_alive()])
+    channel.emit(
+        "rep_done",
+        clean=clean,
+        threads=[t.name for t in rep.tool_threads if t.is_alive()],
+        processes=len(marker_processes(rep.marker)) if scenario.marker_count else 0,
+    )
     return clean
 
 

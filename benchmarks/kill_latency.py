@@ -8,7 +8,11 @@ moment, send one SIGTERM to the task pid and take the time, then measure
 - **gone**: SIGTERM -> everything the repetition started is gone: the run raised, every HTTP
   request it made has ended on the server, every marked process has exited, and every tool
   thread has ended (or the task process has exited, which ends them). Whatever is still there
-  at the end of the grace is a *leak* (leaked processes are then killed by pid).
+  a second after the grace (after the supervisor's SIGKILL) is a *leak* (then killed by pid);
+- **outlived the run**: something the run started was still running when ``execute`` raised.
+
+A repetition the harness could not measure (the child died, the moment to kill never came) is
+kept with its ``error`` and left out of the statistics.
 
 For the ``timeout`` scenario there is no SIGTERM: both times are measured from the deadline the
 implementation acts on (reported by the child).
@@ -34,8 +38,8 @@ START_TIMEOUT = 90.0
 READY_TIMEOUT = 30.0
 #: What is still there this long after the grace ended counts as leaked.
 LEAK_SLACK = 1.0
-#: What ends this much later than the run raised "outlived the run" (measurement slack: polling).
-OUTLIVE_SLACK = 0.02
+#: How long the server may take to notice a closed request (it selects on the socket).
+OUTLIVE_SLACK = 0.005
 
 
 @dataclass
@@ -46,12 +50,14 @@ class RepResult:
     raised_ms: float | None
     gone_ms: float | None
     outcome: str
+    noticed_ms: float | None = None
+    """SIGTERM -> the Task SDK's handler started in the task process (``None``: never)."""
     exc_type: str = ""
     cause: str | None = None
     sigkilled: bool = False
     leaked: list[str] = field(default_factory=list)
     outlived: list[str] = field(default_factory=list)
-    """What was still running more than ``OUTLIVE_SLACK`` after ``execute`` raised."""
+    """What the run started that was still running after ``execute`` raised (see ``_outlived``)."""
     error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -227,15 +233,15 @@ def _result(
     ended = _what_ended_when(events, child, server, marker, scenario, deadline=sent + GRACE + LEAK_SLACK)
     leaked = [kind for kind, at in ended.items() if at is None]
     times = [at for at in ended.values() if at is not None] + ([raised_at] if raised_at is not None else [])
-    outlived = []
-    if raised_at is not None:
-        outlived = [kind for kind, at in ended.items() if at is None or at > raised_at + OUTLIVE_SLACK]
+    outlived = _outlived(events, server) if raised_at is not None else []
     if end is None or sigkilled:
         outcome = "lost: SIGKILL at 5 s"
     else:
         outcome = "raised" if end["event"] == "raised" else "lost: ended SUCCESS"
+    noticed = next((e["t"] for e in events if e["event"] == "signal"), None)
     return RepResult(
         rep,
+        noticed_ms=None if noticed is None or scenario.trigger != "sigterm" else (noticed - sent) * 1000,
         raised_ms=None if raised_at is None else (raised_at - sent) * 1000,
         gone_ms=None if leaked else max(0.0, (max(times, default=sent) - sent) * 1000),
         outcome=outcome,
@@ -245,6 +251,22 @@ def _result(
         leaked=leaked,
         outlived=outlived,
     )
+
+
+def _outlived(events: list[dict[str, Any]], server: ScriptedModelServer) -> list[str]:
+    """What the run started that was still running when the task process reported the run over.
+
+    The inside view at ``rep_done`` (right after ``execute`` raised, before any process exit):
+    tool threads and marked processes the child saw alive, HTTP requests the server still had
+    open (with a few ms for the server to notice a close).
+    """
+    done = next((e for e in events if e["event"] == "rep_done"), None)
+    if done is None:
+        return []
+    out = [kind for kind in ("threads", "processes") if done.get(kind)]
+    if any(r.ended_at is None or r.ended_at > done["t"] + OUTLIVE_SLACK for r in server.requests):
+        out.append("http")
+    return out
 
 
 def _what_ended_when(
@@ -293,6 +315,7 @@ def _progress_line(scenario: Scenario, impl: Impl, r: RepResult) -> str:
         return "never" if v is None else f"{v:7.1f}"
 
     extra = f" leaked={','.join(r.leaked)}" if r.leaked else ""
+    extra += " (handler never ran)" if r.noticed_ms is None and scenario.trigger == "sigterm" else ""
     extra += " SIGKILL@5s" if r.sigkilled else ""
     extra += f" error={r.error.splitlines()[0]}" if r.error else ""
     return (

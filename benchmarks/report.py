@@ -64,7 +64,8 @@ def _rows(
 ) -> list[tuple[str, str, Summary, Summary, int, int]]:
     rows = []
     for scenario, by_impl in results.items():
-        for impl, reps in by_impl.items():
+        for impl, all_reps in by_impl.items():
+            reps = measured(all_reps)
             if not reps:
                 continue
             rows.append(
@@ -80,6 +81,21 @@ def _rows(
     return rows
 
 
+def measured(reps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The repetitions that were measured (harness errors are reported, not counted as kills)."""
+    return [r for r in reps if not r.get("error")]
+
+
+def harness_errors(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    return [
+        f"{scenario} [{impl}] rep {r['rep']}: {r['error'].splitlines()[0]}"
+        for scenario, by_impl in results.items()
+        for impl, reps in by_impl.items()
+        for r in reps
+        if r.get("error")
+    ]
+
+
 def target_verdict(scenario: str, raised: Summary, gone: Summary) -> str:
     """Against the targets: raised p99 <= 100 ms and gone p99 <= 300 ms (stragglers: <= the grace)."""
     spec = BY_NAME.get(scenario)
@@ -92,7 +108,7 @@ def target_verdict(scenario: str, raised: Summary, gone: Summary) -> str:
 
 def latency_table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     """Per scenario and implementation: raised and gone, median / p95 / max, and counts of
-    lost kills, repetitions where something the run started outlived it (by > 20 ms), and leaks."""
+    lost kills, repetitions where something the run started still ran after it raised, and leaks."""
     lines = [
         "| scenario | impl | n | → raised p50 | p95 | max | → all gone p50 | p95 | max "
         "| lost kills | outlived the run | leaks | target |",
@@ -118,7 +134,7 @@ def ratio_table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str | No
     ]
     found = False
     for scenario, by_impl in results.items():
-        ours, theirs = by_impl.get("ours"), by_impl.get("common-ai")
+        ours, theirs = measured(by_impl.get("ours", [])), measured(by_impl.get("common-ai", []))
         if not ours or not theirs:
             continue
         found = True
@@ -159,7 +175,8 @@ def draw_chart(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(s, impl, reps) for s, by_impl in results.items() for impl, reps in by_impl.items() if reps]
+    rows = [(s, impl, measured(reps)) for s, by_impl in results.items() for impl, reps in by_impl.items()]
+    rows = [row for row in rows if row[2]]
     if not rows:
         return
     never_x = GRACE * 1000 * 1.6

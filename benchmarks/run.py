@@ -219,6 +219,10 @@ def _print_report(
     if notes:
         print()
         print("\n".join(notes))
+    errors = report.harness_errors(results)
+    if errors:
+        print("\nNot measured (harness errors, left out of the statistics):")
+        print("\n".join(f"- {e}" for e in errors))
     ratios = report.ratio_table(results)
     if ratios:
         print()

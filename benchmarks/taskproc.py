@@ -25,6 +25,7 @@ import contextvars
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -111,6 +112,45 @@ def execute_like_task_sdk(
     if getattr(task.post_execute, "__func__", None) is not BaseOperator.post_execute:
         task.post_execute(context, result)
     return result
+
+
+class SignalLatch:
+    """A flag a signal handler sets and the main thread waits for: a pipe, not a lock.
+
+    ``threading.Event`` deadlocks here: the handler runs on the main thread, possibly inside
+    ``Event.wait()``, and ``set()`` needs the condition lock that ``wait()`` holds.
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._set = False
+
+    def set(self) -> None:
+        """Safe from a signal handler: a flag and one non-blocking write."""
+        self._set = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._write, b"x")
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until set or ``timeout`` seconds; return whether set.
+
+        A handler that runs before the ``select`` has written to the pipe, one that interrupts
+        it makes it readable once ``select`` is retried (PEP 475): no wake-up is missed.
+        """
+        if not self._set:
+            select.select([self._read], [], [], timeout)
+        return self._set
+
+    def clear(self) -> None:
+        self._set = False
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._read, 4096):
+                pass
 
 
 class FakeTI:

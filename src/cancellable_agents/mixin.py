@@ -29,7 +29,9 @@ from cancellable_agents.process_reaper import DescendantReaper
 log = logging.getLogger(__name__)
 
 #: The scope is created lazily and operators are deep-copied, so its lock cannot live on them.
-_scope_creation = threading.Lock()
+#: Re-entrant: ``on_kill`` runs as a signal handler on the main thread and needs the scope, also
+#: when the signal lands while the main thread is creating it (a plain Lock deadlocks there).
+_scope_creation = threading.RLock()
 
 #: Seconds between SIGTERM and SIGKILL on Airflow's user-initiated kill paths.
 _AIRFLOW_GRACE = 5.0
@@ -150,8 +152,10 @@ class CancellableAgentMixin:
             scope = self.__dict__.get("_task_cancellation")
             if scope is None:
                 name = getattr(self, "task_id", type(self).__name__)
-                scope = TaskCancellation(name, budget=self.cancellation_budget)
-                self.__dict__["_task_cancellation"] = scope
+                fresh = TaskCancellation(name, budget=self.cancellation_budget)
+                # A kill handled while ``fresh`` was being built created (and cancelled) the
+                # scope already: keep that one, or the kill would be lost.
+                scope = self.__dict__.setdefault("_task_cancellation", fresh)
         return scope
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:

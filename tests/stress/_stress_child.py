@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
+import json
 import logging
 import os
+import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 from benchmarks.scenarios import CONN_ID, base_url, drain_events, model_string, warm_up
-from benchmarks.taskproc import Channel, FakeTI, execute_like_task_sdk, install_sigterm_handler, our_threads
+from benchmarks.taskproc import (
+    Channel,
+    FakeTI,
+    SignalLatch,
+    execute_like_task_sdk,
+    install_sigterm_handler,
+    our_threads,
+)
 from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
@@ -163,6 +172,7 @@ def _tools(plan: dict[str, Any]) -> tuple[list[Any], list[Any], list[str]]:
 
 
 def build_task(plan: dict[str, Any]) -> Any:
+    """A fresh ``AgentOperator`` for ``plan``: the model script calls every drawn tool at once."""
     tools, toolsets, names = _tools(plan)
     delay = plan["delay_first"]
     if plan["timeout"]:
@@ -194,10 +204,11 @@ def build_task(plan: dict[str, Any]) -> Any:
     return task
 
 
-_SEEN = threading.Event()
+_SEEN = SignalLatch()
 
 
 def _wait_for_kill_hook(context: Any) -> None:
+    """The ``pre_execute=`` hook of the ``pre_execute`` phase: the kill lands while it runs."""
     emit("waiting_for_kill")
     _SEEN.wait(10)
 
@@ -352,12 +363,15 @@ def _new_threads(baseline: list[str]) -> list[str]:
 
 
 def main() -> None:
+    # The parent asks for every thread's stack (SIGUSR1) before it gives up on a hung run.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.getLogger("cancellable_agents").addHandler(ON_KILL_LOG)
     mixin.classify_sigterm = fake_classify_sigterm  # type: ignore[assignment]
     warm_up()
     lines = iter(sys.stdin)
     for line in lines:
         plan = _json(line)
+        print(f"--- run {plan['run']}: {json.dumps(plan)}", file=sys.stderr, flush=True)
         baseline = our_threads()
         run = Run(plan)
         run.execute()
@@ -390,8 +404,6 @@ def main() -> None:
 
 
 def _json(line: str) -> dict[str, Any]:
-    import json
-
     return json.loads(line) if line.strip() else {}
 
 
