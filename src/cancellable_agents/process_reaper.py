@@ -325,8 +325,9 @@ class DescendantReaper:
     term_grace = 1.0
     #: Budget kept back after the SIGTERM grace for SIGKILL and reaping.
     kill_reserve = 0.5
-    #: How long a zombie *direct* child is left for its owner (``Popen``, asyncio) to reap.
-    owner_grace = 0.2
+    #: How long zombie *direct* children are left for their owners (``Popen``, asyncio) to reap:
+    #: one window per ``reap`` shared by all of them, so it never adds up per process.
+    owner_grace = 0.1
 
     def __init__(self, baseline: dict[int, float]) -> None:
         self._pid = os.getpid()
@@ -335,6 +336,7 @@ class DescendantReaper:
         self._lock = threading.Lock()
         self._reap_lock = threading.Lock()
         self._stopped = threading.Event()
+        self._owner_deadline = 0.0
         self._handle: ResourceHandle | None = None
         self._thread: threading.Thread | None = None
         self.subreaper = False
@@ -406,6 +408,7 @@ class DescendantReaper:
         """
         with self._reap_lock:
             self._stopped.set()
+            self._owner_deadline = time.monotonic() + self.owner_grace
             killed = self._kill_round(scope)
             # Something may have forked while it was being terminated: sweep until quiet.
             for _ in range(2):
@@ -454,7 +457,8 @@ class DescendantReaper:
     def _collect(self, key: ProcKey, seen: _Seen, scope: TaskCancellation) -> int | None:
         """Reap ``key`` if it is our zombie; a direct child first gets a moment for its owner."""
         if seen.first_ppid == self._pid:
-            wait_until(lambda: read_proc(key.pid) is None, min(self.owner_grace, scope.remaining()))
+            left = min(self._owner_deadline - time.monotonic(), scope.remaining())
+            wait_until(lambda: read_proc(key.pid) is None, max(0.0, left))
         return reap_zombie(key)
 
     def _reap_leftover_zombies(self, scope: TaskCancellation) -> None:
