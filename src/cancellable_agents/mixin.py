@@ -68,6 +68,15 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
     except TaskCancelled:
         scope.settle(Outcome.CANCELLED)
         raise
+    except Exception as exc:
+        if scope.cancelled:
+            # Whatever broke after the kill (a tool whose process the unwind killed, a closed
+            # client) is the kill's consequence: the outcome is cancelled, with the error chained.
+            scope.settle(Outcome.CANCELLED)
+            raise operator._task_cancelled(f"killed; then execute failed with {exc!r}") from exc
+        scope.settle(Outcome.FAILED)
+        operator._finish_reaper()  # a failed task leaves nothing running behind it
+        raise
     except BaseException as exc:
         scope.settle(Outcome.FAILED)
         if not _is_timeout(exc):  # on the timeout path on_kill unwinds and reaps

@@ -182,3 +182,25 @@ def test_the_scope_is_current_for_all_of_execute() -> None:
     op.execute({})
     assert seen == [op.cancellation]
     assert current_cancellation() is None
+
+
+def test_an_error_caused_by_the_kill_ends_as_task_cancelled() -> None:
+    class BrokenByTheKill(CancellableAgentMixin, BaseOperator):
+        def execute(self, context: Any) -> None:
+            self.on_kill()
+            raise ConnectionResetError("the unwind closed our client")
+
+    op = BrokenByTheKill(task_id="t")
+    with pytest.raises(TaskCancelled) as info:
+        op.execute({})
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    assert op.cancellation.outcome is Outcome.CANCELLED
+
+
+def test_an_ordinary_error_stays_itself() -> None:
+    class Broken(CancellableAgentMixin, BaseOperator):
+        def execute(self, context: Any) -> None:
+            raise KeyError("bad input")
+
+    with pytest.raises(KeyError):
+        Broken(task_id="t").execute({})

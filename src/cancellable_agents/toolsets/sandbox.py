@@ -232,6 +232,8 @@ class BwrapSupport:
     path: str | None = None
     new_session: bool = False
     reason: str = ""
+    interrupted: bool = False
+    """The probe was killed by a signal: no verdict, so it is not cached."""
 
 
 _PROBE_ARGS: tuple[str, ...] = ("--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/")
@@ -244,9 +246,14 @@ def bwrap_support() -> BwrapSupport:
     """Probe bubblewrap once per process (thread-safe) and cache the answer."""
     global _bwrap_cache
     with _bwrap_lock:
-        if _bwrap_cache is None:
-            _bwrap_cache = _probe_bwrap()
-        return _bwrap_cache
+        if _bwrap_cache is not None:
+            return _bwrap_cache
+        support = _probe_bwrap()
+        # A probe killed by a signal (a task being cancelled reaps its descendants) says nothing
+        # about this machine: answer for now, probe again next time.
+        if not support.interrupted:
+            _bwrap_cache = support
+        return support
 
 
 def _probe_bwrap() -> BwrapSupport:
@@ -257,7 +264,10 @@ def _probe_bwrap() -> BwrapSupport:
         return BwrapSupport(False, reason="bwrap is not installed")
     works, error = _runs_ok([path, *_PROBE_ARGS, "true"])
     if not works:
-        return BwrapSupport(False, path, reason=f"bwrap cannot create a PID namespace here ({error})")
+        interrupted = error.startswith("killed by signal")
+        return BwrapSupport(
+            False, path, reason=f"bwrap cannot create a PID namespace here ({error})", interrupted=interrupted
+        )
     new_session, _ = _runs_ok([path, *_PROBE_ARGS, "--new-session", "true"])
     return BwrapSupport(True, path, new_session=new_session)
 
@@ -267,6 +277,8 @@ def _runs_ok(argv: list[str]) -> tuple[bool, str]:
         proc = subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
+    if proc.returncode < 0:
+        return False, f"killed by signal {-proc.returncode}"
     return proc.returncode == 0, proc.stderr.decode("utf-8", "replace").strip() or f"exit {proc.returncode}"
 
 
