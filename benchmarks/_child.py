@@ -11,8 +11,10 @@ do not); the parent then starts a fresh child.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -85,6 +87,7 @@ def _alive(rep: scenarios.Rep) -> bool:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's dump_stacks()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     scenarios.warm_up()
     for command in Channel.commands():

@@ -150,6 +150,7 @@ def _one_rep(
     done = _collect(child, events, {"rep_done"}, limit)
     sigkilled = False
     if not any(e["event"] in ("raised", "returned") for e in events):
+        child.dump_stacks()  # into its log: where a lost kill was stuck
         child.sigkill()  # the supervisor's SIGKILL at the end of the grace
         sigkilled = True
     if not done and not sigkilled and not child.alive:

@@ -263,6 +263,13 @@ class TaskChild:
                 time.sleep(gap)  # the burst's spacing is the thing being varied, not a sync wait
         return sent
 
+    def dump_stacks(self, wait: float = 0.3) -> None:
+        """Have the child's ``faulthandler`` write every thread's stack to its log (SIGUSR1)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGUSR1)
+            self.wait_exit(wait)  # it does not exit: this only gives the dump a moment
+
     def sigkill(self) -> None:
         """What the supervisor does when the grace runs out (and how a dirty child is retired)."""
         if self.proc.poll() is None:

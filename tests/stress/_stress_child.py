@@ -149,6 +149,19 @@ def _tools(plan: dict[str, Any]) -> tuple[list[Any], list[Any], list[str]]:
 
         tools.append(sync_wait)
         names.append("sync_wait")
+    if spec.get("busy_ms") is not None:
+        busy_seconds = spec["busy_ms"] / 1000
+
+        def busy_work(command: str) -> str:
+            """Crunch for a while without looking at cancellation (ends well inside the budget)."""
+            emit("tool_started", tool="busy_work")
+            deadline = time.monotonic() + busy_seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.002)  # busy work: this thread keeps running when the SIGTERM arrives
+            return "ok"
+
+        tools.append(busy_work)
+        names.append("busy_work")
     if spec.get("shell"):
         toolsets.append(SandboxToolset(isolation=spec["shell"]))
         names.append("run_shell")

@@ -3,10 +3,11 @@
 A long-lived task process (``_stress_child.py``: the Task SDK's own SIGTERM handler shape and
 SIGALRM timeout, a fresh ``AgentOperator`` per run, the local HTTP model server) runs one planned
 run after another. For each run the parent draws, from one seeded RNG, the tools (async tool with
-a subprocess, cooperative sync tool, sandbox command in either isolation mode, sub-agent), the
-task state the cause query will answer, and the trigger: SIGTERM (1, or a burst of 2-20) at a
-moment drawn across every phase (before start, during ``pre_execute``, model request, tool,
-sub-agent, teardown, after the result, or any time at all), or ``execution_timeout``.
+a subprocess, cooperative sync tool, busy sync tool that ignores cancellation, sandbox command in
+either isolation mode, sub-agent), the task state the cause query will answer, and the trigger:
+SIGTERM (1, or a burst of 2-20) at a moment drawn across every phase (before start, during
+``pre_execute``, model request, tool, sub-agent, teardown, as the result arrives, after the result,
+or any time at all), or ``execution_timeout``.
 
 Invariants, on every run (the child checks what needs the inside view, see ``check()`` there):
 exactly one terminal outcome; a kill before the result makes ``execute`` raise ``TaskCancelled``
@@ -93,6 +94,8 @@ def draw_plan(rng: random.Random, run: int, namespace_ok: bool) -> dict[str, Any
         tools["async_ms"] = rng.randint(30, 400)
     if rng.random() < 0.5:
         tools["sync_ms"] = rng.randint(30, 400)
+    if rng.random() < 0.3:
+        tools["busy_ms"] = rng.randint(30, 400)
     if rng.random() < 0.4:
         tools["shell"] = rng.choice(["namespace", "process-group"] if namespace_ok else ["process-group"])
         tools["shell_s"] = round(rng.uniform(0.05, 0.4), 3)
@@ -141,6 +144,7 @@ def expected_seconds(plan: dict[str, Any]) -> float:
     longest = max(
         tools.get("async_ms", 0) / 1000,
         tools.get("sync_ms", 0) / 1000,
+        tools.get("busy_ms", 0) / 1000,
         tools.get("shell_s", 0),
         tools.get("subagent_tokens", 0) * 0.01 + 0.05,
     )
