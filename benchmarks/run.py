@@ -97,36 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     shutil.rmtree(logs, ignore_errors=True)  # one run's child logs, never mixed with an older run's
     logs.mkdir(parents=True, exist_ok=True)
-    has_common_ai, common_ai_note = common_ai_status()
-    impls = _split(args.impl) or (["ours", "common-ai"] if has_common_ai else ["ours"])
-    if "common-ai" in impls and not has_common_ai:
-        print(f"common.ai comparison skipped: {common_ai_note}")
-        impls.remove("common-ai")
-    elif "common-ai" not in impls:
-        print(f"common.ai comparison skipped: {common_ai_note if not has_common_ai else 'not requested'}")
-    else:
-        print(f"comparing with {common_ai_note} (CancellableAgentRunMixin)")
+    impls, common_ai_note = _choose_impls(args.impl)
     chosen = [BY_NAME[name] for name in _split(args.scenarios)] or list(SCENARIOS)
     load_before = os.getloadavg()
-
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    skipped: dict[str, str] = {}
-    with ScriptedModelServer() as server, ScriptedModelServer() as warmup_server:
-        env = {**_child_env(server, out), WARMUP_ENV: warmup_server.base_url}
-        for scenario in chosen:
-            reason = skip_reason(scenario)
-            if reason is not None:
-                skipped[scenario.name] = reason
-                print(f"{scenario.name}: {reason}")
-                continue
-            results[scenario.name] = {}
-            print(f"{scenario.name}: {scenario.title}")
-            for impl in impls:
-                if scenario.name == "stream-dagtest" and impl != "ours":
-                    continue
-                reps = min(args.reps, scenario.reps) if scenario.reps else args.reps
-                measured = _measure(scenario, impl, reps, server, env, out, logs)
-                results[scenario.name][impl] = [r.as_dict() for r in measured]
+    results, skipped = _kill_latency(chosen, impls, args.reps, out, logs)
 
     overhead_rows: list[dict[str, Any]] = []
     setup: dict[str, Any] = {}
@@ -157,6 +131,45 @@ def main(argv: list[str] | None = None) -> int:
     report.draw_chart(results, out / "kill_latency.png")
     _print_report(results, skipped, overhead_rows, setup, out, load_before)
     return 0
+
+
+def _choose_impls(requested: str) -> tuple[list[str], str]:
+    """The implementations to measure, and what to say about common.ai (always printed)."""
+    has_common_ai, note = common_ai_status()
+    impls = _split(requested) or (["ours", "common-ai"] if has_common_ai else ["ours"])
+    if "common-ai" in impls and not has_common_ai:
+        print(f"common.ai comparison skipped: {note}")
+        impls.remove("common-ai")
+    elif "common-ai" not in impls:
+        print(f"common.ai comparison skipped: {note if not has_common_ai else 'not requested'}")
+    else:
+        print(f"comparing with {note} (CancellableAgentRunMixin)")
+    return impls, note
+
+
+def _kill_latency(
+    chosen: list[Scenario], impls: list[str], reps: int, out: Path, logs: Path
+) -> tuple[dict[str, dict[str, list[dict[str, Any]]]], dict[str, str]]:
+    """Every chosen scenario through every implementation, against one local model server."""
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    skipped: dict[str, str] = {}
+    with ScriptedModelServer() as server, ScriptedModelServer() as warmup_server:
+        env = {**_child_env(server, out), WARMUP_ENV: warmup_server.base_url}
+        for scenario in chosen:
+            reason = skip_reason(scenario)
+            if reason is not None:
+                skipped[scenario.name] = reason
+                print(f"{scenario.name}: {reason}")
+                continue
+            results[scenario.name] = {}
+            print(f"{scenario.name}: {scenario.title}")
+            for impl in impls:
+                if scenario.name == "stream-dagtest" and impl != "ours":
+                    continue
+                count = min(reps, scenario.reps) if scenario.reps else reps
+                measured = _measure(scenario, impl, count, server, env, out, logs)
+                results[scenario.name][impl] = [r.as_dict() for r in measured]
+    return results, skipped
 
 
 def _measure(
