@@ -61,6 +61,12 @@ def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
 
 def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], context: Any) -> Any:
     scope = operator.cancellation
+    if scope.cancelled:
+        # Killed before execute began (while rendering templates, in pre_execute): don't build
+        # agents or open clients only to tear them down again.
+        scope.record("execute_refused", reason="cancelled before execute started")
+        scope.settle(Outcome.CANCELLED)
+        raise operator._task_cancelled("killed before execute started; no work was done")
     try:
         # Active for all of execute, so tools and sandboxes find the scope outside a run too.
         with scope.activate():

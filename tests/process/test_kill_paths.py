@@ -110,7 +110,7 @@ def test_kill_before_the_run_is_remembered(spawn_task: Any, model_server: Script
     task.wait_exit(GRACE + 5)
     assert model_server.request_count == before, "a killed task must not call the model"
     events = [e["event"] for e in failed["record"]["timeline"]]
-    assert "run_refused" in events and "run_started" not in events
+    assert "execute_refused" in events and "run_started" not in events
     _report("kill before the run", sent, failed)
 
 

@@ -85,6 +85,7 @@ def test_kill_before_execute_means_no_run(caplog: pytest.LogCaptureFixture) -> N
         op.execute({})
     assert RECORD_PREFIX in caplog.text
     assert op.cancellation.outcome is Outcome.CANCELLED
+    assert "execute_refused" in [e.event for e in op.cancellation.timeline], "execute must not run"
 
 
 def test_kill_after_execute_returned_is_a_no_op() -> None:
