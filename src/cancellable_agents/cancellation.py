@@ -378,9 +378,12 @@ class TaskCancellation:
                 return False
             self._cancel_at = self._clock()
             self._cancelled.set()
-        self.record("kill_received", cause=cause.value, **({"detail": detail} if detail else {}))
+        extra = {"detail": detail} if detail else {}
         if classify is None:
+            self.record("kill_received", cause=cause.value, **extra)
             self._decide(CauseVerdict(cause, detail))
+        else:  # the answer comes in ``cause_decided``; ``cause`` is what a silent classifier leaves
+            self.record("kill_received", cause="deciding", fallback=cause.value, **extra)
         # Flag the children before returning (each unwinds on its own helper, before this scope's
         # token is cancelled): no child can start or complete once its parent's cancel is accepted.
         for kid in self.children:
