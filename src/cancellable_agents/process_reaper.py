@@ -12,7 +12,9 @@ worker. :class:`DescendantReaper` closes that gap for a whole task process on Li
   later escape the tree (``setsid``, reparenting) are still known by pid and start time;
 - on cancel (a ``Phase.TEARDOWN`` resource) or on :meth:`DescendantReaper.reap` it sends SIGTERM
   to everything the run started, SIGKILLs what is left inside the scope's budget, reaps the
-  zombies reparented to the task process, and records each kill on the scope.
+  zombies reparented to the task process, and records each kill on the scope;
+- orphans reparented to the task process are reaped as soon as they exit; only a zombie child
+  this process may have forked itself is left a short ``owner_grace`` for its ``Popen`` to wait.
 
 The low-level helpers (``read_proc``, ``walk_descendants``, ``terminate``, ``reap_zombie`` ...)
 are shared with :mod:`cancellable_agents.toolsets.sandbox`. Every signal goes to a process
@@ -186,6 +188,35 @@ def is_running(key: ProcKey) -> bool:
     return info is not None and info.start == key.start and not info.exited
 
 
+def nested_pid_namespace(pid: int) -> bool:
+    """Whether ``pid`` lives in a PID namespace below this process's (bubblewrap's namespace init
+    does, as seen from outside). Unreadable: no."""
+    depth = _pid_namespace_depth(pid)
+    own = _pid_namespace_depth(os.getpid())
+    return depth is not None and own is not None and depth > own
+
+
+def _pid_namespace_depth(pid: int) -> int | None:
+    """How many PID namespaces ``pid`` is seen in (the ``NSpid`` line: one pid per level)."""
+    try:
+        status = (_PROC / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            return len(line.split()) - 1
+    return None
+
+
+def children_born_in_own_pid_namespace() -> bool:
+    """Whether this process's children start in its own PID namespace (it did not ``unshare``
+    one for them), so a child of it that lives in a nested namespace cannot have been forked here."""
+    try:
+        return os.readlink("/proc/self/ns/pid") == os.readlink("/proc/self/ns/pid_for_children")
+    except OSError:
+        return False
+
+
 def environ_contains(pid: int, needle: bytes) -> bool:
     """Whether ``needle`` occurs in the initial environment of ``pid`` (unreadable: no)."""
     try:
@@ -230,6 +261,12 @@ def _pidfd_open(pid: int) -> int | None:
         return None
 
 
+def _gone(key: ProcKey) -> bool:
+    """Whether that very process no longer exists (reaped; its pid free or someone else's)."""
+    info = read_proc(key.pid)
+    return info is None or info.start != key.start
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.005) -> bool:
     """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return its last value."""
     deadline = time.monotonic() + max(0.0, timeout)
@@ -264,14 +301,39 @@ def reap_zombie(key: ProcKey) -> int | None:
     process itself killed or knows to be orphans should be passed: a status reaped here is
     lost to whoever else might wait for it.
     """
-    info = read_proc(key.pid)
-    if info is None or info.start != key.start or not info.exited or info.ppid != os.getpid():
-        return None
+    pidfd = _pidfd_open(key.pid)
     try:
-        pid, status = os.waitpid(key.pid, os.WNOHANG)
+        info = read_proc(key.pid)
+        if info is None or info.start != key.start or not info.exited or info.ppid != os.getpid():
+            return None
+        return _wait_nohang(key.pid, pidfd)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _wait_nohang(pid: int, pidfd: int | None) -> int | None:
+    """Collect an exited child's status without blocking; ``None`` if someone else already did.
+
+    Through the pidfd where the kernel has ``waitid(P_PIDFD)``: it names that very process, so a
+    pid reaped by another thread and recycled since the identity check is never reaped instead.
+    """
+    try:
+        if pidfd is not None and hasattr(os, "P_PIDFD"):
+            try:
+                result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                return None
+            except OSError:
+                pass  # EINVAL: a kernel with pidfds but without waitid(P_PIDFD); use the pid
+            else:
+                if result is None:
+                    return None
+                return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+        reaped, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         return None
-    if pid == 0:
+    if reaped == 0:
         return None
     return os.waitstatus_to_exitcode(status)
 
@@ -306,8 +368,10 @@ def command_line(pid: int, limit: int = 120) -> str:
 @dataclass(frozen=True)
 class _Seen:
     key: ProcKey
-    first_ppid: int
     command: str
+    orphan: bool
+    """Nobody in this process will ever wait for it: it was first seen as another process's
+    child, or it is our child but provably was not forked here (see ``_reparented``)."""
 
 
 class DescendantReaper:
@@ -325,12 +389,15 @@ class DescendantReaper:
     term_grace = 1.0
     #: Budget kept back after the SIGTERM grace for SIGKILL and reaping.
     kill_reserve = 0.5
-    #: How long zombie *direct* children are left for their owners (``Popen``, asyncio) to reap:
-    #: one window per ``reap`` shared by all of them, so it never adds up per process.
+    #: How long zombie children this process may have forked itself are left for their owners
+    #: (``Popen``, asyncio) to reap: one window per ``reap`` shared by all of them, so it never
+    #: adds up per process. Orphans reparented to us have no owner here and never wait for it.
     owner_grace = 0.1
 
     def __init__(self, baseline: dict[int, float]) -> None:
         self._pid = os.getpid()
+        self._sid = os.getsid(0)
+        self._own_namespace_children = children_born_in_own_pid_namespace()
         self._baseline = baseline
         self._seen: dict[int, _Seen] = {}
         self._lock = threading.Lock()
@@ -380,12 +447,28 @@ class DescendantReaper:
             for pid, info in current.items():
                 known = self._seen.get(pid)
                 if known is None or known.key.start != info.start:
-                    self._seen[pid] = _Seen(ProcKey(pid, info.start), info.ppid, command_line(pid))
-            orphans = [s.key for s in self._seen.values() if s.first_ppid != self._pid]
+                    orphan = info.ppid != self._pid or self._reparented(info)
+                    self._seen[pid] = _Seen(ProcKey(pid, info.start), command_line(pid), orphan)
+            orphans = [s.key for s in self._seen.values() if s.orphan]
         # An orphan that exits on its own is our zombie and nobody else will ever wait for it.
         for key in orphans:
             reap_zombie(key)
         return current
+
+    def _reparented(self, info: ProcInfo) -> bool:
+        """Whether ``info``, a child of this process, provably was not forked by it.
+
+        A process forked here is born in our session and, unless we unshared one for our
+        children, in our PID namespace; the only way out of the session is to lead a new one
+        (``setsid``). So a child in a session that is neither ours nor its own (the ``(cmd &)``
+        orphan of a shell that started a new session), or in a nested PID namespace (bubblewrap's
+        init, once the outer ``bwrap`` exited), was reparented to us as the subreaper: no
+        ``Popen`` or asyncio watcher here knows its pid, so waiting for one to reap it only
+        wastes the owner grace. Anything else may have an owner here and keeps its grace.
+        """
+        if os.getsid(0) == self._sid and info.sid not in (info.pid, self._sid):
+            return True
+        return self._own_namespace_children and nested_pid_namespace(info.pid)
 
     def descendants(self) -> list[int]:
         """Pids of the run's descendants that are still running (for tests and logs)."""
@@ -455,10 +538,11 @@ class DescendantReaper:
         return records
 
     def _collect(self, key: ProcKey, seen: _Seen, scope: TaskCancellation) -> int | None:
-        """Reap ``key`` if it is our zombie; a direct child first gets a moment for its owner."""
-        if seen.first_ppid == self._pid:
+        """Reap ``key`` if it is our zombie; a child that may have an owner here (a ``Popen``
+        about to wait for it) first gets what is left of the shared owner grace."""
+        if not seen.orphan:
             left = min(self._owner_deadline - time.monotonic(), scope.remaining())
-            wait_until(lambda: read_proc(key.pid) is None, max(0.0, left))
+            wait_until(lambda: _gone(key), max(0.0, left))
         return reap_zombie(key)
 
     def _reap_leftover_zombies(self, scope: TaskCancellation) -> None:

@@ -8,7 +8,10 @@ Usage: ``_sandbox_task.py MODE MARKER`` where MODE is
   starts ``bash -c 'setsid sleep MARKER & sleep MARKER'`` with asyncio, while a
   :class:`DescendantReaper` watches the task process;
 - ``reaper-baseline``: a ``sleep MARKER.1`` started *before* the reaper must survive its reap,
-  a double-forked ``setsid sleep MARKER.2`` started during the run must not.
+  a double-forked ``setsid sleep MARKER.2`` started during the run must not;
+- ``reaper-orphans``: orphans reparented to the task process (a ``(sleep &)`` from a shell in its
+  own session, bubblewrap's namespace init after the probe) are reaped as they exit, without the
+  owner grace, while an exited ``Popen`` child is left for its ``Popen`` to wait for.
 
 Like the mixin's ``on_kill``, the SIGTERM handler only calls ``scope.cancel(...)`` and returns;
 the main thread then waits for the release and prints one JSON line: the scope's summary plus
@@ -36,8 +39,8 @@ from cancellable_agents.agent_run import run_agent_in_scope
 from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.causes import CancelCause
 from cancellable_agents.exceptions import TaskCancelled
-from cancellable_agents.process_reaper import DescendantReaper, children_of, read_proc
-from cancellable_agents.toolsets.sandbox import LocalSandbox
+from cancellable_agents.process_reaper import DescendantReaper, become_subreaper, children_of, read_proc
+from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
 
 
 def sleepers(marker: str) -> list[int]:
@@ -68,9 +71,15 @@ def ready(**detail: Any) -> None:
     print("READY " + json.dumps(detail), flush=True)
 
 
+def zombie_children() -> list[int]:
+    return [pid for pid in children_of(os.getpid()) if (info := read_proc(pid)) and info.exited]
+
+
 def report(scope: TaskCancellation, **extra: Any) -> None:
-    zombies = [pid for pid in children_of(os.getpid()) if (info := read_proc(pid)) and info.exited]
-    print(json.dumps({"summary": scope.summary(), "zombies": zombies, **extra}, default=str), flush=True)
+    print(
+        json.dumps({"summary": scope.summary(), "zombies": zombie_children(), **extra}, default=str),
+        flush=True,
+    )
 
 
 def on_sigterm(scope: TaskCancellation) -> None:
@@ -81,6 +90,10 @@ def on_sigterm(scope: TaskCancellation) -> None:
 def sandbox_task(mode: str, marker: str) -> None:
     scope = TaskCancellation("task", budget=4.0)
     box = LocalSandbox(isolation=mode, scope=scope, stop_grace=1.0)  # type: ignore[arg-type]
+    # A subreaper, as the mixin makes every task process: the command's orphans come back to us,
+    # and the sandbox must collect them itself. (After the sandbox's bwrap probe, whose orphan is
+    # the descendant reaper's to collect: see ``reaper_orphans_task``.)
+    assert become_subreaper()
     command = box.start(f"setsid sleep {marker} & (sleep {marker} &) ; sleep {marker}")
     wait_for(lambda: len(sleepers(marker)) == 3)
     # The setsid'd sleep is a child of the shell: the tracker sees it within a poll or two.
@@ -139,6 +152,34 @@ def reaper_baseline_task(marker: str) -> None:
     report(scope, before_alive=alive, killed=killed, second_reap=again, subreaper=reaper.subreaper)
 
 
+def reaper_orphans_task(marker: str) -> None:
+    scope = TaskCancellation("task", budget=4.0)
+    reaper = DescendantReaper.start(scope)
+    assert reaper is not None
+    owned = subprocess.Popen(["sh", "-c", "exit 7"])
+    # The shell leads a new session and exits at once: its background sleep is reparented to us
+    # before the reaper's first look, so only its session tells that nobody here owns it.
+    subprocess.run(["sh", "-c", "(sleep 0.2 &)"], start_new_session=True, check=True, timeout=10)
+    bwrap = bwrap_support()  # a fresh process: this really probes, leaving bwrap's init to us
+    ready(owned=owned.pid, bwrap=bwrap.usable)
+    deadline = time.monotonic() + 5.0
+    while set(children_of(os.getpid())) - {owned.pid} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    orphans_left = sorted(set(children_of(os.getpid())) - {owned.pid})
+    owned_exit = owned.wait(5)  # 0 if the reaper had stolen its status
+
+    # With polling stopped, an orphan that exits is first met by reap() itself, which must not
+    # wait an owner grace for it (made huge here, so waiting cannot go unnoticed).
+    reaper.close()
+    reaper.owner_grace = 30.0
+    subprocess.run(["sh", "-c", "(exit 3 &)"], start_new_session=True, check=True, timeout=10)
+    wait_for(zombie_children)
+    started = time.monotonic()
+    reaper.reap(scope)
+    reap_s = time.monotonic() - started
+    report(scope, orphans_left=orphans_left, owned_exit=owned_exit, reap_s=reap_s)
+
+
 def main() -> None:
     mode, marker = sys.argv[1], sys.argv[2]
     if mode in ("namespace", "process-group"):
@@ -147,6 +188,8 @@ def main() -> None:
         reaper_task(marker)
     elif mode == "reaper-baseline":
         reaper_baseline_task(marker)
+    elif mode == "reaper-orphans":
+        reaper_orphans_task(marker)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

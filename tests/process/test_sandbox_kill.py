@@ -213,6 +213,8 @@ def test_sigterm_to_the_task_pid_kills_the_sandboxed_tree(
     events = [e["event"] for e in summary["timeline"]]
     assert events.index("kill_received") < events.index("killed") < events.index("resources_released")
     assert summary["stragglers"] == []
+    # The task process is a subreaper: the ``(sleep &)`` orphan and bwrap's init came back to it.
+    assert record["zombies"] == [], "the sandbox must reap every process of its command it stopped"
 
 
 def test_sigterm_to_the_task_pid_reaps_what_an_async_tool_started_without_a_sandbox(
@@ -241,6 +243,18 @@ def test_reaper_spares_what_existed_before_the_run_and_is_idempotent(
     assert record["second_reap"] == []
     assert record["zombies"] == []
     assert survivors(f"{marker}2") == []
+
+
+def test_reaper_reaps_reparented_orphans_at_once_and_leaves_owned_children_to_their_owner(
+    marker: str, child_tasks: Callable[[str, str], ChildTask]
+) -> None:
+    task = child_tasks("reaper-orphans", marker)
+    task.ready()
+    record = task.result()
+    assert record["orphans_left"] == [], "orphans reparented to the subreaper must be reaped as they exit"
+    assert record["owned_exit"] == 7, "a Popen child's exit status must be left for its Popen"
+    assert record["reap_s"] < 2.0, "reap() waited an owner grace for an orphan nobody here owns"
+    assert record["zombies"] == []
 
 
 # -- kills stay targeted ---------------------------------------------------------------------

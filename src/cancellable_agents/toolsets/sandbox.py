@@ -408,6 +408,9 @@ class _Command:
     stderr: _BoundedReader
     tracked: dict[int, ProcKey] = field(default_factory=dict)
     infra: set[ProcKey] = field(default_factory=set)
+    #: Found by a stop's sweep (group or tag) but never by the tracker: e.g. the ``(cmd &)``
+    #: orphan, reparented before the tracker's first look. Ours to reap all the same.
+    swept: set[ProcKey] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
     terminated: threading.Event = field(default_factory=threading.Event)
@@ -428,7 +431,7 @@ class _Command:
 
     def known(self) -> set[ProcKey]:
         with self.lock:
-            return {self.main, *self.tracked.values(), *self.infra}
+            return {self.main, *self.tracked.values(), *self.infra, *self.swept}
 
 
 # -- the sandbox ----------------------------------------------------------------------------
@@ -695,7 +698,11 @@ class LocalSandbox:
         self._record(cmd, sent, leftovers, reason="leftover")
 
     def _reap_tracked(self, cmd: _Command) -> None:
-        """Reap tracked processes that were reparented to us (we may be a subreaper)."""
+        """Reap the command's processes that were reparented to us (we may be a subreaper).
+
+        The sandbox started and stopped them, so it collects them: left as zombies, they would
+        wait out the descendant reaper's owner grace, or stay until the task process exits.
+        """
         for key in cmd.known() - {cmd.main}:
             reap_zombie(key)
 
@@ -706,8 +713,10 @@ class LocalSandbox:
         walk from the main process, its process group, and anything with the command's tag."""
         self._track(cmd)
         keys = {k for k in cmd.known() if is_running(k)}
-        keys |= self._sweep(cmd)
-        return {key: command_line(key.pid) for key in keys}
+        swept = self._sweep(cmd) - keys
+        with cmd.lock:
+            cmd.swept |= swept
+        return {key: command_line(key.pid) for key in keys | swept}
 
     def _sweep(self, cmd: _Command) -> set[ProcKey]:
         """Processes started after the command that are in its group or carry its tag."""
