@@ -146,6 +146,8 @@ def _supported() -> str:
 
 
 def _parse_query(model: str, query: str) -> dict[str, str]:
+    if not query:  # Python 3.10's strict parse_qs rejects an empty query
+        return {}
     try:
         parsed = parse_qs(query, keep_blank_values=True, strict_parsing=True)
     except ValueError as exc:
