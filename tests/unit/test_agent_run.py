@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 from pydantic_ai import Agent
+from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents.agent_run import run_agent_in_scope
+from cancellable_agents.agent_run import current_run_tracker, run_agent_in_scope
 from cancellable_agents.cancellation import TaskCancellation, current_cancellation
 from cancellable_agents.causes import CancelCause
 from cancellable_agents.exceptions import TaskCancelled
@@ -60,16 +61,22 @@ def test_kill_before_the_run_makes_no_model_request() -> None:
     assert "no model request" in str(info.value)
 
 
+class RecordingToolset(FunctionToolset[Any]):
+    """A toolset whose teardown appends to ``order``."""
+
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        self.order = order
+
+    async def __aexit__(self, *args: Any) -> bool | None:
+        self.order.append("toolset teardown")
+        return await super().__aexit__(*args)
+
+
 def test_async_tool_is_cancelled_before_toolset_teardown() -> None:
     order: list[str] = []
     started = threading.Event()
-
-    class RecordingToolset(FunctionToolset[Any]):
-        async def __aexit__(self, *args: Any) -> bool | None:
-            order.append("toolset teardown")
-            return await super().__aexit__(*args)
-
-    toolset = RecordingToolset()
+    toolset = RecordingToolset(order)
 
     @toolset.tool_plain
     async def wait_forever() -> str:
@@ -88,6 +95,61 @@ def test_async_tool_is_cancelled_before_toolset_teardown() -> None:
         run_agent_in_scope(scope, Agent(FunctionModel(CallOnce()), toolsets=[toolset]), "go")
     assert order == ["tool cancelled", "toolset teardown"]
     assert info.value.messages, "the partial transcript is kept"
+
+
+def test_non_streaming_model_request_is_stopped_before_toolset_teardown() -> None:
+    order: list[str] = []
+    started = threading.Event()
+
+    async def slow_request(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # closing the request takes a moment and must still finish first
+            order.append("request stopped")
+            raise
+        return ModelResponse(parts=[TextPart("never")])
+
+    agent = Agent(FunctionModel(slow_request), toolsets=[RecordingToolset(order)])
+    scope = TaskCancellation()
+    _cancel_when(started, scope)
+    with pytest.raises(TaskCancelled):
+        run_agent_in_scope(scope, agent, "go")
+    assert order == ["request stopped", "toolset teardown"]
+
+
+class SeesToolCalls(AbstractCapability[Any]):
+    """A user capability passed in the run's ``capabilities=``: records the tools it sees."""
+
+    def __init__(self) -> None:
+        self.tools: list[str] = []
+
+    async def wrap_tool_execute(self, ctx: Any, *, call: Any, tool_def: Any, args: Any, handler: Any) -> Any:
+        self.tools.append(tool_def.name)
+        return await handler(args)
+
+
+def test_tools_see_their_run_and_name_and_run_capabilities_still_apply() -> None:
+    seen: dict[str, Any] = {}
+    agent = Agent(FunctionModel(CallOnce()))
+
+    @agent.tool_plain
+    def sync_probe() -> str:
+        seen["thread"] = threading.current_thread().name
+        seen["tracker"] = current_run_tracker()
+        seen["scope"] = current_cancellation()
+        return "ok"
+
+    user_capability = SeesToolCalls()
+    scope = TaskCancellation()
+    result = run_agent_in_scope(scope, agent, "go", capabilities=[user_capability])
+    assert result.output == "done"
+    assert seen["thread"] == "tool-sync_probe", "sync tools run on a tracked thread named after the tool"
+    assert seen["tracker"] is not None and seen["tracker"].scope is scope
+    assert seen["scope"] is scope
+    assert current_run_tracker() is None, "outside a tool there is no run tracker"
+    assert user_capability.tools == ["sync_probe"]
 
 
 def test_cooperative_sync_tool_sees_the_scope_and_stops() -> None:
@@ -118,9 +180,11 @@ def test_uncooperative_sync_tool_is_named_and_left_behind(caplog: pytest.LogCapt
     started = threading.Event()
     release = threading.Event()
     agent = Agent(FunctionModel(CallOnce()))
+    tool_thread: list[threading.Thread] = []
 
     @agent.tool_plain
     def stubborn() -> str:
+        tool_thread.append(threading.current_thread())
         started.set()
         release.wait(20)
         return "late"
@@ -134,6 +198,38 @@ def test_uncooperative_sync_tool_is_named_and_left_behind(caplog: pytest.LogCapt
     assert scope.stragglers == ["sync tool 'stubborn'"]
     assert "stubborn" in caplog.text and "left behind" in caplog.text
     release.set()
+    tool_thread[0].join(2)
+    assert not tool_thread[0].is_alive(), "a straggler's thread ends once its call returns"
+
+
+class CallTimes:
+    """A FunctionModel script: call the first tool ``times`` times, one call per step, then answer."""
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+        self.requests = 0
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        self.requests += 1
+        if self.requests <= self.times:
+            return ModelResponse(parts=[ToolCallPart(info.function_tools[0].name, {})])
+        return ModelResponse(parts=[TextPart("done")])
+
+
+def test_sync_tool_threads_are_reused_within_a_run_and_gone_after_it() -> None:
+    threads: list[threading.Thread] = []
+    agent = Agent(FunctionModel(CallTimes(3)))
+
+    @agent.tool_plain
+    def where() -> str:
+        threads.append(threading.current_thread())
+        return threading.current_thread().name
+
+    assert run_agent_in_scope(TaskCancellation(), agent, "go").output == "done"
+    assert len(threads) == 3
+    assert len(set(threads)) == 1, "one thread serves the run's sequential sync calls"
+    assert threads[0].daemon, "a tool thread can never keep the task process alive"
+    assert not threads[0].is_alive(), "the run's tool threads end with the run"
 
 
 def test_result_that_arrives_after_the_cancel_is_discarded() -> None:
