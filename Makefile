@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit process e2e bench system-deps clean
+.PHONY: demo test lint typecheck unit process e2e bench system-deps clean compat-airflow compat-common-ai
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,8 +32,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The whole suite on Airflow 3.3, then the supported floor (Airflow 3.1 + pydantic-ai 2.58, and a
+# 3.2 smoke) and common.ai's retry policies, each in its own venv.
 test: $(STAMP) system-deps lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(MAKE) --no-print-directory compat-common-ai compat-airflow
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit
@@ -47,5 +50,49 @@ e2e: $(STAMP)
 bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.run
 
+# The supported floor: the provider on older Airflow, each in its own venv built with the main
+# venv's uv. Real SIGTERMs go through that Airflow's own Task SDK handler (tests/process); the
+# session refuses to start if the venv holds another Airflow than the one it is meant to test.
+# The floor (first version) runs the full subset; later ones a smoke, to keep the run short.
+AIRFLOW_COMPAT := 3.1 3.2
+COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tests/unit/test_provider.py \
+                  tests/unit/test_example_dags.py tests/unit/test_agent_run.py tests/unit/test_subagents.py \
+                  tests/unit/test_cancellation.py tests/process
+COMPAT_SMOKE   := tests/unit/test_airflow_compat.py tests/unit/test_provider.py \
+                  tests/process/test_kill_paths.py::test_streaming_request_is_closed \
+                  tests/process/test_kill_paths.py::test_sigterm_burst_cancels_once \
+                  tests/process/test_kill_paths.py::test_kill_before_the_run_is_remembered \
+                  tests/process/test_kill_paths.py::test_on_kill_after_sigalrm_records_timeout_and_releases
+# Airflow 3.2 does not bound fastapi, and current fastapi breaks its execution API (the import
+# fails, so does every dag.test()); Airflow's constraints files pin it, and 3.3 requires <0.137.
+AIRFLOW_COMPAT_PINS_3.2 := 'fastapi<0.137'
+# The floor venv also holds pydantic-ai's floor (pyproject: >=2.58), so the lowest versions we
+# claim are the ones tested.
+AIRFLOW_COMPAT_PINS_3.1 := 'pydantic-ai-slim[openai,anthropic]==2.58.*'
+
+.venv-airflow-%/.installed: pyproject.toml Makefile $(STAMP)
+	test -x .venv-airflow-$*/bin/python || $(UV) venv --quiet --python $(PY) .venv-airflow-$*
+	$(UV) pip install --quiet --python .venv-airflow-$*/bin/python -e '.[dev]' \
+	  "apache-airflow>=$*,<$$(echo $* | awk -F. '{print $$1 "." $$2 + 1}')" $(AIRFLOW_COMPAT_PINS_$*)
+	touch $@
+
+compat-airflow: $(foreach v,$(AIRFLOW_COMPAT),.venv-airflow-$(v)/.installed) system-deps
+	@set -e; for v in $(AIRFLOW_COMPAT); do \
+	  if [ "$$v" = "$(firstword $(AIRFLOW_COMPAT))" ]; then tests="$(COMPAT_TESTS)"; else tests="$(COMPAT_SMOKE)"; fi; \
+	  echo "== Airflow $$v: $$tests"; \
+	  CANCELLABLE_AGENTS_EXPECT_AIRFLOW=$$v .venv-airflow-$$v/bin/pytest -q -p no:cacheprovider $$tests; \
+	done
+
+# common.ai's model-backed retry policies, wrapped: a cancellation must make zero model calls.
+# common.ai registers @task.llm/@task.agent too, so it gets a venv of its own.
+.venv-common-ai/.installed: pyproject.toml $(STAMP)
+	test -x .venv-common-ai/bin/python || $(UV) venv --quiet --python $(PY) .venv-common-ai
+	$(UV) pip install --quiet --python .venv-common-ai/bin/python -e '.[dev,common-ai]'
+	touch $@
+
+compat-common-ai: .venv-common-ai/.installed
+	CANCELLABLE_AGENTS_EXPECT_COMMON_AI=1 .venv-common-ai/bin/pytest -q -p no:cacheprovider \
+	  tests/unit/test_retry_common_ai.py tests/unit/test_decorator_names.py tests/unit/test_provider.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf $(VENV) .venv-airflow-* .venv-common-ai .pytest_cache .mypy_cache .ruff_cache site

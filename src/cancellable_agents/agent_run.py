@@ -79,6 +79,30 @@ class RunTracker:
     in_flight_stopped: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (on the run's loop) once a cancelled run's in-flight tools were drained, before teardown."""
     _cancelled: set[asyncio.Task[Any]] = field(default_factory=set)
+    _signal_poll: asyncio.TimerHandle | None = None
+
+    def poll_signals(self) -> None:
+        """While the run is active on the main thread, wake its event loop every
+        :data:`SIGNAL_POLL_INTERVAL` seconds (call on the loop; idempotent).
+
+        CPython runs a Python signal handler (the Task SDK's SIGTERM -> ``on_kill``) only when the
+        main thread executes bytecode. A SIGTERM that the kernel hands to another thread (a sync
+        tool's) leaves a loop idling in ``epoll`` with no timer due asleep: the kill would wait
+        for SIGKILL (user stop) or be lost (eviction). Seen in about 1 in 10 sync-tool kills.
+        """
+        if self._signal_poll is not None or threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            self._signal_poll = loop.call_later(SIGNAL_POLL_INTERVAL, tick)
+
+        tick()
+
+    def stop_polling_signals(self) -> None:
+        if self._signal_poll is not None:
+            self._signal_poll.cancel()
+            self._signal_poll = None
 
     def cancel_tool_tasks(self) -> None:
         """Deliver ``CancelledError`` to every in-flight async tool, once (thread-safe).
@@ -147,6 +171,9 @@ class RunTracker:
         with self.lock:
             return [t for t in self.tool_threads if not t.future.done()]
 
+
+#: Longest a signal handler waits for the main thread while a run is active (see ``poll_signals``).
+SIGNAL_POLL_INTERVAL = 0.05
 
 #: How long closing an executor waits for its finished threads to exit (they exit at once).
 _WORKER_EXIT_TIMEOUT = 1.0
@@ -281,8 +308,13 @@ class _RunToolset(WrapperToolset[Any]):
                 with tracker.lock:
                     tracker.tool_tasks.discard(task)
 
+    async def __aenter__(self) -> Any:
+        self.tracker.poll_signals()
+        return await super().__aenter__()
+
     async def __aexit__(self, *args: Any) -> bool | None:
         """On a cancelled run: cancel and drain tools, stop model requests, then tear down."""
+        self.tracker.stop_polling_signals()
         if self.tracker.scope.cancelled:
             self.tracker.cancel_tool_tasks()
             await self.tracker.stop_model_requests()

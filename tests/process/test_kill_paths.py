@@ -8,10 +8,12 @@ closing note; budgets are asserted only where they are the contract (the 5 s gra
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
+from cancellable_agents.mixin import RECORD_PREFIX
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 pytestmark = pytest.mark.process
@@ -28,6 +30,16 @@ def _failed_with_task_cancelled(task: Any) -> dict[str, Any]:
     failed = task.wait_for("task_failed", timeout=GRACE + 5)
     assert failed["exc_type"] == "TaskCancelled", task.tail()
     return failed
+
+
+def _logged_records(task: Any) -> list[dict[str, Any]]:
+    """The ``cancellable_agents.record {json}`` lines of the task's log (read once it exited)."""
+    records = []
+    for line in task.tail(2000).splitlines():
+        if RECORD_PREFIX in line:
+            text = line[line.index(RECORD_PREFIX) + len(RECORD_PREFIX) :]
+            records.append(json.JSONDecoder().raw_decode(text)[0])
+    return records
 
 
 def _report(name: str, sent: float, failed: dict[str, Any]) -> float:
@@ -50,6 +62,10 @@ def test_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedMode
     record = failed["record"]
     assert record["outcome"] == "cancelled"
     assert [e["event"] for e in record["timeline"]].count("kill_received") == 1
+    # dag.test() has no worker: the server still has the try running, as on an eviction.
+    assert failed["cause"] == "eviction"
+    (logged,) = _logged_records(task)  # exactly one structured line, for the task log in the UI
+    assert (logged["cause"], logged["outcome"]) == ("eviction", "cancelled"), logged
     assert _report("streaming request", sent, failed) < GRACE * 1000
     gone_ms = (disconnect.disconnected_at - sent) * 1000
     print(f"[latency] streaming request: SIGTERM -> server saw disconnect {gone_ms:.1f} ms")
@@ -137,6 +153,7 @@ def test_sigterm_burst_cancels_once(spawn_task: Any, model_server: ScriptedModel
     assert events.count("token_cancelled") == 1
     task.wait_exit(GRACE + 5)
     assert "on_kill failed" not in task.tail(400)
+    assert len(_logged_records(task)) == 1, "20 SIGTERMs, one cancellation, one record line"
     _report("20 SIGTERMs", sent, failed)
 
 

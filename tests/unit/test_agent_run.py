@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from typing import Any
@@ -174,6 +175,35 @@ def test_cooperative_sync_tool_sees_the_scope_and_stops() -> None:
     assert time.monotonic() - begun < 2
     assert noticed == [True]
     assert scope.stragglers == []
+
+
+def test_a_signal_caught_on_a_tool_thread_still_reaches_the_idle_run() -> None:
+    """CPython runs a signal handler only when the main thread executes bytecode. A SIGTERM the
+    kernel hands to a sync tool's thread must not wait for the idle event loop to wake by chance
+    (here nothing else would wake it, and the kill would be lost until SIGKILL)."""
+    agent = Agent(FunctionModel(CallOnce()))
+    scope = TaskCancellation()
+    handled = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:  # what the Task SDK's handler does: on_kill
+        handled.set()
+        scope.cancel(CancelCause.EVICTION)
+
+    @agent.tool_plain
+    def wait_for_cancel() -> str:
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # delivered to this thread
+        current_cancellation().wait(5)  # type: ignore[union-attr]
+        return "the kill never arrived"
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        begun = time.monotonic()
+        with pytest.raises(TaskCancelled):
+            run_agent_in_scope(scope, agent, "go")
+        assert handled.is_set()
+        assert time.monotonic() - begun < 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_uncooperative_sync_tool_is_named_and_left_behind(caplog: pytest.LogCaptureFixture) -> None:

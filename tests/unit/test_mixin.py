@@ -16,6 +16,7 @@ from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator
 from cancellable_agents.cancellation import Outcome
 from cancellable_agents.causes import CancelCause
 from cancellable_agents.mixin import RECORD_PREFIX
+from tests.airflow_versions import airflow_task_timeout, requires_retry_policies
 
 
 class Echo(CancellableAgentMixin, BaseOperator):
@@ -119,7 +120,7 @@ def test_execution_timeout_gives_the_run_an_earlier_deadline() -> None:
 
 
 def test_timeout_path_on_kill_records_timeout_and_releases() -> None:
-    from airflow.sdk.exceptions import AirflowTaskTimeout
+    AirflowTaskTimeout = airflow_task_timeout()
 
     op = Echo(task_id="t")
     released = threading.Event()
@@ -148,6 +149,7 @@ def test_bad_budget_is_refused_and_a_too_long_one_warned(caplog: pytest.LogCaptu
     assert "SIGKILLs a task 5s after SIGTERM" in caplog.text
 
 
+@requires_retry_policies
 def test_mixin_operators_get_the_cancellation_aware_retry_policy() -> None:
     from cancellable_agents import CancellationAwareRetryPolicy
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -18,6 +19,7 @@ from cancellable_agents.get_provider_info import (
     get_provider_info,
 )
 from cancellable_agents.hooks.model import ModelHook, build_model
+from tests.airflow_versions import AIRFLOW_VERSION, major_minor
 
 ROOT = Path(__file__).parents[2]
 
@@ -38,18 +40,53 @@ def test_entry_point_returns_the_provider_info() -> None:
     assert ep.load()()["package-name"] == "airflow-provider-cancellable-agents"
 
 
+def _task_runtime_registry() -> Any:
+    """Where a running task looks up hooks and TaskFlow decorators: the Task SDK's own manager
+    from Airflow 3.2, airflow-core's ``ProvidersManager`` on 3.1 (one manager served both)."""
+    try:
+        from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+    except ImportError:
+        from airflow.providers_manager import ProvidersManager
+
+        return ProvidersManager()
+    return ProvidersManagerTaskRuntime()
+
+
 def test_airflow_registers_the_connection_type_hook_and_decorators() -> None:
     from airflow.providers_manager import ProvidersManager
-    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
 
-    runtime = ProvidersManagerTaskRuntime()
+    runtime = _task_runtime_registry()
     assert "cancellable_agents_model" in runtime.hooks
     assert {"llm", "agent", "cancellable_llm", "cancellable_agent"} <= set(runtime.taskflow_decorators)
     manager = ProvidersManager()
     assert "airflow-provider-cancellable-agents" in manager.providers
+    if major_minor(AIRFLOW_VERSION) < (3, 2):
+        return  # 3.1 reads the form from the hook, and only with FAB: see the UI test below
     assert "extra__cancellable_agents_model__model" in manager.connection_form_widgets
     behaviour = manager.field_behaviours["cancellable_agents_model"]
     assert behaviour["relabeling"] == {"host": "Base URL", "password": "API key"}
+
+
+UI_HOOK_META = """
+from airflow.api_fastapi.core_api.services.ui.connections import HookMetaService
+(meta,) = [m for m in HookMetaService.hook_meta_data() if m.connection_type == "cancellable_agents_model"]
+print("RESULT " + meta.model_dump_json())
+"""
+
+
+def test_the_ui_connection_form_has_the_model_field_and_labels() -> None:
+    """What the API server sends the UI's connection form, on every supported Airflow: 3.2+ builds
+    it from provider.yaml, 3.1 from the hook's methods. A fresh interpreter, because the service
+    stands in for FAB by patching ``sys.modules``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", UI_HOOK_META], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    fields = meta["standard_fields"]
+    assert (fields["host"]["title"], fields["password"]["title"]) == ("Base URL", "API key")
+    assert fields["login"]["hidden"] and fields["port"]["hidden"] and fields["url_schema"]["hidden"]
+    assert meta["extra_fields"]["model"]["schema"]["title"] == "Model id"
 
 
 def test_task_decorators_build_our_operators() -> None:

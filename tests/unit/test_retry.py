@@ -6,6 +6,12 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+
+from tests.airflow_versions import NO_RETRY_POLICIES, has_retry_policies
+
+if not has_retry_policies():
+    pytest.skip(NO_RETRY_POLICIES, allow_module_level=True)
+
 from airflow.sdk.definitions.retry_policy import (
     ExceptionRetryPolicy,
     RetryAction,

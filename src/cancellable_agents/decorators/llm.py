@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
-from airflow.sdk.bases.decorator import (
-    DecoratedOperator,
-    TaskDecorator,
-    determine_kwargs,
-    task_decorator_factory,
-)
+from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 from airflow.sdk.definitions._internal.types import SET_DURING_EXECUTION
 from airflow.sdk.definitions.context import Context, context_merge
 
 from cancellable_agents.operators.llm import LLMOperator
+
+try:
+    from airflow.sdk.bases.decorator import determine_kwargs
+except ImportError:  # Airflow 3.1: the same helper still lives in airflow-core
+    from airflow.utils.operator_helpers import determine_kwargs
 
 
 class PromptFromCallable(DecoratedOperator):

@@ -63,6 +63,31 @@ class ModelHook(BaseHook):
         model = extra.get("model") or extra.get(f"extra__{self.conn_type}__model")
         return conn.host or None, conn.password or None, model
 
+    # Airflow 3.2+ builds the connection form from provider.yaml (``conn-fields``,
+    # ``ui-field-behaviour``) and skips these two methods; Airflow 3.1 knows only them. Both read
+    # provider.yaml, so the form is the same on every version.
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        """Hidden, relabelled and placeholder standard fields of the form (Airflow 3.1)."""
+        behaviour = _connection_type_info()["ui-field-behaviour"]
+        return {key.replace("-", "_"): value for key, value in behaviour.items()}
+
+    @classmethod
+    def get_connection_form_widgets(cls) -> dict[str, Any]:
+        """The form's extra fields, i.e. *Model id* (Airflow 3.1; its UI stands in for FAB)."""
+        from flask_appbuilder.fieldwidgets import BS3TextFieldWidget
+        from flask_babel import lazy_gettext
+        from wtforms import StringField
+
+        fields = _connection_type_info()["conn-fields"]
+        return {
+            name: StringField(
+                lazy_gettext(f["label"]), description=f.get("description"), widget=BS3TextFieldWidget()
+            )
+            for name, f in fields.items()
+        }
+
     def test_connection(self) -> tuple[bool, str]:
         """Used by the UI's *Test* button: the model can be built (no request is sent)."""
         try:
@@ -70,6 +95,14 @@ class ModelHook(BaseHook):
         except Exception as exc:
             return False, str(exc)
         return True, f"Model {getattr(model, 'model_name', model)!r} is configured"
+
+
+def _connection_type_info() -> dict[str, Any]:
+    """provider.yaml's entry for this connection type."""
+    from cancellable_agents.get_provider_info import get_provider_info
+
+    types = get_provider_info()["connection-types"]
+    return next(t for t in types if t["connection-type"] == ModelHook.conn_type)
 
 
 def build_model(model_id: str, *, base_url: str | None = None, api_key: str | None = None) -> Any:

@@ -276,7 +276,11 @@ SCENARIO = os.environ.get("SCENARIO", "stream")
 with DAG(f"scenario_{SCENARIO}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
     build_task(SCENARIO)
 
+
 if __name__ == "__main__":
+    from tests.dag_test_compat import prepare_dag_test
+
     emit("starting", pid=os.getpid())
+    prepare_dag_test()  # Airflow 3.1/3.2's dag.test() path, made to behave like production
     dag.test()
     emit("exited")

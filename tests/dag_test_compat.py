@@ -1,0 +1,87 @@
+"""Make ``dag.test()`` on Airflow 3.1/3.2 behave like the production task path where tests look.
+
+The real-signal tests run tasks with ``dag.test()`` in a child process: the Task SDK's own
+``run()``, SIGTERM handler and SIGALRM path, with an in-process execution API instead of an API
+server. On Airflow before 3.3 that test path differs from production in two ways that have
+nothing to do with the provider; :func:`prepare_dag_test` closes both (on 3.3 it changes
+nothing). Call it in the child, before ``dag.test()``.
+
+1. ``on_failure_callback`` gets no ``context["exception"]``: the real ``task_runner.main()`` sets
+   it before ``finalize()``; 3.1/3.2's ``supervisor.run_task_in_process`` does not.
+2. The in-process execution API of 3.1/3.2 starts its lifespan without waiting for it, and the
+   lifespan lives in the ``InProcessExecutionAPI`` object, which nothing keeps once the client is
+   built: when it is collected, the lifespan unwinds and removes the app's service registry. Then
+   requests fail with ``'State' object has no attribute 'svcs_registry'`` (on 3.2 here, every
+   ``dag.test()`` task failed before it ran; keeping the object fixes that, waiting for the
+   startup closes the remaining race). A real API server starts before it serves and stays up;
+   3.3 waits for the startup and ties the lifespan to the transport.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+#: How long the in-process execution API may take to start (it takes milliseconds).
+_STARTUP_TIMEOUT = 60.0
+
+#: The in-process execution APIs started in this process, kept so their lifespans stay up.
+_STARTED_APIS: list[Any] = []
+
+
+def prepare_dag_test() -> None:
+    """Apply both fixes; idempotent, and a no-op in effect on Airflow 3.3+."""
+    _give_failure_callbacks_the_exception()
+    _serve_only_after_startup()
+
+
+def _give_failure_callbacks_the_exception() -> None:
+    from airflow.sdk.execution_time import task_runner
+
+    finalize = task_runner.finalize
+    if getattr(finalize, "_sets_exception", False):
+        return
+
+    def finalize_with_exception(ti: Any, state: Any, context: Any, log: Any, error: Any = None) -> Any:
+        if "exception" not in context:
+            context["exception"] = error  # what task_runner.main() does before finalize()
+        return finalize(ti, state, context, log, error)
+
+    finalize_with_exception._sets_exception = True  # type: ignore[attr-defined]
+    task_runner.finalize = finalize_with_exception
+
+
+def _serve_only_after_startup() -> None:
+    from airflow.sdk.execution_time import supervisor
+
+    start_api = supervisor.in_process_api_server
+    if getattr(start_api, "_waits_for_startup", False):
+        return
+
+    def started_api_server() -> Any:
+        api = start_api()
+        api.transport  # noqa: B018 - creating the (cached) transport is what schedules the lifespan
+        _wait_for_startup(api.app)
+        _STARTED_APIS.append(api)
+        return api
+
+    started_api_server._waits_for_startup = True  # type: ignore[attr-defined]
+    supervisor.in_process_api_server = started_api_server
+
+
+def _wait_for_startup(app: Any) -> None:
+    """Return once the lifespan registered its services (the JWT validator is registered last).
+
+    Airflow drops the future of the startup coroutine, so there is nothing to await: poll its
+    effect, bounded.
+    """
+    from airflow.api_fastapi.execution_api import app as execution_app
+
+    deadline = time.monotonic() + _STARTUP_TIMEOUT
+    while True:
+        registry = getattr(app.state, "svcs_registry", None)
+        if registry is not None and execution_app.JWTValidator in registry:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the in-process execution API did not start within {_STARTUP_TIMEOUT}s")
+        time.sleep(0.005)
