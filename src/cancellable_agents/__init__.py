@@ -12,12 +12,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TaskCancellation": "cancellable_agents.cancellation",
-    "current_cancellation": "cancellable_agents.cancellation",
-    "CancelCause": "cancellable_agents.causes",
-    "TaskCancelled": "cancellable_agents.exceptions",
-    "CancellableAgentMixin": "cancellable_agents.mixin",
-    "CancellationAwareRetryPolicy": "cancellable_agents.retry",
+    "TaskCancellation": "cancellable_agents.core.scope",
+    "current_cancellation": "cancellable_agents.core.scope",
+    "CancelCause": "cancellable_agents.core.causes",
+    "UserAction": "cancellable_agents.core.causes",
+    "KillRecord": "cancellable_agents.core.record",
+    "TaskCancelled": "cancellable_agents.core.exceptions",
+    "CancellableAgentMixin": "cancellable_agents.airflow.mixin",
+    "cancellation_of": "cancellable_agents.airflow.mixin",
+    "CancellationAwareRetryPolicy": "cancellable_agents.airflow.retry",
     "LLMOperator": "cancellable_agents.operators.llm",
     "AgentOperator": "cancellable_agents.operators.agent",
     "LocalSandbox": "cancellable_agents.toolsets.sandbox",

@@ -20,8 +20,8 @@ from typing import Any
 
 import psutil
 
+from cancellable_agents.airflow.mixin import RECORD_PREFIX
 from cancellable_agents.demo_dags import kill_me_demo
-from cancellable_agents.mixin import RECORD_PREFIX
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 DAGS = Path(kill_me_demo.__file__).parent

@@ -34,9 +34,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
+
+from cancellable_agents.core.record import KillRecord
 
 if TYPE_CHECKING:
     from cancellable_agents.cancellation import ResourceHandle, TaskCancellation
@@ -484,7 +486,7 @@ class DescendantReaper:
 
     # -- killing -------------------------------------------------------------------------
 
-    def reap(self, scope: TaskCancellation) -> list[dict[str, Any]]:
+    def reap(self, scope: TaskCancellation) -> list[KillRecord]:
         """Terminate what the run started, reap the zombies, record the kills; return them.
 
         Idempotent: a second call finds nothing left and records nothing.
@@ -513,7 +515,7 @@ class DescendantReaper:
             targets.setdefault(ProcKey(pid, info.start), seen[pid])
         return {key: s for key, s in targets.items() if is_running(key)}
 
-    def _kill_round(self, scope: TaskCancellation, grace: float | None = None) -> list[dict[str, Any]]:
+    def _kill_round(self, scope: TaskCancellation, grace: float | None = None) -> list[KillRecord]:
         targets = self._targets()
         if not targets:
             return []
@@ -525,15 +527,15 @@ class DescendantReaper:
             if key.pid not in signals:
                 continue  # it exited on its own before the signal
             exit_code = self._collect(key, seen, scope)
-            record = {
-                "pid": key.pid,
-                "signal": signals[key.pid],
-                "exit_code": exit_code,
-                "command": seen.command,
-                "source": "descendant_reaper",
-                "at": round(time.time(), 3),
-            }
-            scope.record_killed(**record)
+            record = KillRecord(
+                source="descendant_reaper",
+                pid=key.pid,
+                signal=signals[key.pid],
+                exit_code=exit_code,
+                command=seen.command,
+                at=round(time.time(), 3),
+            )
+            scope.record_killed(record)
             records.append(record)
         return records
 

@@ -149,7 +149,14 @@ def reaper_baseline_task(marker: str) -> None:
     alive = before.poll() is None
     before.kill()
     before.wait(10)
-    report(scope, before_alive=alive, killed=killed, second_reap=again, subreaper=reaper.subreaper)
+    kills = [k.as_dict() for k in killed]
+    report(
+        scope,
+        before_alive=alive,
+        killed=kills,
+        second_reap=[k.as_dict() for k in again],
+        subreaper=reaper.subreaper,
+    )
 
 
 def reaper_orphans_task(marker: str) -> None:

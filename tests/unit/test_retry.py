@@ -22,7 +22,7 @@ from airflow.sdk.definitions.retry_policy import (
 from airflow.sdk.exceptions import AirflowTaskTimeout
 from pydantic_ai.exceptions import RunCancelled
 
-from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled
+from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled, UserAction
 from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.retry import cancellation_cause, wrap_retry_policy
 
@@ -85,11 +85,13 @@ def test_every_cause_can_be_overridden(cause: CancelCause, action: RetryAction) 
 
 
 def test_a_clear_retries_by_default_and_can_be_overridden() -> None:
-    cleared = TaskCancelled("killed", cause=CancelCause.USER, detail="cleared")
+    cleared = TaskCancelled("killed", cause=CancelCause.USER, detail="cleared", action=UserAction.CLEARED)
     decision = CancellationAwareRetryPolicy(inner=MustNotBeAsked()).evaluate(cleared, 1, 3)
     assert decision.action is RetryAction.RETRY
     assert decision.reason == "cancelled: cleared by a user — retrying"
-    marked = TaskCancelled("killed", cause=CancelCause.USER, detail="marked failed")
+    marked = TaskCancelled(
+        "killed", cause=CancelCause.USER, detail="marked failed", action=UserAction.MARKED_FAILED
+    )
     assert CancellationAwareRetryPolicy().evaluate(marked, 1, 3).action is RetryAction.FAIL
     custom = CancellationAwareRetryPolicy(on_cleared=RetryAction.FAIL)
     assert custom.evaluate(cleared, 1, 3).action is RetryAction.FAIL

@@ -32,7 +32,7 @@ from airflow.sdk.definitions.retry_policy import RetryAction, RetryPolicy
 from airflow.sdk.exceptions import AirflowTaskTimeout
 from pydantic_ai.exceptions import RunCancelled
 
-from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled
+from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled, UserAction
 from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -93,8 +93,18 @@ def _cancellations() -> list[tuple[BaseException, dict[str, object] | None, Retr
     task.__dict__["_task_cancellation"] = killed_scope
     context = {"task": task}
     return [
-        (TaskCancelled("killed", cause=CancelCause.USER, detail="marked failed"), None, RetryAction.FAIL),
-        (TaskCancelled("killed", cause=CancelCause.USER, detail="cleared"), None, RetryAction.RETRY),
+        (
+            TaskCancelled(
+                "killed", cause=CancelCause.USER, detail="marked failed", action=UserAction.MARKED_FAILED
+            ),
+            None,
+            RetryAction.FAIL,
+        ),
+        (
+            TaskCancelled("killed", cause=CancelCause.USER, detail="cleared", action=UserAction.CLEARED),
+            None,
+            RetryAction.RETRY,
+        ),
         (TaskCancelled("killed", cause=CancelCause.EVICTION), None, RetryAction.RETRY),
         (TaskCancelled("killed", cause=CancelCause.TIMEOUT), None, RetryAction.DEFAULT),
         (TaskCancelled("killed", cause=CancelCause.UNKNOWN), None, RetryAction.DEFAULT),

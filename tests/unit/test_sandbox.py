@@ -209,9 +209,9 @@ def test_a_command_ignoring_sigterm_is_sigkilled_at_the_grace(mode: str, marker:
         assert 0.25 < took < 2.5, took
         assert box.wait(command, timeout=1).exit_code == -signal.SIGKILL
         assert survivors(marker) == []
-        kills = [k for k in scope.killed if marker in k["command"]]
-        assert kills and all(k["signal"] == signal.SIGKILL for k in kills), scope.killed
-        assert all(k["command_id"] == command and k["mode"] == mode for k in kills)
+        kills = [k for k in scope.killed if marker in k.command]
+        assert kills and all(k.signal == signal.SIGKILL for k in kills), scope.killed
+        assert all(k.command_id == command and k.mode == mode for k in kills)
     finally:
         box.destroy()
 
@@ -302,9 +302,9 @@ def test_cancelling_the_scope_stops_commands_then_destroys_the_sandbox(mode: str
     assert survivors(marker) == []
     assert not box.workdir.exists()
     assert box.wait(command, timeout=1).stopped
-    kills = [k for k in scope.killed if k["command_id"] == command]
+    kills = [k for k in scope.killed if k.command_id == command]
     assert (
-        sorted(k["command"] for k in kills)
+        sorted(k.command for k in kills)
         == [f"/bin/sh -c sleep {marker} & sleep {marker}"] + [f"sleep {marker}"] * 2
     )
     events = [e.event for e in scope.timeline]

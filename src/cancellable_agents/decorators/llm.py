@@ -9,12 +9,8 @@ from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_d
 from airflow.sdk.definitions._internal.types import SET_DURING_EXECUTION
 from airflow.sdk.definitions.context import Context, context_merge
 
+from cancellable_agents.airflow.adapter import determine_kwargs
 from cancellable_agents.operators.llm import LLMOperator
-
-try:
-    from airflow.sdk.bases.decorator import determine_kwargs
-except ImportError:  # Airflow 3.1: the same helper still lives in airflow-core
-    from airflow.utils.operator_helpers import determine_kwargs
 
 
 class PromptFromCallable(DecoratedOperator):

@@ -12,7 +12,7 @@ from typing import Any
 
 from airflow.sdk.bases.hook import BaseHook
 
-from cancellable_agents.exceptions import ConfigurationError
+from cancellable_agents.core.exceptions import ConfigurationError
 
 #: Sent to OpenAI-compatible local servers that want *some* key but check none.
 _LOCAL_SERVER_KEY = "not-needed-for-local-servers"

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.bases.operator import BaseOperator
 
+from cancellable_agents.airflow.mixin import CancellableAgentMixin
 from cancellable_agents.hooks.model import ModelHook
-from cancellable_agents.mixin import CancellableAgentMixin
 
 if TYPE_CHECKING:
     from airflow.sdk.definitions.context import Context
@@ -28,7 +28,7 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
 
     Cancellation settings (``cancellation_budget``, ``timeout_margin``, ``classify_timeout``,
     ``reap_descendants``, ``cancellation_retry_policy``) are those of
-    :class:`~cancellable_agents.mixin.CancellableAgentMixin`.
+    :class:`~cancellable_agents.airflow.mixin.CancellableAgentMixin`.
     """
 
     template_fields: Sequence[str] = ("prompt", "system_prompt", "model")

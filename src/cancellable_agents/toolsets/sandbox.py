@@ -65,7 +65,13 @@ from typing import IO, Any, Literal, Protocol, TypeVar, runtime_checkable
 from pydantic_ai import ModelRetry
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents.cancellation import Phase, ResourceHandle, TaskCancellation, current_cancellation
+from cancellable_agents.cancellation import (
+    KillRecord,
+    Phase,
+    ResourceHandle,
+    TaskCancellation,
+    current_cancellation,
+)
 from cancellable_agents.process_reaper import (
     IS_LINUX,
     ProcKey,
@@ -887,21 +893,21 @@ class LocalSandbox:
         for key, sig in sent.items():
             if cmd.mode == "namespace" and (key in cmd.infra or key == cmd.main):
                 continue  # bubblewrap's own processes are plumbing, not the command's work
-            entry = {
-                "pid": key.pid,
-                "command_id": cmd.id,
-                "signal": int(sig),
-                "exit_code": -int(sig) if key == cmd.main else None,
-                "mode": cmd.mode,
-                "reason": reason,
-                "by": by,
-                "command": tree.get(key, ""),
-                "sandbox": self.id,
-                "at": round(time.time(), 3),
-            }
+            entry = KillRecord(
+                source=by,
+                pid=key.pid,
+                command_id=cmd.id,
+                signal=int(sig),
+                exit_code=-int(sig) if key == cmd.main else None,
+                mode=cmd.mode,
+                reason=reason,
+                command=tree.get(key, ""),
+                sandbox=self.id,
+                at=round(time.time(), 3),
+            )
             log.debug("sandbox %s killed %s", self.id, entry)
             if scope is not None:
-                scope.record_killed(**entry)
+                scope.record_killed(entry)
 
     # -- results -------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ pydantic-ai agent, with its own tools and toolsets, e.g. a sandbox)::
 
 The model gets one tool, ``delegate(agent, task) -> str`` (name configurable; ``agent`` is an
 enum of the sub-agent names, the tool description lists their descriptions). Every delegation
-runs under a *child* of the run's :class:`~cancellable_agents.cancellation.TaskCancellation`:
+runs under a *child* of the run's :class:`~cancellable_agents.core.scope.TaskCancellation`:
 
 - the parent's cancel cancels the child with cause ``PARENT`` (``root_cause`` still says why the
   task stopped); the child's grace budget is what the parent has left, and a child run started
@@ -35,49 +35,7 @@ cancellation (``RunCancelled`` with the transcript) rather than as a bare ``Canc
 ``asyncio.run`` on the tool's worker thread (``Agent.run_sync`` is refused inside a sync tool).
 From your own tools, call :func:`run_subagent` (async) or :func:`run_subagent_sync` (threads).
 
-Writing sync tools (and code in threads) that stop in time
-----------------------------------------------------------
-
-A sync (``def``) tool runs on a worker thread; cancelling the run stops *waiting* for it, not the
-thread. :func:`~cancellable_agents.cancellation.current_cancellation` returns the scope of the run
-the tool belongs to (the sub-agent's scope inside a sub-agent, also in threads driving one), with
-``cancelled``, ``wait(timeout)`` and ``raise_if_cancelled()``. Three patterns::
-
-    from cancellable_agents import current_cancellation
-
-    def crunch(items: list[str]) -> str:          # a polling loop
-        scope = current_cancellation()
-        for item in items:
-            if scope is not None:
-                scope.raise_if_cancelled()        # TaskCancelled: the run is already stopping
-            process(item)                          # keep each step short (< budget)
-        return "ok"
-
-    def wait_for_approval(ticket: str) -> str:    # a blocking wait
-        scope = current_cancellation()
-        while not approved(ticket):
-            if scope is not None and scope.wait(2.0):   # wakes at once on cancel
-                return "cancelled"
-        return "approved"
-
-    def fetch(url: str) -> str:                   # an HTTP call with a timeout
-        scope = current_cancellation()
-        # Every network wait is bounded (2 s here), so the thread notices a cancel within one wait.
-        with httpx.Client(timeout=2.0) as client, client.stream("GET", url) as response:
-            body = bytearray()
-            for chunk in response.iter_bytes():
-                if scope is not None:
-                    scope.raise_if_cancelled()
-                body += chunk
-        return body.decode()
-
-``wait`` wakes only once the run itself was told to stop, so returning after it cannot trigger one
-more model request. A thread *you* start from a tool sees the right scope only if it inherits the
-tool's context: ``threading.Thread(target=contextvars.copy_context().run, args=(fn,))`` (otherwise
-it falls back to the task's root scope). Prefer async tools where you can: they get
-``CancelledError`` at once. A tool that ignores all this is named in the log as a straggler.
-
-This module imports no Airflow.
+How to write sync tools that stop in time: ``docs/content/tools.md``. This module imports no Airflow.
 """
 
 from __future__ import annotations
@@ -96,10 +54,10 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_ai.toolsets import FunctionToolset
 from pydantic_ai.usage import RunUsage
 
-from cancellable_agents.agent_run import RunTracker, current_run_tracker, run_agent_in_scope_async
-from cancellable_agents.cancellation import Outcome, TaskCancellation, current_cancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
+from cancellable_agents.run.runner import RunTracker, current_run_tracker, run_agent_in_scope_async
 
 __all__ = ["Subagent", "SubagentToolset", "run_subagent", "run_subagent_sync"]
 
@@ -342,23 +300,10 @@ async def _run_child(
     _attach_run(child, result.all_messages(), result.usage, parent_usage)
     if child.settle(Outcome.COMPLETED) is not Outcome.COMPLETED:
         child.record("result_discarded", reason="cancelled before the delegation accepted the result")
-        raise await asyncio.to_thread(_discarded, child, result)
+        raise await asyncio.to_thread(
+            child.cancelled_error, "cancelled after its result arrived; it is discarded", source=result
+        )
     return result
-
-
-def _discarded(child: TaskCancellation, result: Any) -> TaskCancelled:
-    """The error for a child whose result arrived after a cancel (waits briefly for the cause)."""
-    cause = child.wait_cause(min(1.5, child.remaining())) or CancelCause.UNKNOWN
-    return TaskCancelled(
-        f"{child.name}: cancelled after its result arrived; the result is discarded (cause: {cause.value})",
-        cause=cause,
-        root_cause=child.root_cause,
-        detail=child.cause_detail,
-        messages=result.all_messages(),
-        usage=result.usage,
-        timeline=child.timeline,
-        killed=child.killed,
-    )
 
 
 async def _hand_over(child: TaskCancellation, task: asyncio.Task[Any], tracker: RunTracker) -> None:

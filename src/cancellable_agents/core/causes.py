@@ -1,0 +1,75 @@
+"""Why a scope was cancelled: the cause, what the user did, and a bounded way to decide it.
+
+Airflow-free. How an Airflow task-instance state maps to a cause lives in
+:mod:`cancellable_agents.airflow.adapter`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+class CancelCause(str, enum.Enum):
+    """The reason a run was cancelled, decided once per scope."""
+
+    USER = "user"
+    """The server no longer has this try running: marked failed/success, or cleared."""
+    EVICTION = "eviction"
+    """SIGTERM while the server still has the try running: the worker is going away."""
+    TIMEOUT = "timeout"
+    """``execution_timeout`` or the run's own deadline."""
+    PARENT = "parent"
+    """The parent scope (a parent agent or the task) was cancelled."""
+    UNKNOWN = "unknown"
+    """The cause could not be decided in time. Never a guess."""
+
+
+class UserAction(str, enum.Enum):
+    """What a user did to stop a try (the ``USER`` cause's kinds); the retry policy acts on it."""
+
+    MARKED_FAILED = "marked failed"
+    MARKED_SUCCESS = "marked success"
+    MARKED_SKIPPED = "marked skipped"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True)
+class CauseVerdict:
+    """A decided cause, what the user did (for ``USER``), and a human detail."""
+
+    cause: CancelCause
+    detail: str = ""
+    action: UserAction | None = None
+
+    @classmethod
+    def of_user(cls, action: UserAction) -> CauseVerdict:
+        return cls(CancelCause.USER, action.value, action)
+
+
+def bounded(query: Callable[[], CauseVerdict], timeout: float) -> CauseVerdict:
+    """Run ``query`` on a daemon thread and give up after ``timeout`` seconds.
+
+    A query that cannot answer in time (a deadlocked comms channel, a slow server) yields
+    ``UNKNOWN`` instead of blocking the unwind: the cause must never cost grace time.
+    """
+    result: list[CauseVerdict] = []
+
+    def target() -> None:
+        try:
+            result.append(query())
+        except Exception as exc:  # the classifier must never break the unwind
+            log.warning("Could not classify the cancellation: %s", exc)
+            result.append(CauseVerdict(CancelCause.UNKNOWN, f"classifier failed: {exc}"))
+
+    worker = threading.Thread(target=target, name="cancellable-agents-classify", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if result:
+        return result[0]
+    return CauseVerdict(CancelCause.UNKNOWN, f"task state not known within {timeout:.1f}s")

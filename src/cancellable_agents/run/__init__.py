@@ -1,0 +1,1 @@
+"""The pydantic-ai binding: runs an agent under a scope (tracking, tool threads, wrappers)."""
