@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
+import psutil
 import pytest
 from airflow.sdk.bases.operator import BaseOperator
 from pydantic_ai import Agent
@@ -207,3 +211,40 @@ def test_an_ordinary_error_stays_itself() -> None:
 
     with pytest.raises(KeyError):
         Broken(task_id="t").execute({})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the descendant reaper is Linux-only")
+def test_reaping_survives_a_pre_execute_override_without_super() -> None:
+    class OwnPreExecute(CancellableAgentMixin, BaseOperator):
+        def pre_execute(self, context: Any) -> None:  # no super(): the reaper must start anyway
+            pass
+
+        def execute(self, context: Any) -> Any:
+            # A tool that leaves a detached process behind, then fails.
+            out = subprocess.run(
+                ["sh", "-c", "setsid sleep 300 >/dev/null 2>&1 & echo $!"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=10,
+            )
+            self.leftover = int(out.stdout)
+            raise RuntimeError("the tool broke")
+
+    op = OwnPreExecute(task_id="own_pre_execute")
+    op.pre_execute({})
+    with pytest.raises(RuntimeError, match="the tool broke"):
+        op.execute({})
+    try:
+        assert op.__dict__.get("_reaper") is not None
+        assert not _alive(op.leftover), "the detached process outlived the failed task"
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(op.leftover).kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

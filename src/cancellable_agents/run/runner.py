@@ -17,7 +17,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
+from cancellable_agents.core.workers import JobThread
 
 log = logging.getLogger(__name__)
 
@@ -179,42 +179,6 @@ SIGNAL_POLL_INTERVAL = 0.05
 _WORKER_EXIT_TIMEOUT = 1.0
 
 
-_Call = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
-
-
-class _Worker:
-    """A daemon thread that runs the sync calls handed to it, one at a time, until told to stop."""
-
-    def __init__(self, park: Callable[[_Worker], bool]) -> None:
-        self.calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self.future: concurrent.futures.Future[Any] | None = None
-        self._park = park
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while (call := self.calls.get()) is not None:
-            future, fn = call
-            del call
-            result: Any = None
-            error: BaseException | None = None
-            started = future.set_running_or_notify_cancel()
-            if started:
-                try:
-                    result = fn()
-                except BaseException as exc:
-                    error = exc
-            # Ready for the next call before the result wakes the run, which may submit it at once.
-            keep = self._park(self)
-            if started and error is None:
-                future.set_result(result)
-            elif started:
-                future.set_exception(error)
-            del future, fn, result, error  # not held while idle
-            if not keep:
-                return
-
-
 class ToolThreadExecutor(concurrent.futures.Executor):
     """Runs the run's sync tool calls on daemon threads of its own, tracking each call by name.
 
@@ -229,30 +193,27 @@ class ToolThreadExecutor(concurrent.futures.Executor):
 
     def __init__(self, tracker: RunTracker) -> None:
         self._tracker = tracker
-        self._workers: list[_Worker] = []
-        self._idle: list[_Worker] = []
-        self._closed = False
+        self._workers: list[JobThread] = []  # guarded by the tracker's lock
+        self._idle: list[JobThread] = []  # guarded by the tracker's lock
+        self._closed = False  # guarded by the tracker's lock
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         # pydantic-ai submits ``context.run`` of the tool's copied context; read the tool name from it.
         ctx = getattr(fn, "__self__", None)
-        tool = ctx.get(_tool_name, None) if isinstance(ctx, contextvars.Context) else None
-
+        tool = (ctx.get(_tool_name, None) if isinstance(ctx, contextvars.Context) else None) or "sync tool"
         with self._tracker.lock:
             worker = self._idle.pop() if self._idle else None
         if worker is None:
-            worker = _Worker(self._park)
+            worker = JobThread(f"tool-{tool}", after_call=self._park)
             with self._tracker.lock:
                 self._workers.append(worker)
-        worker.thread.name = f"tool-{tool or 'sync'}"
-        worker.future = future
+        worker.thread.name = f"tool-{tool}"
+        future = worker.submit(functools.partial(fn, *args, **kwargs))
         with self._tracker.lock:
-            self._tracker.tool_threads.append(_ToolThread(tool or "sync tool", worker.thread, future))
-        worker.calls.put((future, functools.partial(fn, *args, **kwargs)))
+            self._tracker.tool_threads.append(_ToolThread(tool, worker.thread, future))
         return future
 
-    def _park(self, worker: _Worker) -> bool:
+    def _park(self, worker: JobThread) -> bool:
         """A worker's call returned: keep it for the next call, unless the run has ended."""
         with self._tracker.lock:
             if self._closed:
@@ -271,10 +232,10 @@ class ToolThreadExecutor(concurrent.futures.Executor):
             idle, self._idle = self._idle, []
             workers = list(self._workers)
         for worker in idle:
-            worker.calls.put(None)
+            worker.stop()
         deadline = time.monotonic() + _WORKER_EXIT_TIMEOUT
         for worker in workers:
-            if worker.future is None or worker.future.done():
+            if worker.current is None or worker.current.done():
                 worker.thread.join(max(0.0, deadline - time.monotonic()))
 
 
