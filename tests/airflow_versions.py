@@ -5,18 +5,22 @@ exist only from 3.3. Tests that need them skip on older Airflow with this module
 the tests of the older-Airflow contract skip on 3.3+ (``make compat-airflow`` runs them).
 The version comes from the installed distribution's metadata; the retry-policy check imports
 Airflow (finding a submodule imports its parent packages), so import this module from tests,
-not at conftest load.
+not at conftest load. The facts themselves are the provider's (``cancellable_agents.airflow.adapter``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-#: Where retry policies live from Airflow 3.3 on.
-RETRY_POLICY_MODULE = "airflow.sdk.definitions.retry_policy"
+from cancellable_agents.airflow.adapter import (
+    RETRY_POLICY_MODULE,
+    has_retry_policies,
+)
+from cancellable_agents.airflow.adapter import (
+    execution_timeout_type as airflow_task_timeout,
+)
 
 
 def installed_airflow() -> str:
@@ -38,11 +42,6 @@ def major_minor(text: str) -> tuple[int, int]:
 AIRFLOW_VERSION = installed_airflow()
 
 
-def has_retry_policies() -> bool:
-    """True where ``airflow.sdk.definitions.retry_policy`` is importable (Airflow 3.3+)."""
-    return importlib.util.find_spec(RETRY_POLICY_MODULE) is not None
-
-
 #: Why a test of retry policies does not run here.
 NO_RETRY_POLICIES = f"retry policies ({RETRY_POLICY_MODULE}) need Airflow 3.3+, this is {AIRFLOW_VERSION}"
 
@@ -53,14 +52,11 @@ only_without_retry_policies = pytest.mark.skipif(
     reason=f"the Airflow < 3.3 contract; this is Airflow {AIRFLOW_VERSION}, `make compat-airflow` runs these",
 )
 
-
-def airflow_task_timeout() -> type[BaseException]:
-    """The class the Task SDK raises on ``execution_timeout`` (SIGALRM).
-
-    ``airflow.sdk.exceptions`` has it from 3.2; on 3.1 the Task SDK raises airflow-core's class.
-    """
-    try:
-        from airflow.sdk.exceptions import AirflowTaskTimeout
-    except ImportError:
-        from airflow.exceptions import AirflowTaskTimeout  # type: ignore[no-redef]
-    return AirflowTaskTimeout
+__all__ = [
+    "AIRFLOW_VERSION",
+    "NO_RETRY_POLICIES",
+    "airflow_task_timeout",
+    "has_retry_policies",
+    "only_without_retry_policies",
+    "requires_retry_policies",
+]

@@ -8,6 +8,7 @@ kill, and the imports that moved between 3.1, 3.2 and 3.3.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
@@ -72,10 +73,12 @@ def ti_key(context: Any) -> TaskInstanceKey | None:
 
 
 @functools.cache
-def _timeout_type() -> type[BaseException]:
+def execution_timeout_type() -> type[BaseException]:
+    """The class the Task SDK raises on ``execution_timeout`` (SIGALRM): ``airflow.sdk.exceptions``
+    has it from 3.2; on 3.1 the Task SDK raises airflow-core's class."""
     try:
         from airflow.sdk.exceptions import AirflowTaskTimeout
-    except ImportError:  # pragma: no cover - Airflow 3.1 before the Task SDK had it
+    except ImportError:  # Airflow 3.1
         from airflow.exceptions import AirflowTaskTimeout  # type: ignore[no-redef]
     return AirflowTaskTimeout
 
@@ -83,16 +86,16 @@ def _timeout_type() -> type[BaseException]:
 def is_execution_timeout(exc: BaseException | None) -> bool:
     """Whether ``exc`` is Airflow's ``execution_timeout`` (SIGALRM raises it wherever the main
     thread is, and ``on_kill`` runs after ``execute`` exited with it)."""
-    return exc is not None and isinstance(exc, _timeout_type())
+    return exc is not None and isinstance(exc, execution_timeout_type())
+
+
+#: Where retry policies live; they exist from Airflow 3.3.
+RETRY_POLICY_MODULE = "airflow.sdk.definitions.retry_policy"
 
 
 def has_retry_policies() -> bool:
-    """Retry policies (``airflow.sdk.definitions.retry_policy``) exist from Airflow 3.3."""
-    try:
-        import airflow.sdk.definitions.retry_policy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether this Airflow has retry policies (3.3+). Finds the module without importing it."""
+    return importlib.util.find_spec(RETRY_POLICY_MODULE) is not None
 
 
 def base_operator() -> type:

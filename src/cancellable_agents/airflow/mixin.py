@@ -24,6 +24,7 @@ from cancellable_agents.airflow.adapter import (
     GRACE_SECONDS,
     base_operator,
     classify_sigterm,
+    has_retry_policies,
     is_execution_timeout,
     ti_key,
 )
@@ -358,10 +359,10 @@ def _check_settings(operator: CancellableAgentMixin) -> None:
 
 def _cancellation_aware(policy: Any) -> Any:
     """Wrap ``policy`` where Airflow has retry policies (3.3+); leave it alone elsewhere."""
-    try:
-        from cancellable_agents.airflow.retry import wrap_retry_policy
-    except ImportError:
+    if not has_retry_policies():
         return policy
+    from cancellable_agents.airflow.retry import wrap_retry_policy
+
     return wrap_retry_policy(policy)
 
 
