@@ -236,7 +236,7 @@ class CancellableAgentMixin:
         timeout: timedelta | None = getattr(self, "execution_timeout", None)
         if not timeout:
             return None
-        elapsed = self.cancellation._clock() - self.cancellation.created_at
+        elapsed = self.cancellation.now() - self.cancellation.created_at
         return max(0.01, timeout.total_seconds() - elapsed - self.timeout_margin)
 
     # -- kills ---------------------------------------------------------------------------

@@ -27,12 +27,10 @@ import asyncio
 import contextlib
 import contextvars
 import enum
-import inspect
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic_ai import CancellationToken
@@ -40,22 +38,12 @@ from pydantic_ai import CancellationToken
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction, bounded
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.record import KillRecord, TimelineEvent
+from cancellable_agents.core.unwind import Cleanup, Phase, Resource, release_phases, release_together
 
 log = logging.getLogger(__name__)
 
 #: Airflow gives a killed task 5 s before SIGKILL; keep a margin for logging and exit.
 DEFAULT_BUDGET = 4.0
-
-Cleanup = Callable[[], Any] | Callable[[], Awaitable[Any]]
-
-
-class Phase(enum.IntEnum):
-    """When a registered resource is released during an unwind. Lower phases go first."""
-
-    IN_FLIGHT = 0
-    """Work that is running: commands, child runs, requests. Stopped before any teardown."""
-    TEARDOWN = 1
-    """Things that hold in-flight work: toolsets, clients, working directories."""
 
 
 class Outcome(str, enum.Enum):
@@ -66,19 +54,10 @@ class Outcome(str, enum.Enum):
     FAILED = "failed"
 
 
-@dataclass
-class _Resource:
-    name: str
-    cleanup: Cleanup
-    phase: Phase
-    loop: asyncio.AbstractEventLoop | None
-    released: bool = False  # guarded by the owning scope's _lock
-
-
 class ResourceHandle:
     """Returned by :meth:`TaskCancellation.register`; unregister when the resource is gone."""
 
-    def __init__(self, scope: TaskCancellation, resource: _Resource) -> None:
+    def __init__(self, scope: TaskCancellation, resource: Resource) -> None:
         self._scope = scope
         self._resource = resource
 
@@ -144,7 +123,7 @@ class TaskCancellation:
         self._cancel_at: float | None = None  # written once, before _cancelled is set
         self._timeline: list[TimelineEvent] = []
         self._children: list[TaskCancellation] = []
-        self._resources: list[_Resource] = []
+        self._resources: list[Resource] = []
         self._killed: list[KillRecord] = []
         self._stragglers: list[str] = []
         self._attached: dict[str, Any] = {}
@@ -204,6 +183,10 @@ class TaskCancellation:
     def children(self) -> list[TaskCancellation]:
         with self._lock:
             return list(self._children)
+
+    def now(self) -> float:
+        """The scope's clock (monotonic seconds)."""
+        return self._clock()
 
     def remaining(self) -> float:
         """Seconds left of the budget once cancelled (the full budget before that)."""
@@ -326,7 +309,7 @@ class TaskCancellation:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        resource = _Resource(name, cleanup, phase, loop)
+        resource = Resource(name, cleanup, phase, loop)
         with self._lock:
             self._resources.append(resource)
             late = self._cancelled.is_set() and self._claim([resource])
@@ -338,22 +321,22 @@ class TaskCancellation:
             ).start()
         return ResourceHandle(self, resource)
 
-    def _release_late(self, resource: _Resource) -> None:
+    def _release_late(self, resource: Resource) -> None:
         try:
-            self._join_release(self._start_release([resource]))
+            release_together(self, [resource])
         finally:
             with self._release_done:
                 self._late_releases -= 1
                 self._release_done.notify_all()
 
-    def _claim(self, resources: list[_Resource]) -> list[_Resource]:
+    def _claim(self, resources: list[Resource]) -> list[Resource]:
         """Mark resources as being released (caller holds the lock); each is released once."""
         claimed = [r for r in resources if not r.released]
         for resource in claimed:
             resource.released = True
         return claimed
 
-    def _forget(self, resource: _Resource) -> None:
+    def _forget(self, resource: Resource) -> None:
         with self._lock, contextlib.suppress(ValueError):
             self._resources.remove(resource)
 
@@ -483,9 +466,7 @@ class TaskCancellation:
         # Stop the run first (no new model request), then in-flight work, then tear down what held it.
         self._cancel_token()
         self._signalled.set()
-        in_flight = self._start_release([r for r in pending if r.phase is Phase.IN_FLIGHT])
-        self._join_release(in_flight)
-        self._release_phase([r for r in pending if r.phase is Phase.TEARDOWN])
+        release_phases(self, pending)
         if classifier is not None:
             classifier.join(max(0.0, classify_timeout))
         # Children unwound concurrently from the start; waiting here only makes "released" cover
@@ -504,47 +485,6 @@ class TaskCancellation:
         except Exception as exc:  # a run whose loop cannot be reached must not stop the unwind
             log.warning("%s: could not cancel the pydantic-ai run: %s", self.name, exc)
         self.record("token_cancelled")
-
-    def _release_phase(self, resources: list[_Resource]) -> None:
-        """Release resources concurrently and wait for them, but never past the budget."""
-        self._join_release(self._start_release(resources))
-
-    def _start_release(self, resources: list[_Resource]) -> list[tuple[_Resource, threading.Thread]]:
-        workers = []
-        for resource in resources:
-            worker = threading.Thread(
-                target=self._release_one, args=(resource,), name=f"release-{resource.name}", daemon=True
-            )
-            worker.start()
-            workers.append((resource, worker))
-        return workers
-
-    def _join_release(self, workers: list[tuple[_Resource, threading.Thread]]) -> None:
-        for resource, worker in workers:
-            worker.join(self.remaining())
-            if worker.is_alive():
-                self.note_straggler(f"resource {resource.name!r}", worker)
-
-    def _release_one(self, resource: _Resource) -> None:
-        started = self._clock()
-        try:
-            result = resource.cleanup()
-            if inspect.isawaitable(result):
-                self._await(result, resource.loop)
-        except Exception as exc:
-            self.record("release_failed", resource=resource.name, error=repr(exc))
-            log.warning("%s: releasing %s failed: %r", self.name, resource.name, exc)
-            return
-        self.record("released", resource=resource.name, took_ms=round((self._clock() - started) * 1000, 1))
-
-    def _await(self, awaitable: Awaitable[Any], loop: asyncio.AbstractEventLoop | None) -> None:
-        async def run() -> Any:
-            return await awaitable
-
-        if loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(run(), loop).result(self.remaining())
-        else:
-            asyncio.run(run())
 
     # -- reporting -----------------------------------------------------------------------
 

@@ -1,0 +1,94 @@
+"""How a cancelled scope releases what was registered with it: in phases, concurrently, in budget.
+
+``Phase.IN_FLIGHT`` resources (running commands, child runs, requests) are all released at once
+and waited for before any ``Phase.TEARDOWN`` resource (toolsets, clients, working directories),
+so nothing is torn down under work that is still running. Each release runs on a daemon thread
+of its own; one that does not return within the scope's remaining budget is named as a
+straggler and left behind, so a stuck cleanup can never hold the unwind past the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cancellable_agents.core.scope import TaskCancellation
+
+log = logging.getLogger(__name__)
+
+Cleanup = Callable[[], Any] | Callable[[], Awaitable[Any]]
+
+
+class Phase(enum.IntEnum):
+    """When a registered resource is released during an unwind. Lower phases go first."""
+
+    IN_FLIGHT = 0
+    """Work that is running: commands, child runs, requests. Stopped before any teardown."""
+    TEARDOWN = 1
+    """Things that hold in-flight work: toolsets, clients, working directories."""
+
+
+@dataclass
+class Resource:
+    """One registered cleanup. ``loop``: the event loop it was registered from (async cleanups
+    run there), if any."""
+
+    name: str
+    cleanup: Cleanup
+    phase: Phase
+    loop: asyncio.AbstractEventLoop | None
+    released: bool = False  # guarded by the owning scope's _lock; claimed once
+
+
+def release_phases(scope: TaskCancellation, resources: Iterable[Resource]) -> None:
+    """Release ``resources`` phase by phase; within a phase concurrently, never past the budget."""
+    pending = list(resources)
+    for phase in Phase:
+        release_together(scope, [r for r in pending if r.phase is phase])
+
+
+def release_together(scope: TaskCancellation, resources: list[Resource]) -> None:
+    """Release ``resources`` concurrently and wait for them until the scope's budget runs out."""
+    workers = []
+    for resource in resources:
+        worker = threading.Thread(
+            target=_release_one, args=(scope, resource), name=f"release-{resource.name}", daemon=True
+        )
+        worker.start()
+        workers.append((resource, worker))
+    for resource, worker in workers:
+        worker.join(scope.remaining())
+        if worker.is_alive():
+            scope.note_straggler(f"resource {resource.name!r}", worker)
+
+
+def _release_one(scope: TaskCancellation, resource: Resource) -> None:
+    started = scope.now()
+    try:
+        result = resource.cleanup()
+        if inspect.isawaitable(result):
+            _await(result, resource.loop, scope.remaining())
+    except Exception as exc:
+        scope.record("release_failed", resource=resource.name, error=repr(exc))
+        log.warning("%s: releasing %s failed: %r", scope.name, resource.name, exc)
+        return
+    scope.record("released", resource=resource.name, took_ms=round((scope.now() - started) * 1000, 1))
+
+
+def _await(awaitable: Awaitable[Any], loop: asyncio.AbstractEventLoop | None, timeout: float) -> None:
+    """Run an async cleanup on the loop it came from (still running), else on a loop of its own."""
+
+    async def run() -> Any:
+        return await awaitable
+
+    if loop is not None and loop.is_running():
+        asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)
+    else:
+        asyncio.run(run())
