@@ -1,7 +1,20 @@
 """Run pydantic-ai LLM calls and agents as Airflow tasks, and stop them correctly.
 
-The cancellation core (``TaskCancellation``, ``CancelCause``, ``TaskCancelled``, the sandbox
-and sub-agent toolsets) imports no Airflow; the Airflow-facing names are loaded on first use.
+Where each idea lives (data flows down this list; nothing above imports what is below it):
+
+- ``core/``: the cancellation model, Airflow-free. ``scope`` (``TaskCancellation``: cancel,
+  children, settle), ``unwind`` (phased release within the budget), ``causes`` (``CancelCause``,
+  ``UserAction``), ``record`` (timeline events, ``KillRecord``), ``exceptions`` (``TaskCancelled``,
+  built only by ``TaskCancellation.cancelled_error``), ``workers`` (the one job-thread utility).
+- ``run/``: the pydantic-ai binding: runs an agent under a scope (tool tracking, tool threads,
+  in-flight work stopped before teardown).
+- ``procs/`` and ``process_reaper``: ``/proc`` and signals, the descendant reaper.
+- ``toolsets/``: the sandbox and sub-agent toolsets.
+- ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
+  shim), ``mixin`` (``CancellableAgentMixin``), ``retry`` (``CancellationAwareRetryPolicy``).
+- ``operators/``, ``decorators/``, ``hooks/``: what DAG authors use.
+
+The package imports lazily: the names below are loaded on first use.
 """
 
 from __future__ import annotations
