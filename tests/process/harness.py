@@ -20,17 +20,18 @@ SCENARIOS = DAGS_FOLDER / "task_scenarios.py"
 class TaskProcess:
     """A child running ``task_scenarios.py SCENARIO``; events arrive over a pipe as JSON lines."""
 
-    def __init__(self, scenario: str, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, scenario: str, env: dict[str, str], log_dir: Path, script: Path = SCENARIOS) -> None:
         read_fd, write_fd = os.pipe()
         self.log_path = log_dir / f"{scenario}.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, str(SCENARIOS)],
+            [sys.executable, str(script)],
             env={
                 **env,
                 "SCENARIO": scenario,
                 "SCENARIO_EVENTS_FD": str(write_fd),
-                "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+                # dag.test() parses the script's whole folder: one scenario file per folder.
+                "AIRFLOW__CORE__DAGS_FOLDER": str(script.parent),
             },
             pass_fds=(write_fd,),
             stdout=self._log,
