@@ -79,6 +79,13 @@ class CommonAIKillSemantics(CancellableAgentMixin):
         if "__init__" not in cls.__dict__:
             _give_own_init(cls)
 
+    def _complete_run(self, context: Any, result: Any, **kwargs: Any) -> Any:
+        """AgentOperator's post-run step (XCom pushes, journal and usage-budget cleanup), refused
+        once killed: the result is discarded, and the retry still finds the durable journal."""
+        if self.cancellation.cancelled:
+            raise self._task_cancelled("killed after the result arrived; the result is discarded")
+        return super()._complete_run(context, result, **kwargs)  # type: ignore[misc]
+
     def _poll_loop(self, *, ti: Any, **kwargs: Any) -> Any:
         """common.ai's HITL review wait, ended by a kill (see :class:`_PollingTaskInstance`)."""
         interval = float(getattr(self, "hitl_poll_interval", 10.0))

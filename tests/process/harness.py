@@ -50,18 +50,24 @@ class TaskProcess:
                 self.events.append(event)
                 self._queue.put(event)
 
-    def wait_for(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Return the first event called ``name``, waiting up to ``timeout`` seconds."""
+    def wait_for(self, name: str | tuple[str, ...], timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        """Return the first event called ``name`` (or any of the names) with ``fields``, waiting up to
+        ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
+        names = (name,) if isinstance(name, str) else name
+
+        def matches(event: dict[str, Any]) -> bool:
+            return event["event"] in names and all(event.get(k) == v for k, v in fields.items())
+
         for event in list(self.events):
-            if event["event"] == name:
+            if matches(event):
                 return event
         while (left := deadline - time.monotonic()) > 0:
             try:
                 event = self._queue.get(timeout=left)
             except queue.Empty:
                 break
-            if event["event"] == name:
+            if matches(event):
                 return event
         raise AssertionError(f"no {name!r} event within {timeout}s; events: {self.names()}\n{self.tail()}")
 

@@ -18,13 +18,15 @@ import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import quote
 
-from airflow.sdk import DAG
+from airflow.sdk import DAG, chain
 from pydantic_ai.capabilities import ProcessEventStream
 from pydantic_ai.toolsets import FunctionToolset
 
 IMPL = os.environ.get("IMPL", "ours")
-SCENARIO = os.environ.get("SCENARIO", "stream")
+#: One task per scenario, run one after the other in one ``dag.test()`` (one process start).
+SCENARIOS = os.environ.get("SCENARIO", "stream").split(",")
 MARKER = os.environ.get("MARKER", "4242.4242")
 if IMPL == "ours":
     from cancellable_agents.common_ai import AgentOperator as _Agent
@@ -35,8 +37,8 @@ else:
 
 _FD = int(os.environ["SCENARIO_EVENTS_FD"])
 CONN = "local_model"
-#: Set by ``on_kill`` (both implementations): the hooks that wait "until killed" wait on this.
-KILLED = threading.Event()
+#: Set by ``on_kill`` (both implementations), per task: hooks that wait "until killed" wait on it.
+KILLED: dict[str, threading.Event] = {name: threading.Event() for name in SCENARIOS}
 
 
 def emit(event: str, **data: Any) -> None:
@@ -48,11 +50,29 @@ def _try_number(context: Any) -> int:
     return int(getattr(context["ti"], "try_number", 1) or 1)
 
 
+#: Scenario -> the thread its tool is running on now (dict set/pop are atomic); the failure
+#: callback waits for the entry to go.
+RUNNING_TOOLS: dict[str, threading.Thread] = {}
+
+
+def _tools_left_running(scenario: str, grace: float = 1.0) -> list[str]:
+    """This scenario's tool, if still running ``grace`` s after the task failed (polled: foreign code)."""
+    deadline = time.monotonic() + grace
+    while scenario in RUNNING_TOOLS and time.monotonic() < deadline:
+        time.sleep(0.02)
+    thread = RUNNING_TOOLS.get(scenario)
+    return [] if thread is None else [f"{thread.name} (daemon={thread.daemon})"]
+
+
 def on_failure(context: Any) -> None:
+    raised = time.monotonic()
     exc = context.get("exception")
-    scope = getattr(context["task"], "__dict__", {}).get("_task_cancellation")
+    task = context["task"]
+    scope = getattr(task, "__dict__", {}).get("_task_cancellation")
     emit(
         "task_failed",
+        scenario=task.task_id,
+        saved_usage=_saved_usage(context),
         exc_type=type(exc).__name__,
         exc_mro=[c.__name__ for c in type(exc).__mro__],
         message=str(exc)[:500],
@@ -60,6 +80,8 @@ def on_failure(context: Any) -> None:
         usage_requests=getattr(getattr(exc, "usage", None), "requests", None),
         record=scope.summary() if scope is not None else None,
         try_number=_try_number(context),
+        raised_t=raised,
+        tools_running=_tools_left_running(task.task_id),
     )
 
 
@@ -68,13 +90,21 @@ def on_retry(context: Any) -> None:
 
 
 def on_success(context: Any) -> None:
-    emit("task_succeeded", try_number=_try_number(context))
+    emit("task_succeeded", scenario=context["task"].task_id, try_number=_try_number(context))
 
 
-def _wait_until_killed(timeout: float = 20.0) -> None:
+def _saved_usage(context: Any) -> Any:
+    """What common.ai's usage budget persisted for this task instance (3.3+, with usage_limits)."""
+    if context["task"].usage_limits is None:
+        return None
+    record = context["task_state_store"].get("__commonai_usage__")
+    return record.get("usage") if isinstance(record, dict) else record
+
+
+def _wait_until_killed(scenario: str, timeout: float = 20.0) -> None:
     # Short sleeps on the main thread: the SIGTERM handler runs between them.
     deadline = time.monotonic() + timeout
-    while not KILLED.is_set() and time.monotonic() < deadline:
+    while not KILLED[scenario].is_set() and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -82,21 +112,36 @@ class _Probe:
     """Reports when the Task SDK's handler reached ``on_kill``; nothing else changes."""
 
     def on_kill(self) -> None:
-        emit("on_kill")
-        KILLED.set()
+        emit("on_kill", scenario=self.task_id)  # type: ignore[attr-defined]
+        KILLED[self.task_id].set()  # type: ignore[attr-defined]
         super().on_kill()  # type: ignore[misc]
 
 
 class AgentOperator(_Probe, _Agent):  # type: ignore[misc,valid-type]
     def _complete_run(self, context: Any, result: Any, **kwargs: Any) -> Any:
-        emit("result_arrived", output=str(result.output)[:100])
-        if SCENARIO == "after_result":
-            _wait_until_killed()
+        emit("result_arrived", scenario=self.task_id, output=str(result.output)[:100])
+        if self.task_id == "after_result":
+            _wait_until_killed(self.task_id)
         return super()._complete_run(context, result, **kwargs)
 
-    def run_hitl_review(self, context: Any, output: Any, **kwargs: Any) -> Any:
-        emit("hitl_waiting")
-        return super().run_hitl_review(context, output, **kwargs)
+    def _poll_loop(self, *, ti: Any, **kwargs: Any) -> Any:
+        return super()._poll_loop(ti=_ReportPolls(ti, self.task_id), **kwargs)
+
+
+class _ReportPolls:
+    """The task instance, reporting each finished HITL poll (the review wait is then in its sleep)."""
+
+    def __init__(self, ti: Any, scenario: str) -> None:
+        self._ti = ti
+        self._scenario = scenario
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ti, name)
+
+    def xcom_pull(self, *args: Any, **kwargs: Any) -> Any:
+        value = self._ti.xcom_pull(*args, **kwargs)
+        emit("hitl_polled", scenario=self._scenario)
+        return value
 
 
 class LLMOperator(_Probe, _LLM):  # type: ignore[misc,valid-type]
@@ -108,19 +153,27 @@ class LLMOperator(_Probe, _LLM):  # type: ignore[misc,valid-type]
 
 def slow_sync_tool() -> str:
     """A sync tool that knows nothing about cancellation: 30 s of work."""
-    emit("tool_started", tool="slow_sync_tool", thread=threading.current_thread().name)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
+    emit("tool_started", scenario="sync_tool", thread=threading.current_thread().name)
+    RUNNING_TOOLS["sync_tool"] = threading.current_thread()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        RUNNING_TOOLS.pop("sync_tool", None)
     emit("tool_finished", tool="slow_sync_tool")
     return "done"
 
 
 def run_script() -> str:
     """A sync tool running a shell whose child leaves the process group (``setsid``)."""
-    emit("tool_started", tool="run_script")
+    emit("tool_started", scenario="subprocess")
     script = f"setsid sleep {MARKER} & sleep {MARKER}; wait"
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, check=False)
+    RUNNING_TOOLS["subprocess"] = threading.current_thread()
+    try:
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, check=False)
+    finally:
+        RUNNING_TOOLS.pop("subprocess", None)
     emit("tool_finished", tool="run_script", returncode=proc.returncode)
     return f"exit {proc.returncode}"
 
@@ -133,7 +186,7 @@ def fetch_orders() -> str:
 
 async def summarize_orders() -> str:
     """In flight when try 1 is killed; finishes at once on the retry."""
-    emit("tool_started", tool="summarize_orders")
+    emit("tool_started", scenario="durable", tool="summarize_orders")
     if not os.environ.get("SUMMARIZE_RETRIED"):
         os.environ["SUMMARIZE_RETRIED"] = "1"  # the retry runs in this same process (dag.test)
         await asyncio.sleep(300)
@@ -158,32 +211,33 @@ def _model(behaviour: str) -> str:
 _STREAM = "slow?tokens=600&delay=0.05"
 
 
-def build_task() -> Any:
+def build_task(scenario: str) -> Any:
     common: dict[str, Any] = {
-        "task_id": "agent",
+        "task_id": scenario,
+        "trigger_rule": "all_done",
         "llm_conn_id": CONN,
         "on_failure_callback": on_failure,
         "on_success_callback": on_success,
         "on_retry_callback": on_retry,
         "prompt": "go",
     }
-    if SCENARIO == "before_run":
-        return AgentOperator(model_id=_model("echo"), pre_execute=lambda ctx: _before_run(), **common)
-    if SCENARIO == "stream":
+    if scenario == "before_run":
+        return AgentOperator(model_id=_model("echo"), pre_execute=_before_run, **common)
+    if scenario == "stream":
         return AgentOperator(model_id=_model(_STREAM), capabilities=[ProcessEventStream(_stream_events)], **common)
-    if SCENARIO == "llm_nonstream":
+    if scenario == "llm_nonstream":
         return LLMOperator(model_id=_model("slow?tokens=3&delay=30"), **common)
-    if SCENARIO == "sync_tool":
+    if scenario == "sync_tool":
         return AgentOperator(
             model_id=_model("tool?name=slow_sync_tool"), toolsets=[_toolset(slow_sync_tool)], **common
         )
-    if SCENARIO == "subprocess":
+    if scenario == "subprocess":
         return AgentOperator(model_id=_model("tool?name=run_script"), toolsets=[_toolset(run_script)], **common)
-    if SCENARIO == "after_result":
+    if scenario == "after_result":
         return AgentOperator(model_id=_model("echo"), **common)
-    if SCENARIO == "hitl_wait":
+    if scenario == "hitl_wait":
         return AgentOperator(model_id=_model("echo"), enable_hitl_review=True, hitl_poll_interval=10, **common)
-    if SCENARIO == "durable":
+    if scenario == "durable":
         return AgentOperator(
             model_id=_model("tools?names=fetch_orders,summarize_orders&then=final"),
             toolsets=[_toolset(fetch_orders, summarize_orders)],
@@ -192,7 +246,7 @@ def build_task() -> Any:
             retry_delay=timedelta(0),
             **common,
         )
-    if SCENARIO == "fallback":
+    if scenario == "fallback":
         from airflow.providers.common.ai.policies.retry import LLMRetryPolicy
 
         return AgentOperator(
@@ -203,27 +257,29 @@ def build_task() -> Any:
             retry_policy=LLMRetryPolicy(llm_conn_id=CONN, model_id=_model("echo"), timeout=10),
             **common,
         )
-    if SCENARIO == "sandbox":
+    if scenario == "sandbox":
         from tests.process.dags_common_ai._local_sandbox_backend import LocalProcessSandboxBackend
 
         from airflow.providers.common.ai.toolsets.sandbox import SandboxToolset
 
-        args = json.dumps({"command": f"sleep {MARKER} & sleep {MARKER}; wait"})
+        args = quote(json.dumps({"command": f"sleep {MARKER} & sleep {MARKER}; wait"}), safe="")
         return AgentOperator(
             model_id=_model(f"tool?name=run_command&args={args}"),
             toolsets=[SandboxToolset(LocalProcessSandboxBackend(emit), spec=None)],
             **common,
         )
-    raise SystemExit(f"unknown scenario {SCENARIO!r}")
+    raise SystemExit(f"unknown scenario {scenario!r}")
 
 
-def _before_run() -> None:
-    emit("pre_execute")
-    _wait_until_killed()
+def _before_run(context: Any) -> None:
+    emit("pre_execute", scenario=context["task"].task_id)
+    _wait_until_killed(context["task"].task_id)
 
 
-with DAG(f"common_ai_{SCENARIO}", schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)) as dag:
-    build_task()
+with DAG(
+    "common_ai_" + "__".join(SCENARIOS), schedule=None, start_date=datetime(2026, 1, 1, tzinfo=timezone.utc)
+) as dag:
+    chain(*(build_task(name) for name in SCENARIOS))
 
 
 if __name__ == "__main__":
