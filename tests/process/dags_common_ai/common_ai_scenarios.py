@@ -27,6 +27,7 @@ from pydantic_ai.toolsets import FunctionToolset
 IMPL = os.environ.get("IMPL", "ours")
 #: One task per scenario, run one after the other in one ``dag.test()`` (one process start).
 SCENARIOS = os.environ.get("SCENARIO", "stream").split(",")
+#: A number no other process uses; ``sleep MARKER<i>`` names the processes scenario ``i`` starts.
 MARKER = os.environ.get("MARKER", "4242.4242")
 if IMPL == "ours":
     from cancellable_agents.common_ai import AgentOperator as _Agent
@@ -168,7 +169,8 @@ def slow_sync_tool() -> str:
 def run_script() -> str:
     """A sync tool running a shell whose child leaves the process group (``setsid``)."""
     emit("tool_started", scenario="subprocess")
-    script = f"setsid sleep {MARKER} & sleep {MARKER}; wait"
+    marker = _marker("subprocess")
+    script = f"setsid sleep {marker} & sleep {marker}; wait"
     RUNNING_TOOLS["subprocess"] = threading.current_thread()
     try:
         proc = subprocess.run(["bash", "-c", script], capture_output=True, check=False)
@@ -192,6 +194,10 @@ async def summarize_orders() -> str:
         await asyncio.sleep(300)
     emit("tool_ran", tool="summarize_orders")
     return "summary"
+
+
+def _marker(scenario: str) -> str:
+    return f"{MARKER}{SCENARIOS.index(scenario)}"
 
 
 def _toolset(*functions: Any) -> FunctionToolset[Any]:
@@ -219,7 +225,7 @@ def build_task(scenario: str) -> Any:
         "on_failure_callback": on_failure,
         "on_success_callback": on_success,
         "on_retry_callback": on_retry,
-        "prompt": "go",
+        "prompt": f"scenario {scenario}",  # tells the parent which scenario a request is from
     }
     if scenario == "before_run":
         return AgentOperator(model_id=_model("echo"), pre_execute=_before_run, **common)
@@ -262,7 +268,8 @@ def build_task(scenario: str) -> Any:
 
         from airflow.providers.common.ai.toolsets.sandbox import SandboxToolset
 
-        args = quote(json.dumps({"command": f"sleep {MARKER} & sleep {MARKER}; wait"}), safe="")
+        marker = _marker(scenario)
+        args = quote(json.dumps({"command": f"sleep {marker} & sleep {marker}; wait"}), safe="")
         return AgentOperator(
             model_id=_model(f"tool?name=run_command&args={args}"),
             toolsets=[SandboxToolset(LocalProcessSandboxBackend(emit), spec=None)],
