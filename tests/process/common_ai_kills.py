@@ -10,6 +10,7 @@ go to a fresh process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -65,7 +66,9 @@ class KillResult:
         return not self.problems
 
 
-def task_env(airflow_env: dict[str, str], server: ScriptedModelServer, impl: str, marker: str) -> dict[str, str]:
+def task_env(
+    airflow_env: dict[str, str], server: ScriptedModelServer, impl: str, marker: str
+) -> dict[str, str]:
     conn = {"conn_type": "pydanticai", "host": server.base_url, "password": "not-a-real-key"}
     fallback = {**conn, "extra": {"model": f"openai-chat:{FALLBACK_MODEL}"}}
     return {
@@ -94,10 +97,8 @@ def marked_processes(marker: str) -> list[psutil.Process]:
 
 def kill_marked(marker: str) -> None:
     for proc in marked_processes(marker):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def run_kills(
@@ -130,14 +131,18 @@ def run_kills(
 def scenario_requests(records: list[RequestRecord], scenario: str) -> list[RequestRecord]:
     """The requests scenario ``scenario`` made (its prompt names it)."""
     prompt = f"scenario {scenario}"
-    return [r for r in records if any(m.get("content") == prompt for m in r.messages if m.get("role") == "user")]
+    return [
+        r for r in records if any(m.get("content") == prompt for m in r.messages if m.get("role") == "user")
+    ]
 
 
 def _of_a_scenario(record: RequestRecord) -> bool:
     return any(str(m.get("content", "")).startswith("scenario ") for m in record.messages)
 
 
-def _kill_one(task: TaskProcess, scenario: str, impl: str, server: ScriptedModelServer, marker: str) -> KillResult:
+def _kill_one(
+    task: TaskProcess, scenario: str, impl: str, server: ScriptedModelServer, marker: str
+) -> KillResult:
     before = server.request_count  # the previous task may have started already: filter by prompt too
     _READY[scenario](task, server, scenario, marker)
     sent = task.sigterm()
@@ -150,7 +155,9 @@ def _kill_one(task: TaskProcess, scenario: str, impl: str, server: ScriptedModel
         _check_left_behind(result, server, marker)
         return result
     if end["event"] == "task_succeeded":
-        result = KillResult(scenario, impl, "succeeded", (end["t"] - sent) * 1000, ["the killed task succeeded"])
+        result = KillResult(
+            scenario, impl, "succeeded", (end["t"] - sent) * 1000, ["the killed task succeeded"]
+        )
     else:
         result = KillResult(scenario, impl, end["exc_type"], (end["raised_t"] - sent) * 1000)
         result.failed = end
@@ -159,7 +166,9 @@ def _kill_one(task: TaskProcess, scenario: str, impl: str, server: ScriptedModel
     result.events = [e for e in task.events if e.get("scenario") in (scenario, None)]
     result.requests = scenario_requests(server.requests, scenario)
     _check_left_behind(result, server, marker)
-    result.other_requests = [r for r in server.requests[before:] if r.started_at > sent and not _of_a_scenario(r)]
+    result.other_requests = [
+        r for r in server.requests[before:] if r.started_at > sent and not _of_a_scenario(r)
+    ]
     _CHECKS.get(scenario, _no_check)(result)
     result.log_tail = task.tail(80)
     return result
@@ -274,7 +283,9 @@ def _check_fallback(result: KillResult) -> None:
     if any(r.model == FALLBACK_MODEL for r in result.requests):
         result.problems.append("the kill was tried on the fallback connection")
     if result.other_requests:
-        result.problems.append(f"{len(result.other_requests)} model request(s) after the kill (the retry policy)")
+        result.problems.append(
+            f"{len(result.other_requests)} model request(s) after the kill (the retry policy)"
+        )
     failed = result.failed or {}
     if "ExceptionGroup" in " ".join(failed.get("exc_mro", [])):
         result.problems.append("the kill was wrapped in an exception group")

@@ -51,9 +51,12 @@ def kills(
     server.reset()
     env = {**os.environ, **_airflow_env(airflow_home)}
     logs = tmp_path_factory.mktemp("common_ai_kills")
-    results = {r.scenario: r for r in run_kills("ours", KILL_SCENARIOS, server=server, airflow_env=env, log_dir=logs)}
+    results = {
+        r.scenario: r for r in run_kills("ours", KILL_SCENARIOS, server=server, airflow_env=env, log_dir=logs)
+    }
     for result in results.values():
-        print(f"\n[latency] common.ai {result.scenario}: SIGTERM -> raised {result.raised_ms or float('nan'):.1f} ms")
+        latency = result.raised_ms or float("nan")
+        print(f"\n[latency] common.ai {result.scenario}: SIGTERM -> raised {latency:.1f} ms")
     return results
 
 
@@ -160,4 +163,3 @@ def test_durable_retry_replays_completed_steps(durable_task: tuple[TaskProcess, 
     assert first_try_requests == 1
     assert server.request_count == 2, [r.model for r in server.requests]
     assert "Retry policy decision" in task.tail(4000)
-

@@ -10,6 +10,7 @@ that the teardown ran, and when. Not a security boundary: it enforces no network
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -88,8 +89,6 @@ def _kill_session(proc: subprocess.Popen[bytes]) -> None:
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(5)

@@ -230,7 +230,9 @@ def build_task(scenario: str) -> Any:
     if scenario == "before_run":
         return AgentOperator(model_id=_model("echo"), pre_execute=_before_run, **common)
     if scenario == "stream":
-        return AgentOperator(model_id=_model(_STREAM), capabilities=[ProcessEventStream(_stream_events)], **common)
+        return AgentOperator(
+            model_id=_model(_STREAM), capabilities=[ProcessEventStream(_stream_events)], **common
+        )
     if scenario == "llm_nonstream":
         return LLMOperator(model_id=_model("slow?tokens=3&delay=30"), **common)
     if scenario == "sync_tool":
@@ -238,11 +240,15 @@ def build_task(scenario: str) -> Any:
             model_id=_model("tool?name=slow_sync_tool"), toolsets=[_toolset(slow_sync_tool)], **common
         )
     if scenario == "subprocess":
-        return AgentOperator(model_id=_model("tool?name=run_script"), toolsets=[_toolset(run_script)], **common)
+        return AgentOperator(
+            model_id=_model("tool?name=run_script"), toolsets=[_toolset(run_script)], **common
+        )
     if scenario == "after_result":
         return AgentOperator(model_id=_model("echo"), **common)
     if scenario == "hitl_wait":
-        return AgentOperator(model_id=_model("echo"), enable_hitl_review=True, hitl_poll_interval=10, **common)
+        return AgentOperator(
+            model_id=_model("echo"), enable_hitl_review=True, hitl_poll_interval=10, **common
+        )
     if scenario == "durable":
         return AgentOperator(
             model_id=_model("tools?names=fetch_orders,summarize_orders&then=final"),
@@ -264,9 +270,8 @@ def build_task(scenario: str) -> Any:
             **common,
         )
     if scenario == "sandbox":
-        from tests.process.dags_common_ai._local_sandbox_backend import LocalProcessSandboxBackend
-
         from airflow.providers.common.ai.toolsets.sandbox import SandboxToolset
+        from tests.process.dags_common_ai._local_sandbox_backend import LocalProcessSandboxBackend
 
         marker = _marker(scenario)
         args = quote(json.dumps({"command": f"sleep {marker} & sleep {marker}; wait"}), safe="")
