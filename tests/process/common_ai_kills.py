@@ -42,6 +42,7 @@ KILL_SCENARIOS = (
     "hitl_wait",
     "sandbox",
     "fallback",
+    "durable",  # last: its retry runs in the same process, the tasks after it would wait for it
 )
 
 
@@ -53,10 +54,13 @@ class KillResult:
     impl: str
     outcome: str
     raised_ms: float | None
+    sent: float = 0.0
+    """When the SIGTERM was sent (monotonic, comparable with the events' ``t``)."""
     problems: list[str] = field(default_factory=list)
     failed: dict[str, Any] | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
+    retried: dict[str, Any] | None = None
     other_requests: list[RequestRecord] = field(default_factory=list)
     """Requests of no scenario made after the kill (a retry policy asking a model)."""
     log_tail: str = ""
@@ -115,11 +119,12 @@ def run_kills(
         marker = new_marker()
         log = log_dir / f"{impl}-{len(scenarios) - len(pending)}"
         log.mkdir(parents=True, exist_ok=True)
+        since = time.monotonic()  # the server may hold requests of earlier runs with the same prompts
         task = TaskProcess(",".join(pending), task_env(airflow_env, server, impl, marker), log, script=SCRIPT)
         try:
             for index, scenario in enumerate(list(pending)):
                 pending.remove(scenario)
-                result = _kill_one(task, scenario, impl, server, f"{marker}{index}")
+                result = _kill_one(task, scenario, impl, server, f"{marker}{index}", since)
                 yield result
                 if result.outcome == "lost":
                     break
@@ -128,12 +133,14 @@ def run_kills(
             kill_marked(marker)
 
 
-def scenario_requests(records: list[RequestRecord], scenario: str) -> list[RequestRecord]:
-    """The requests scenario ``scenario`` made (its prompt names it)."""
+def scenario_requests(records: list[RequestRecord], scenario: str, since: float) -> list[RequestRecord]:
+    """The requests scenario ``scenario`` made (its prompt names it) since ``since`` (monotonic)."""
     prompt = f"scenario {scenario}"
-    return [
-        r for r in records if any(m.get("content") == prompt for m in r.messages if m.get("role") == "user")
-    ]
+    return [r for r in records if r.started_at >= since and any(_says(m, prompt) for m in r.messages)]
+
+
+def _says(message: dict[str, Any], prompt: str) -> bool:
+    return message.get("role") == "user" and message.get("content") == prompt
 
 
 def _of_a_scenario(record: RequestRecord) -> bool:
@@ -141,31 +148,39 @@ def _of_a_scenario(record: RequestRecord) -> bool:
 
 
 def _kill_one(
-    task: TaskProcess, scenario: str, impl: str, server: ScriptedModelServer, marker: str
+    task: TaskProcess, scenario: str, impl: str, server: ScriptedModelServer, marker: str, since: float
 ) -> KillResult:
     before = server.request_count  # the previous task may have started already: filter by prompt too
-    _READY[scenario](task, server, scenario, marker)
+    _READY[scenario](task, server, scenario, since, marker)
     sent = task.sigterm()
     end = _terminal_event(task, scenario, timeout=GRACE)
     if end is None:
-        result = KillResult(scenario, impl, "lost", None, ["no failure within the 5 s grace (SIGKILLed)"])
+        result = KillResult(
+            scenario, impl, "lost", None, problems=["no failure within the 5 s grace (SIGKILLed)"]
+        )
         result.log_tail = task.tail(80)
         _sigkill(task)
-        result.requests = scenario_requests(server.requests, scenario)
-        _check_left_behind(result, server, marker)
+        result.requests = scenario_requests(server.requests, scenario, since)
+        _check_left_behind(result, server, marker, since)
         return result
     if end["event"] == "task_succeeded":
         result = KillResult(
-            scenario, impl, "succeeded", (end["t"] - sent) * 1000, ["the killed task succeeded"]
+            scenario, impl, "succeeded", (end["t"] - sent) * 1000, problems=["the killed task succeeded"]
         )
     else:
         result = KillResult(scenario, impl, end["exc_type"], (end["raised_t"] - sent) * 1000)
         result.failed = end
         if end["raised_t"] - sent > GRACE:
             result.problems.append("failed after the grace")
+    if scenario == "durable" and result.outcome != "succeeded":  # the retry: replay, then the answer
+        retried = _terminal_event(task, scenario, timeout=60, after=end)
+        result.retried = retried
+        if retried is None or retried["event"] != "task_succeeded":
+            result.problems.append("the retry did not succeed")
+    result.sent = sent
     result.events = [e for e in task.events if e.get("scenario") in (scenario, None)]
-    result.requests = scenario_requests(server.requests, scenario)
-    _check_left_behind(result, server, marker)
+    result.requests = scenario_requests(server.requests, scenario, since)
+    _check_left_behind(result, server, marker, since)
     result.other_requests = [
         r for r in server.requests[before:] if r.started_at > sent and not _of_a_scenario(r)
     ]
@@ -174,9 +189,15 @@ def _kill_one(
     return result
 
 
-def _terminal_event(task: TaskProcess, scenario: str, timeout: float) -> dict[str, Any] | None:
+def _terminal_event(
+    task: TaskProcess, scenario: str, timeout: float, after: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The scenario's next ``task_failed``/``task_succeeded`` (after the event ``after``)."""
+    names = ("task_failed", "task_succeeded")
     try:  # + the failure callback's 1 s look at tools still running
-        return task.wait_for(("task_failed", "task_succeeded"), timeout=timeout + 1.5, scenario=scenario)
+        if after is None:
+            return task.wait_for(names, timeout=timeout + 1.5, scenario=scenario)
+        return task.wait_for(names, timeout=timeout, scenario=scenario, try_number=after["try_number"] + 1)
     except AssertionError:
         return None
 
@@ -194,10 +215,12 @@ def _leads_group(task: TaskProcess) -> bool:
         return False
 
 
-def _check_left_behind(result: KillResult, server: ScriptedModelServer, marker: str) -> None:
+def _check_left_behind(result: KillResult, server: ScriptedModelServer, marker: str, since: float) -> None:
     """Everything the scenario started must be gone about 1 s after the failure."""
     scenario = result.scenario
-    ended = server.wait_until(lambda rs: all(r.outcome for r in scenario_requests(rs, scenario)) or None, 2.0)
+    ended = server.wait_until(
+        lambda rs: all(r.outcome for r in scenario_requests(rs, scenario, since)) or None, 2.0
+    )
     if not ended:
         result.problems.append("a model request was still open")
     deadline = time.monotonic() + 1.0
@@ -213,17 +236,25 @@ def _check_left_behind(result: KillResult, server: ScriptedModelServer, marker: 
 # -- when to kill ----------------------------------------------------------------------------
 
 
-def _request_streaming(task: TaskProcess, server: ScriptedModelServer, scenario: str, marker: str) -> None:
-    got = server.wait_until(lambda rs: any(r.tokens_sent >= 5 for r in scenario_requests(rs, scenario)), 90)
+def _request_streaming(
+    task: TaskProcess, server: ScriptedModelServer, scenario: str, since: float, _: str
+) -> None:
+    got = server.wait_until(
+        lambda rs: any(r.tokens_sent >= 5 for r in scenario_requests(rs, scenario, since)), 90
+    )
     assert got, f"no streaming request\n{task.tail()}"
 
 
-def _request_started(task: TaskProcess, server: ScriptedModelServer, scenario: str, marker: str) -> None:
-    assert server.wait_until(lambda rs: scenario_requests(rs, scenario) or None, 90), task.tail()
+def _request_started(
+    task: TaskProcess, server: ScriptedModelServer, scenario: str, since: float, _: str
+) -> None:
+    assert server.wait_until(lambda rs: scenario_requests(rs, scenario, since) or None, 90), task.tail()
 
 
-def _processes_running(count: int) -> Callable[[TaskProcess, ScriptedModelServer, int, str], None]:
-    def ready(task: TaskProcess, server: ScriptedModelServer, scenario: str, marker: str) -> None:
+def _processes_running(count: int) -> Callable[[TaskProcess, ScriptedModelServer, str, float, str], None]:
+    def ready(
+        task: TaskProcess, server: ScriptedModelServer, scenario: str, since: float, marker: str
+    ) -> None:
         deadline = time.monotonic() + 90
         while len(marked_processes(marker)) < count:
             assert time.monotonic() < deadline, f"the tool's processes never started\n{task.tail()}"
@@ -232,18 +263,18 @@ def _processes_running(count: int) -> Callable[[TaskProcess, ScriptedModelServer
     return ready
 
 
-def _ready_for(scenario: str) -> Callable[[TaskProcess, ScriptedModelServer, int, str], None]:
+def _ready_for(scenario: str) -> Callable[[TaskProcess, ScriptedModelServer, str, float, str], None]:
     event = {"before_run": "pre_execute", "after_result": "result_arrived", "hitl_wait": "hitl_polled"}
     if scenario in event:
         name = event[scenario]
 
-        def ready(task: TaskProcess, server: ScriptedModelServer, _: str, marker: str) -> None:
+        def ready(task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str) -> None:
             task.wait_for(name, timeout=90, scenario=scenario)
 
         return ready
     if scenario == "sync_tool":
 
-        def tool(task: TaskProcess, server: ScriptedModelServer, _: str, marker: str) -> None:
+        def tool(task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str) -> None:
             task.wait_for("tool_started", timeout=90, scenario=scenario)
 
         return tool
@@ -253,6 +284,14 @@ def _ready_for(scenario: str) -> Callable[[TaskProcess, ScriptedModelServer, int
         return _request_started
     if scenario in ("subprocess", "sandbox"):
         return _processes_running(2)
+    if scenario == "durable":
+
+        def in_flight(
+            task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str
+        ) -> None:
+            task.wait_for("tool_started", timeout=90, scenario=scenario, tool="summarize_orders")
+
+        return in_flight
     raise KeyError(scenario)
 
 
@@ -293,4 +332,18 @@ def _check_fallback(result: KillResult) -> None:
         result.problems.append("the usage budget did not record the killed try")
 
 
-_CHECKS = {"before_run": _check_before_run, "sandbox": _check_sandbox, "fallback": _check_fallback}
+def _check_durable(result: KillResult) -> None:
+    """The retry replays the completed steps: no model request or tool call of them again."""
+    ran = [e["tool"] for e in result.events if e["event"] == "tool_ran"]
+    if ran.count("fetch_orders") != 1:
+        result.problems.append(f"the completed tool call ran {ran.count('fetch_orders')} times")
+    if len(result.requests) != 2:  # try 1: the tool calls; try 2: (replayed) then the answer
+        result.problems.append(f"{len(result.requests)} model requests over both tries (2 without repeats)")
+
+
+_CHECKS = {
+    "before_run": _check_before_run,
+    "sandbox": _check_sandbox,
+    "fallback": _check_fallback,
+    "durable": _check_durable,
+}
