@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -203,16 +202,10 @@ def _terminal_event(
 
 
 def _sigkill(task: TaskProcess) -> None:
+    """What the supervisor does 5 s after SIGTERM (here the pid only: the child shares our group)."""
     if task.proc.poll() is None:
-        os.killpg(task.proc.pid, signal.SIGKILL) if _leads_group(task) else task.proc.kill()
+        task.proc.kill()
         task.proc.wait(10)
-
-
-def _leads_group(task: TaskProcess) -> bool:
-    try:
-        return os.getpgid(task.proc.pid) == task.proc.pid
-    except ProcessLookupError:
-        return False
 
 
 def _check_left_behind(result: KillResult, server: ScriptedModelServer, marker: str, since: float) -> None:
