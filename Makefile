@@ -83,7 +83,9 @@ compat-airflow: $(foreach v,$(AIRFLOW_COMPAT),.venv-airflow-$(v)/.installed) sys
 	  CANCELLABLE_AGENTS_EXPECT_AIRFLOW=$$v .venv-airflow-$$v/bin/pytest -q -p no:cacheprovider $$tests; \
 	done
 
-# common.ai's model-backed retry policies, wrapped: a cancellation must make zero model calls.
+# common.ai's model-backed retry policies, wrapped: a cancellation must make zero model calls; and
+# common.ai's own operators through cancellable_agents.common_ai, killed with real SIGTERMs (one
+# task process runs all kill scenarios, one more the durable retry: ~60 s on 2 cores).
 # common.ai registers @task.llm/@task.agent too, so it gets a venv of its own.
 .venv-common-ai/.installed: pyproject.toml $(STAMP)
 	test -x .venv-common-ai/bin/python || $(UV) venv --quiet --python $(PY) .venv-common-ai
@@ -92,7 +94,8 @@ compat-airflow: $(foreach v,$(AIRFLOW_COMPAT),.venv-airflow-$(v)/.installed) sys
 
 compat-common-ai: .venv-common-ai/.installed
 	CANCELLABLE_AGENTS_EXPECT_COMMON_AI=1 .venv-common-ai/bin/pytest -q -p no:cacheprovider \
-	  tests/unit/test_retry_common_ai.py tests/unit/test_decorator_names.py tests/unit/test_provider.py
+	  tests/unit/test_retry_common_ai.py tests/unit/test_decorator_names.py tests/unit/test_provider.py \
+	  tests/unit/test_common_ai_operators.py tests/process/test_common_ai_kills.py
 
 clean:
 	rm -rf $(VENV) .venv-airflow-* .venv-common-ai .pytest_cache .mypy_cache .ruff_cache site

@@ -6,6 +6,13 @@ server. On Airflow before 3.3 that test path differs from production in two ways
 nothing to do with the provider; :func:`prepare_dag_test` closes both (on 3.3 it changes
 nothing). Call it in the child, before ``dag.test()``.
 
+A third difference holds on every version: the in-process comms remove ``SUPERVISOR_COMMS`` from
+``task_runner`` while they serve a request (so the serving code does not think it runs in a
+task), which other threads see as "no comms". In production the comms are a socket every thread
+of the task shares, requests serialised by a lock. :func:`prepare_dag_test` restores that: one
+request at a time, and other threads keep seeing the comms meanwhile (a cause query from a helper
+thread, a durable journal write, while the main thread is in a request).
+
 1. ``on_failure_callback`` gets no ``context["exception"]``: the real ``task_runner.main()`` sets
    it before ``finalize()``; 3.1/3.2's ``supervisor.run_task_in_process`` does not.
 2. The in-process execution API of 3.1/3.2 starts its lifespan without waiting for it, and the
@@ -19,6 +26,7 @@ nothing). Call it in the child, before ``dag.test()``.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -33,6 +41,7 @@ def prepare_dag_test() -> None:
     """Apply both fixes; idempotent, and a no-op in effect on Airflow 3.3+."""
     _give_failure_callbacks_the_exception()
     _serve_only_after_startup()
+    _serialise_in_process_comms()
 
 
 def _give_failure_callbacks_the_exception() -> None:
@@ -85,3 +94,35 @@ def _wait_for_startup(app: Any) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the in-process execution API did not start within {_STARTUP_TIMEOUT}s")
         time.sleep(0.005)
+
+
+def _serialise_in_process_comms() -> None:
+    from airflow.sdk.execution_time import supervisor, task_runner
+
+    comms_class = getattr(supervisor, "InProcessSupervisorComms", None)
+    if comms_class is None or getattr(comms_class.send, "_serialised", False):
+        return
+    send = comms_class.send
+    lock = threading.RLock()  # like the real comms' lock; re-entrant for a signal handler's request
+    serving = threading.local()
+    active: list[Any] = []  # the comms serving a request now; guarded by lock
+
+    def serialised_send(self: Any, msg: Any) -> Any:
+        with lock:
+            active.append(self)
+            serving.now = True
+            try:
+                return send(self, msg)
+            finally:
+                serving.now = False
+                active.pop()
+
+    def comms_for_other_threads(name: str) -> Any:
+        # Only called while the attribute is missing, i.e. while a request is being served.
+        if name == "SUPERVISOR_COMMS" and active and not getattr(serving, "now", False):
+            return active[-1]
+        raise AttributeError(f"module {task_runner.__name__!r} has no attribute {name!r}")
+
+    serialised_send._serialised = True  # type: ignore[attr-defined]
+    comms_class.send = serialised_send
+    task_runner.__getattr__ = comms_for_other_threads  # type: ignore[attr-defined]

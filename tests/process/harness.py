@@ -20,17 +20,18 @@ SCENARIOS = DAGS_FOLDER / "task_scenarios.py"
 class TaskProcess:
     """A child running ``task_scenarios.py SCENARIO``; events arrive over a pipe as JSON lines."""
 
-    def __init__(self, scenario: str, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, scenario: str, env: dict[str, str], log_dir: Path, script: Path = SCENARIOS) -> None:
         read_fd, write_fd = os.pipe()
         self.log_path = log_dir / f"{scenario}.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, str(SCENARIOS)],
+            [sys.executable, str(script)],
             env={
                 **env,
                 "SCENARIO": scenario,
                 "SCENARIO_EVENTS_FD": str(write_fd),
-                "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+                # dag.test() parses the script's whole folder: one scenario file per folder.
+                "AIRFLOW__CORE__DAGS_FOLDER": str(script.parent),
             },
             pass_fds=(write_fd,),
             stdout=self._log,
@@ -49,18 +50,24 @@ class TaskProcess:
                 self.events.append(event)
                 self._queue.put(event)
 
-    def wait_for(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Return the first event called ``name``, waiting up to ``timeout`` seconds."""
+    def wait_for(self, name: str | tuple[str, ...], timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        """Return the first event called ``name`` (or any of the names) with ``fields``, waiting up to
+        ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
+        names = (name,) if isinstance(name, str) else name
+
+        def matches(event: dict[str, Any]) -> bool:
+            return event["event"] in names and all(event.get(k) == v for k, v in fields.items())
+
         for event in list(self.events):
-            if event["event"] == name:
+            if matches(event):
                 return event
         while (left := deadline - time.monotonic()) > 0:
             try:
                 event = self._queue.get(timeout=left)
             except queue.Empty:
                 break
-            if event["event"] == name:
+            if matches(event):
                 return event
         raise AssertionError(f"no {name!r} event within {timeout}s; events: {self.names()}\n{self.tail()}")
 

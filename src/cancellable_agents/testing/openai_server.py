@@ -774,6 +774,12 @@ class ScriptedModelServer:
         """Wait until at least ``n`` requests have started; return whether that happened in time."""
         return bool(self._log.wait_for(lambda records: len(records) >= n, timeout))
 
+    def wait_until(
+        self, predicate: Callable[[list[RequestRecord]], _T | None], timeout: float = 5.0
+    ) -> _T | None:
+        """Wait until ``predicate(records)`` is truthy; return its value, or ``None`` on timeout."""
+        return self._log.wait_for(predicate, timeout)
+
     def wait_for_disconnect(self, timeout: float = 5.0) -> RequestRecord | None:
         """Wait for the first request whose outcome is ``"disconnected"``; ``None`` on timeout."""
         return self._log.wait_for(
