@@ -25,6 +25,7 @@ Airflow-free: the store is anything with ``get``/``set``/``delete`` of JSON valu
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import json
@@ -609,10 +610,8 @@ class Journal:
 
     def _reset_resume(self) -> None:
         if self._resume_token is not None:
-            try:
+            with contextlib.suppress(ValueError):  # reset from another context: leave it
                 _resume.reset(self._resume_token)
-            except ValueError:  # reset from another context: leave it
-                pass
             self._resume_token = None
 
     def _disable(self, why: str) -> None:
