@@ -66,6 +66,9 @@ class PathStore:
 
     base: Any
 
+    def __post_init__(self) -> None:
+        self.base = _path(self.base)
+
     @classmethod
     def for_task(cls, root: Any, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> PathStore:
         """The store of one task instance under ``root`` (shared by all of its tries)."""
@@ -73,7 +76,7 @@ class PathStore:
         return cls(base / f"map_{map_index}" if map_index >= 0 else base)
 
     def _file(self, key: str) -> Any:
-        return _path(self.base) / f"{_safe(key)}.json"
+        return self.base / f"{_safe(key)}.json"
 
     def get(self, key: str) -> Any:
         path = self._file(key)
