@@ -226,6 +226,7 @@ class CancellableAgentMixin:
         super().pre_execute(context)  # type: ignore[misc]
 
     def _know_task_instance(self, context: Any) -> None:
+        self.__dict__["_context"] = context  # durable=True: the task state store and try number
         if self.__dict__.get("_ti_key") is None:
             self.__dict__["_ti_key"] = ti_key(context)
 
@@ -269,7 +270,7 @@ class CancellableAgentMixin:
             return None
         from cancellable_agents.durable.binding import journal_for
 
-        return journal_for(self)
+        return journal_for(self, self.__dict__.get("_context"))
 
     def _run_timeout(self) -> float | None:
         """Seconds the run may take so it ends before ``execution_timeout`` fires."""
