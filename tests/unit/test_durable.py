@@ -86,7 +86,7 @@ class Task:
 
     def run(self, store: Any, try_number: int, **kwargs: Any) -> tuple[Any, Journal, TaskCancellation]:
         scope = TaskCancellation(f"try{try_number}")
-        options = {k: kwargs.pop(k) for k in ("resume_after_clear", "usage_spans_tries") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("resume_after_clear", "usage_spans_tries", "clear_count") if k in kwargs}
         journal = Journal(store, try_number=try_number, scope=scope, **options)
         with scope.activate():
             try:
@@ -263,6 +263,22 @@ def test_a_cleared_try_starts_fresh_unless_resume_after_clear() -> None:
     assert journal.resume is not None and again.script.requests == 3
 
 
+def test_a_try_cleared_away_without_an_end_is_known_by_the_clear_count() -> None:
+    """After a Clear the old try can no longer write (its task instance is gone): the next try
+    sees the DAG run's clear count grew since the old try began."""
+    first = Snapshots()
+    Task().run(first, 1, clear_count=0)
+    killed = next(s for s in first.taken if _entries(s) == 6)
+    task = Task()
+    _, journal, _ = task.run(MemoryStore(dict(killed)), 2, clear_count=1)
+    assert journal.resume is None and task.script.requests == STEPS + 1
+    again = Task()
+    _, journal, _ = again.run(MemoryStore(dict(killed)), 2, clear_count=0)
+    assert journal.resume is not None and again.script.requests == STEPS + 1 - 3
+    _, journal, _ = Task().run(MemoryStore(dict(killed)), 2, clear_count=1, resume_after_clear=True)
+    assert journal.resume is not None
+
+
 def test_usage_limits_can_span_tries() -> None:
     store = MemoryStore()
     _cancelled_try(CauseVerdict(CancelCause.EVICTION, "worker shutdown"), store)
@@ -299,3 +315,37 @@ def test_an_older_try_may_not_append_once_a_newer_try_took_over(caplog: pytest.L
     assert any("is not the newest" in m for m in messages), messages
     tries = [MemoryStore(store.data).get(k)["try"] for k in store.data if k.count(".") >= 4]
     assert tries.count(1) == 4, "try 1 appended nothing after try 2 took over (prompt, 2 responses, 1 return)"
+
+
+def test_a_resumed_run_with_a_sandbox_is_told_its_workspace_is_gone() -> None:
+    from cancellable_agents.toolsets.sandbox import SandboxToolset
+
+    instructions: list[str] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        instructions.append(info.instructions or "")
+        if not any(isinstance(m, ModelResponse) for m in messages):
+            return ModelResponse(parts=[ToolCallPart("step", {"n": 1})])
+        return ModelResponse(parts=[TextPart("ok")])
+
+    def run(store: Any, try_number: int, sandbox: bool) -> Journal:
+        agent: Agent[None, str] = Agent(FunctionModel(model), toolsets=[SandboxToolset()] if sandbox else [])
+
+        @agent.tool_plain
+        def step(n: int) -> str:
+            return "ok"
+
+        scope = TaskCancellation(f"try{try_number}")
+        journal = Journal(store, try_number=try_number, scope=scope)
+        with scope.activate():
+            journal.completed(run_agent_in_scope(scope, agent, "work", journal=journal))
+        return journal
+
+    for sandbox in (False, True):
+        first = Snapshots()
+        run(first, 1, sandbox)
+        killed = next(s for s in first.taken if _entries(s) == 2)  # while the tool call ran
+        instructions.clear()
+        assert run(MemoryStore(dict(killed)), 2, sandbox).resume is not None
+        told = ["sandbox workspace of the previous try is gone" in i for i in instructions]
+        assert told == [sandbox], (sandbox, instructions)

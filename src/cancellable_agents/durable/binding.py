@@ -58,7 +58,15 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
         resume_after_clear=operator.resume_after_clear,
         usage_spans_tries=operator.usage_limits_span_tries,
         scope=operator.cancellation,
+        clear_count=_clear_number(context),
     )
+
+
+def _clear_number(context: Any) -> int | None:
+    """How often the task's DAG run was cleared (``dag_run.clear_number``), if Airflow says."""
+    dag_run = context.get("dag_run") if hasattr(context, "get") else None
+    number = getattr(dag_run, "clear_number", None)
+    return number if isinstance(number, int) else None
 
 
 def _store(operator: Any, context: Any, ti: Any) -> Any:

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 KEY_PREFIX = "cancellable_agents.durable"
 #: An older try whose last entry is younger than this and that wrote no end may still be alive.
-LIVE_WINDOW_S = 300.0
+LIVE_WINDOW_S = 30.0
 #: Told to a resumed run whose toolsets include a sandbox: the workspace did not survive the try.
 SANDBOX_NOTE = (
     "This run was resumed after the task's previous try was stopped (try {previous} -> try {current}). "
@@ -357,6 +357,9 @@ class Journal:
     :param try_number: this try (Airflow's ``ti.try_number``); written into every entry.
     :param resume_after_clear: resume also after a user's stop (Clear); default: fresh start.
     :param usage_spans_tries: the run's ``usage_limits`` also count earlier tries' usage.
+    :param clear_count: how often the task's run was cleared by a user so far (Airflow's
+        ``dag_run.clear_number``); a try cleared away cannot write its end, so a count that grew
+        since the previous try began means that try was cleared.
     """
 
     store: Store
@@ -365,6 +368,7 @@ class Journal:
     resume_after_clear: bool = False
     usage_spans_tries: bool = False
     scope: TaskCancellation | None = None
+    clear_count: int | None = None
     clock: Any = time.time
     resume: ResumeInfo | None = None
     earlier: list[TryUsage] = field(default_factory=list)
@@ -422,12 +426,13 @@ class Journal:
             return None
         previous = loaded.owner_try
         end = loaded.end_of(previous)
-        if end is not None and end.get("cause") == CancelCause.USER.value and not self.resume_after_clear:
+        stopped_by_user = self._stopped_by_user(loaded, end)
+        if stopped_by_user and not self.resume_after_clear:
             log.info(
                 "durable: try %s was stopped by a user (%s); starting fresh (resume_after_clear=True "
                 "would resume)",
                 previous,
-                end.get("action") or "user",
+                stopped_by_user,
             )
             return None
         if not loaded.messages:
@@ -447,6 +452,16 @@ class Journal:
             len(rerun),
         )
         return loaded
+
+    def _stopped_by_user(self, loaded: _Loaded, end: dict[str, Any] | None) -> str:
+        """What the user did to the previous try, if anything: its end entry says so, or (a cleared
+        try can no longer write: its task instance is gone) the clear count grew since it began."""
+        if end is not None and end.get("cause") == CancelCause.USER.value:
+            return str(end.get("action") or "user")
+        before = loaded.header["owner"].get("clears")
+        if self.clear_count is not None and isinstance(before, int) and self.clear_count > before:
+            return f"cleared: the DAG run's clear count went from {before} to {self.clear_count}"
+        return ""
 
     def _warn_if_alive(self, loaded: _Loaded, previous: int) -> None:
         age = self.clock() - float(loaded.entries[-1].get("at", 0.0)) if loaded.entries else None
@@ -478,7 +493,12 @@ class Journal:
             "format": FORMAT,
             "fingerprint": fp,
             "generation": self._generation,
-            "owner": {"try": self.try_number, "token": self._token, "at": self.clock()},
+            "owner": {
+                "try": self.try_number,
+                "token": self._token,
+                "at": self.clock(),
+                "clears": self.clear_count,
+            },
             "tries": [t.as_dict() for t in self.earlier],
         }
         self.store.set(self.key, header)
