@@ -18,12 +18,15 @@ deletion of the record at the end (part of the durable run's time).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pydantic_ai.capabilities import AbstractCapability
 
 from benchmarks.overhead import STEPS, fifty_step_agent
 from cancellable_agents.core.scope import TaskCancellation
@@ -54,11 +57,22 @@ class _Counting:
         self.store.delete(key)
 
 
-def _run(agent: Any, store: Any | None) -> None:
+#: ``hook``: control, an ``after_node_run`` capability that does nothing (what pydantic-ai charges
+#: for the hook); ``memory``: the journal's own cost; ``path``: local files, as ``durable_path=``.
+STORES = ("hook", "memory", "path")
+
+
+class _NoOpHook(AbstractCapability[Any]):
+    async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
+        return result
+
+
+def _run(agent: Any, store: Any | None, hook_only: bool = False) -> None:
     scope = TaskCancellation("bench")
     journal = Journal(store, try_number=1, scope=scope) if store is not None else None
+    kwargs = {"capabilities": [_NoOpHook()]} if hook_only else {}
     with scope.activate():
-        result = run_agent_in_scope(scope, agent, "go", journal=journal)
+        result = run_agent_in_scope(scope, agent, "go", journal=journal, **kwargs)
     if journal is not None:
         journal.completed(result)
     assert result.output == "done"
@@ -70,29 +84,34 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def _candidate(kind: str, agent: Any, tmp: str) -> Callable[[], None]:
+    if kind == "hook":
+        return functools.partial(_run, agent, None, True)
+    store = MemoryStore() if kind == "memory" else PathStore(Path(tmp))
+    return functools.partial(_run, agent, store)
+
+
 def measure(kind: str, pairs: int = 100, warmup: int = 5) -> dict[str, Any]:
     agent = fifty_step_agent("async")
+    counted = _Counting(MemoryStore())
     with tempfile.TemporaryDirectory(prefix="durable-bench-") as tmp:
-
-        def store() -> Any:
-            return MemoryStore() if kind == "memory" else PathStore(Path(tmp))
-
         bare_s: list[float] = []
         durable_s: list[float] = []
+        bare = functools.partial(_run, agent, None)
         for i in range(warmup + pairs):
-            bare = lambda: _run(agent, None)  # noqa: E731
-            durable = lambda s=store(): _run(agent, s)  # noqa: E731
+            other = _candidate(kind, agent, tmp)
             if i % 2 == 0:
-                t_bare, t_durable = _timed(bare), _timed(durable)
+                t_bare, t_other = _timed(bare), _timed(other)
             else:
-                t_durable, t_bare = _timed(durable), _timed(bare)
+                t_other, t_bare = _timed(other), _timed(bare)
             if i >= warmup:
                 bare_s.append(t_bare)
-                durable_s.append(t_durable)
-        counted = _Counting(store())
-        _run(agent, counted)
+                durable_s.append(t_other)
+        if kind != "hook":
+            counted = _Counting(MemoryStore() if kind == "memory" else PathStore(Path(tmp)))
+            _run(agent, counted)
     diff = statistics.median([d - b for d, b in zip(durable_s, bare_s, strict=True)])
-    entries = len(counted.entry_bytes)
+    sizes = counted.entry_bytes
     return {
         "store": kind,
         "steps": STEPS,
@@ -101,26 +120,33 @@ def measure(kind: str, pairs: int = 100, warmup: int = 5) -> dict[str, Any]:
         "durable_ms": round(statistics.median(durable_s) * 1000, 2),
         "overhead_ms": round(diff * 1000, 2),
         "per_step_ms": round(diff * 1000 / STEPS, 3),
-        "entries": entries,
-        "bytes_total": sum(counted.entry_bytes),
-        "bytes_per_step": round(sum(counted.entry_bytes) / STEPS),
-        "bytes_first_step": sum(counted.entry_bytes[1:3]),
-        "bytes_last_step": sum(counted.entry_bytes[-3:-1]),
+        "entries": len(sizes),
+        "bytes_total": sum(sizes),
+        "bytes_per_step": round(sum(sizes) / STEPS),
+        "bytes_first_step": sum(sizes[1:3]),
+        "bytes_last_step": sum(sizes[-3:-1]),
         "reads": counted.reads,
     }
 
 
+_LABELS = {
+    "hook": "control: a no-op after_node_run hook",
+    "memory": "durable=True, in-memory store",
+    "path": "durable=True, local files (durable_path)",
+}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"| {STEPS}-step agent (pairs) | bare (ms) | durable=True (ms) | journal per run (ms) | per step (ms) "
+        f"| {STEPS}-step agent (pairs) | bare (ms) | compared (ms) | per run (ms) | per step (ms) "
         "| bytes per step | step 2 / step 49 (bytes) | entries | store reads |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['store']} store ({r['pairs']}) | {r['bare_ms']:.2f} | {r['durable_ms']:.2f} | {r['overhead_ms']:.2f} "
-            f"| {r['per_step_ms']:.3f} | {r['bytes_per_step']} | {r['bytes_first_step']} / {r['bytes_last_step']} "
-            f"| {r['entries']} | {r['reads']} |"
+            f"| {_LABELS[r['store']]} ({r['pairs']}) | {r['bare_ms']:.2f} | {r['durable_ms']:.2f} "
+            f"| {r['overhead_ms']:.2f} | {r['per_step_ms']:.3f} | {r['bytes_per_step']} "
+            f"| {r['bytes_first_step']} / {r['bytes_last_step']} | {r['entries']} | {r['reads']} |"
         )
     return "\n".join(lines)
 
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=100)
     args = parser.parse_args(argv)
-    rows = [measure(kind, args.pairs) for kind in ("memory", "path")]
+    rows = [measure(kind, args.pairs) for kind in STORES]
     print(table(rows))
 
 
