@@ -86,7 +86,8 @@ class Task:
 
     def run(self, store: Any, try_number: int, **kwargs: Any) -> tuple[Any, Journal, TaskCancellation]:
         scope = TaskCancellation(f"try{try_number}")
-        options = {k: kwargs.pop(k) for k in ("resume_after_clear", "usage_spans_tries", "clear_count") if k in kwargs}
+        names = ("resume_after_clear", "usage_spans_tries", "clear_count")
+        options = {k: kwargs.pop(k) for k in names if k in kwargs}
         journal = Journal(store, try_number=try_number, scope=scope, **options)
         with scope.activate():
             try:
