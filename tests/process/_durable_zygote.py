@@ -6,11 +6,12 @@ running one durable run against the local model server (real HTTP), journaled in
 an ``ObjectStoragePath`` (``PathStore``): the parent SIGKILLs it, really, at the moment it chooses.
 
 Protocol: one JSON command per stdin line, ``{"try": N, "store": URL, "lines": PATH, "stop_after": K,
-"block_in": S}``; events
+"block_in": S, "release": PATH, "wait": true}``; events
 as JSON lines on the fd in ``EVENTS_FD``: ``started`` (pid), ``recorded`` (the child appended its
-K-th entry and now waits to be killed), ``tool_running`` (step S wrote its line and blocks),
-``completed`` and ``exited`` (status as ``os.waitstatus_to_exitcode``). Single-threaded between
-forks, so forking is safe.
+K-th entry and now waits to be killed), ``tool_running`` (step S wrote its line and blocks until
+the file ``release`` exists, if given), ``completed``, ``cancelled`` (cause, detail) and ``exited``
+(status as ``os.waitstatus_to_exitcode``; only for ``wait``: the others run beside the next try).
+Single-threaded between forks, so forking is safe.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic_ai import Agent, RunContext
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
+from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import Journal, PathStore, current_resume
 from cancellable_agents.run.runner import run_agent_in_scope
@@ -55,7 +57,7 @@ class KilledAtBoundary(PathStore):
             time.sleep(300)
 
 
-def run_try(try_number: int, store_url: str, lines: Path, block_in: int) -> None:
+def run_try(try_number: int, store_url: str, lines: Path, block_in: int, release: str | None) -> None:
     model = OpenAIChatModel(
         f"steps?name=step&count={STEPS}&then=all+done",
         provider=OpenAIProvider(base_url=os.environ["BASE_URL"], api_key="x"),
@@ -70,13 +72,20 @@ def run_try(try_number: int, store_url: str, lines: Path, block_in: int) -> None
             out.write(json.dumps({"n": n, "try": try_number, "rerun": rerun}) + "\n")
         if n == block_in:
             emit("tool_running", n=n)
-            time.sleep(300)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (release and os.path.exists(release)):
+                time.sleep(0.01)
         return f"step {n} ok"
 
     scope = TaskCancellation(f"try{try_number}")
     journal = Journal(KilledAtBoundary(store_url), try_number=try_number, scope=scope)
-    with scope.activate():
-        result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)
+    try:
+        with scope.activate():
+            result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)
+    except TaskCancelled as exc:
+        journal.cancelled(exc)
+        emit("cancelled", cause=exc.cause.value, detail=exc.detail)
+        return
     journal.completed(result)
     resumed = journal.resume
     emit("completed", output=result.output, resumed_messages=resumed.messages if resumed else 0)
@@ -109,19 +118,36 @@ def main() -> None:
     emit("ready")
     for line in sys.stdin:
         command = json.loads(line)
+        _reap_quietly()
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
                 KilledAtBoundary.stop_after = command.get("stop_after", 0)
-                run_try(command["try"], command["store"], Path(command["lines"]), command.get("block_in", 0))
+                run_try(
+                    command["try"],
+                    command["store"],
+                    Path(command["lines"]),
+                    command.get("block_in", 0),
+                    command.get("release"),
+                )
             except BaseException as exc:
                 emit("failed", error=repr(exc))
                 code = 1
             os._exit(code)
         emit("started", child=pid)
-        _, status = os.waitpid(pid, 0)
-        emit("exited", child=pid, code=os.waitstatus_to_exitcode(status))
+        if command.get("wait", True):
+            _, status = os.waitpid(pid, 0)
+            emit("exited", child=pid, code=os.waitstatus_to_exitcode(status))
+
+
+def _reap_quietly() -> None:
+    """Collect tries that ran beside others (``wait: false``) and have exited since."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
 if __name__ == "__main__":

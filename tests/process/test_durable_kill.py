@@ -168,3 +168,23 @@ def test_sigkill_during_a_tool_reruns_exactly_that_tool_once(
     assert model_server.request_count == STEPS + 1, "try 2 made only the requests try 1 had not made"
     t0 = zygote.seen[0]["t"]
     print("\n" + " ".join(f"{e['event']}@{e['t'] - t0:.2f}" for e in zygote.seen))
+
+
+def test_an_older_try_still_running_is_fenced_off_the_record(
+    zygote: Zygote, model_server: ScriptedModelServer
+) -> None:
+    """Two copies of one task (an orphaned try 1 and its retry): only the newest may append."""
+    release = zygote.tmp / "release-try-1"
+    zygote.run_try(1, block_in=2, release=str(release), wait=False)
+    assert zygote.expect("tool_running")["n"] == 2
+    second = zygote.run_try(2, block_in=3, wait=False)  # takes the record over from the live try 1
+    running = zygote.expect("tool_running")
+    assert (running["pid"], running["n"]) == (second, 3)
+    release.touch()  # try 1's tool returns: its next append finds try 2's token in the header
+    cancelled = zygote.expect("cancelled")
+    assert cancelled["cause"] == "eviction" and "superseded by try 2" in cancelled["detail"], cancelled
+    os.kill(second, signal.SIGKILL)  # try 2 dies in tool 3; try 3 goes on from try 2's record
+    _finish(zygote, 3)
+    runs = [(r["n"], r["try"], r["rerun"]) for r in zygote.steps_run()]
+    assert runs == [(1, 1, False), (2, 1, False), (2, 2, True), (3, 2, False), (3, 3, True)], runs
+    assert model_server.request_count == STEPS + 1, "try 1's refused step did not cost try 3 a request"
