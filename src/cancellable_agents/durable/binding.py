@@ -48,7 +48,12 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
         from airflow.sdk import get_current_context
 
         context = get_current_context()
-    ti = context["ti"]
+    ti = context.get("ti") if hasattr(context, "get") else None
+    if ti is None:
+        raise ConfigurationError(
+            f"{getattr(operator, 'task_id', '?')}: durable=True needs the task instance (try number, store); "
+            f"call run_agent_sync from execute, with the task's context"
+        )
     run_index = operator.__dict__.get("_durable_runs", 0)
     operator.__dict__["_durable_runs"] = run_index + 1
     return Journal(
