@@ -8,6 +8,7 @@ Prints markdown tables and writes ``benchmarks/results/results.json`` and
     --scenarios a,b       only these scenarios (names: see --list)
     --impl ours,common-ai which implementations (default: both when common.ai is importable)
     --overhead-pairs N    interleaved pairs for the overhead measurement (default 200; 0 skips it)
+    --durable-pairs N     interleaved pairs for the journal's cost, bare vs durable=True (default 50; 0 skips)
     --out DIR             output folder (default benchmarks/results)
 
 Timing numbers depend on the machine and on what else runs on it; the JSON records the load.
@@ -26,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, cast
 
-from benchmarks import overhead, report
+from benchmarks import durable_cost, overhead, report
 from benchmarks.kill_latency import RepResult, measure_scenario
 from benchmarks.scenarios import BY_NAME, CONN_ENV, SCENARIOS, WARMUP_ENV, Impl, Scenario
 from benchmarks.taskproc import ROOT
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
     parser.add_argument("--impl", default="", help="ours,common-ai (default: both when available)")
     parser.add_argument("--overhead-pairs", type=int, default=200)
+    parser.add_argument("--durable-pairs", type=int, default=50)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = parser.parse_args(argv)
@@ -108,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overhead: {args.overhead_pairs} interleaved pairs per variant ...")
         overhead_rows = [overhead.measure(variant, args.overhead_pairs) for variant in overhead.VARIANTS]
         setup = overhead.measure_task_setup()
+    durable_rows: list[dict[str, Any]] = []
+    if args.durable_pairs > 0:
+        print(f"durable: {args.durable_pairs} interleaved pairs per store ...")
+        durable_rows = [durable_cost.measure(kind, args.durable_pairs) for kind in durable_cost.STORES]
 
     payload = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -125,11 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         "kill_latency": results,
         "overhead": overhead_rows,
         "task_setup": setup,
+        "durable": durable_rows,
         "targets": {"raised_p99_ms": report.RAISED_TARGET_MS, "gone_p99_ms": report.GONE_TARGET_MS},
     }
     report.write_json(out / "results.json", payload)
     report.draw_chart(results, out / "kill_latency.png")
     _print_report(results, skipped, overhead_rows, setup, out, load_before)
+    if durable_rows:
+        print()
+        print("## The continuity record (durable=True): cost per step")
+        print()
+        print(durable_cost.table(durable_rows))
     return 0
 
 

@@ -22,7 +22,14 @@ from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
 from tests.e2e.procs import kill_marked, marked_processes
 
 DAGS_FOLDER = Path(__file__).with_name("dags")
-E2E_DAG_IDS = ("e2e_mark_failed", "e2e_clear", "e2e_eviction", "e2e_timeout", "e2e_evict_in_comms")
+E2E_DAG_IDS = (
+    "e2e_mark_failed",
+    "e2e_clear",
+    "e2e_eviction",
+    "e2e_timeout",
+    "e2e_evict_in_comms",
+    "e2e_durable",
+)
 
 
 @dataclass

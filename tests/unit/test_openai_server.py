@@ -90,7 +90,7 @@ def test_parse_model_rejects(model: str) -> None:
 def test_health_models_and_echo_over_httpx(server: ScriptedModelServer) -> None:
     assert httpx.get(f"{server.url}/health").text == "ok"
     models = httpx.get(f"{server.base_url}/models").json()
-    assert {m["id"] for m in models["data"]} == {"echo", "slow", "tool", "tools"}
+    assert {m["id"] for m in models["data"]} == {"echo", "slow", "tool", "tools", "steps"}
     body = httpx.post(
         f"{server.base_url}/chat/completions", json={"model": "echo", "messages": USER_HI}
     ).json()
@@ -221,6 +221,21 @@ def test_pydantic_ai_tool_call_streaming(server: ScriptedModelServer) -> None:
     assert "function_tool_call" in events
     records = server.wait_for_finished(4, timeout=2) or []
     assert len(records) == 4 and all(r.stream and r.outcome == "completed" for r in records)
+
+
+def test_pydantic_ai_sequential_steps(server: ScriptedModelServer) -> None:
+    called: list[int] = []
+    agent = _agent(server, "steps?name=step&count=3&then=all+done")
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        """One step."""
+        called.append(n)
+        return f"step {n} ok"
+
+    assert agent.run_sync("go").output == "all done"
+    assert called == [1, 2, 3]
+    assert len(server.wait_for_finished(4, timeout=2) or []) == 4
 
 
 def test_pydantic_ai_parallel_tools(server: ScriptedModelServer) -> None:

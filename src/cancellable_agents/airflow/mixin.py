@@ -132,12 +132,23 @@ class CancellableAgentMixin:
     :param cancellation_retry_policy: wrap ``retry_policy`` in
         :class:`~cancellable_agents.airflow.retry.CancellationAwareRetryPolicy` (Airflow 3.3+), so kills
         are decided by cause and never sent to a retry classifier. Default ``True``.
+    :param durable: keep a continuity record while runs go, so the next try of a killed task
+        resumes where it stopped (docs/content/durable.md). Transcripts may hold sensitive data:
+        off by default.
+    :param durable_path: keep the record under this ``ObjectStoragePath`` (required on Airflow
+        3.1/3.2; default on 3.3+: the task state store).
+    :param resume_after_clear: resume also after a user's Clear (default: a Clear starts fresh).
+    :param usage_limits_span_tries: a durable run's ``usage_limits`` count earlier tries too.
     """
 
     cancellation_budget: float = DEFAULT_BUDGET
     timeout_margin: float = 2.0
     classify_timeout: float = 1.0
     reap_descendants: bool = True
+    durable: bool = False
+    durable_path: Any = None
+    resume_after_clear: bool = False
+    usage_limits_span_tries: bool = False
 
     def __init__(
         self,
@@ -147,6 +158,10 @@ class CancellableAgentMixin:
         classify_timeout: float | None = None,
         reap_descendants: bool | None = None,
         cancellation_retry_policy: bool = True,
+        durable: bool | None = None,
+        durable_path: Any = None,
+        resume_after_clear: bool | None = None,
+        usage_limits_span_tries: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -155,11 +170,19 @@ class CancellableAgentMixin:
             "timeout_margin": timeout_margin,
             "classify_timeout": classify_timeout,
             "reap_descendants": reap_descendants,
+            "durable": durable,
+            "durable_path": durable_path,
+            "resume_after_clear": resume_after_clear,
+            "usage_limits_span_tries": usage_limits_span_tries,
         }
         for name, value in settings.items():
             if value is not None:
                 setattr(self, name, value)
         _check_settings(self)
+        if self.durable:
+            from cancellable_agents.durable.binding import check_durable
+
+            check_durable(self)
         if cancellation_retry_policy:
             self.retry_policy = _cancellation_aware(getattr(self, "retry_policy", None))
 
@@ -204,6 +227,7 @@ class CancellableAgentMixin:
         super().pre_execute(context)  # type: ignore[misc]
 
     def _know_task_instance(self, context: Any) -> None:
+        self.__dict__["_context"] = context  # durable=True: the task state store and try number
         if self.__dict__.get("_ti_key") is None:
             self.__dict__["_ti_key"] = ti_key(context)
 
@@ -225,11 +249,29 @@ class CancellableAgentMixin:
         deadline = self._run_timeout()
         if deadline is not None and run_kwargs.get("timeout") is None:
             run_kwargs["timeout"] = deadline
+        journal = self._journal()
         try:
-            return run_agent_in_scope(scope, agent, user_prompt, **run_kwargs)
+            result = run_agent_in_scope(scope, agent, user_prompt, journal=journal, **run_kwargs)
         except TaskCancelled as exc:
+            if journal is not None:  # after the unwind, on the main thread: the cause into the record
+                journal.cancelled(exc)
             self._log_record(exc)
             raise
+        except BaseException:
+            if journal is not None:
+                journal.detach()
+            raise
+        if journal is not None:
+            journal.completed(result)
+        return result
+
+    def _journal(self) -> Any:
+        """``durable=True``: this run's continuity record (:mod:`cancellable_agents.durable`)."""
+        if not self.durable:
+            return None
+        from cancellable_agents.durable.binding import journal_for
+
+        return journal_for(self, self.__dict__.get("_context"))
 
     def _run_timeout(self) -> float | None:
         """Seconds the run may take so it ends before ``execution_timeout`` fires."""

@@ -28,7 +28,8 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
 
     Cancellation settings (``cancellation_budget``, ``timeout_margin``, ``classify_timeout``,
     ``reap_descendants``, ``cancellation_retry_policy``) are those of
-    :class:`~cancellable_agents.airflow.mixin.CancellableAgentMixin`.
+    :class:`~cancellable_agents.airflow.mixin.CancellableAgentMixin`, and so are the continuity
+    settings (``durable``, ``durable_path``, ``resume_after_clear``, ``usage_limits_span_tries``).
     """
 
     template_fields: Sequence[str] = ("prompt", "system_prompt", "model")

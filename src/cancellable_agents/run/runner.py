@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.agent import AbstractAgent
@@ -33,6 +33,9 @@ from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
 from cancellable_agents.core.workers import JobThread
+
+if TYPE_CHECKING:
+    from cancellable_agents.durable.journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -406,6 +409,8 @@ def run_agent_in_scope(
     scope: TaskCancellation,
     agent: Agent[Any, Any],
     user_prompt: Any = None,
+    *,
+    journal: Journal | None = None,
     **run_kwargs: Any,
 ) -> Any:
     """Run ``agent`` synchronously under ``scope`` and return its ``AgentRunResult``.
@@ -414,7 +419,13 @@ def run_agent_in_scope(
     (a result that arrives after the cancel does not count), or if the run's own ``timeout=``
     expired (cause ``TIMEOUT``). A cancelled scope never makes a model request. Settling the
     scope as ``COMPLETED`` is left to its owner, whose unit of work may hold several runs.
+    ``journal`` (``durable=True``): the run resumes from it and appends each step to it; the
+    caller ends it (``completed``/``cancelled``).
     """
+    # -- durable (cancellable_agents.durable): the only hook; nothing is added without a journal.
+    if journal is not None and not scope.cancelled:
+        user_prompt, run_kwargs = journal.attach(agent, user_prompt, run_kwargs)
+    # -- end durable
     run = _ScopedRun.start(scope, None, run_kwargs)
     try:
         with run.context():

@@ -18,6 +18,9 @@ Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?
   (default ``done``).
 * ``tools?names=A,B&args=JSON&then=TEXT``: like ``tool`` but calls all named tools in one response
   (parallel tool calls), each with the same arguments.
+* ``steps?name=TOOL&count=N&then=TEXT``: sequential tool calls: while the conversation holds fewer than
+  ``N`` ``role: "tool"`` messages, answers with one call of ``TOOL`` with arguments ``{"n": k}`` (``k`` = tool
+  messages so far + 1); afterwards answers ``TEXT``. ``N + 1`` requests in all for an uninterrupted run.
 * Every behaviour also takes ``delay_first=S``: sleep ``S`` seconds before sending anything (headers
   included), like a slow non-streaming model.
 
@@ -81,6 +84,7 @@ BEHAVIOURS: dict[str, str] = {
     "slow": "slow?tokens=N&delay=S - N tokens 'tok0 tok1 ...', S seconds before each (defaults 50, 0.1)",
     "tool": "tool?name=TOOL&args=JSON&then=TEXT - calls TOOL once, then answers TEXT (default 'done')",
     "tools": "tools?names=A,B&args=JSON&then=TEXT - calls all tools in parallel, then answers TEXT",
+    "steps": "steps?name=TOOL&count=N&then=TEXT - calls TOOL(n=k) for k = 1..N, one per response, then TEXT",
 }
 """Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``."""
 
@@ -89,6 +93,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "slow": frozenset({"tokens", "delay", "delay_first"}),
     "tool": frozenset({"name", "args", "then", "delay_first"}),
     "tools": frozenset({"names", "args", "then", "delay_first"}),
+    "steps": frozenset({"name", "count", "then", "delay_first"}),
 }
 
 _T = TypeVar("_T")
@@ -114,6 +119,7 @@ class Script:
     tool_names: tuple[str, ...] = ()
     tool_args: str = "{}"
     then: str = "done"
+    count: int = 1
 
 
 def parse_model(model: str) -> Script:
@@ -130,6 +136,14 @@ def parse_model(model: str) -> Script:
     if name == "slow":
         tokens = int(_number(params, "tokens", 50, integer=True))
         return Script(name, tokens=tokens, delay=_number(params, "delay", 0.1), delay_first=delay_first)
+    if name == "steps":
+        return Script(
+            name,
+            delay_first=delay_first,
+            tool_names=_tool_names("tool", params),
+            count=int(_number(params, "count", 1, integer=True)),
+            then=params.get("then", "done"),
+        )
     if name in ("tool", "tools"):
         return Script(
             name,
@@ -224,6 +238,12 @@ def _plan_reply(script: Script, messages: list[dict[str, Any]]) -> _Reply:
     if script.behaviour == "slow":
         pieces = tuple(f"tok{i}" if i == 0 else f" tok{i}" for i in range(script.tokens))
         return _Reply(pieces=pieces, piece_delay=script.delay)
+    if script.behaviour == "steps":
+        done = sum(message.get("role") == "tool" for message in messages)
+        if done >= script.count:
+            return _Reply(pieces=_split_tokens(script.then))
+        call = _ToolCall(f"call_{uuid.uuid4().hex[:24]}", script.tool_names[0], json.dumps({"n": done + 1}))
+        return _Reply(tool_calls=(call,))
     if any(message.get("role") == "tool" for message in messages):
         return _Reply(pieces=_split_tokens(script.then))
     calls = tuple(

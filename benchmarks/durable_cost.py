@@ -1,0 +1,163 @@
+"""What ``durable=True`` costs a run: the journal's time and bytes per step, side by side with the
+same run without it, in one process, interleaved.
+
+A 50-step agent (``overhead.fifty_step_agent``: 49 tool calls, then an answer) runs under a task
+scope bare (``run_agent_in_scope``) and durable (the same plus a :class:`Journal`), alternating
+which goes first in each pair. Two stores: ``MemoryStore`` (the journal's own cost: serialising,
+hashing, the fencing read) and ``PathStore`` on a local directory (one JSON file per entry,
+written to a temporary name and renamed, as ``durable_path=`` does). Airflow's task state store
+adds one supervisor round trip per read and per write (two per step) on top of the first row.
+
+Reported: medians of both runs, the median paired difference per run and per step, the bytes
+written per step (first and last step: the cost does not grow with the history), and the
+deletion of the record at the end (part of the durable run's time).
+
+``python -m benchmarks.durable_cost [--pairs N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic_ai.capabilities import AbstractCapability
+
+from benchmarks.overhead import STEPS, fifty_step_agent
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.durable import Journal, MemoryStore, PathStore
+from cancellable_agents.run.runner import run_agent_in_scope
+
+
+class _Counting:
+    """Wraps a store: counts operations and the bytes of each entry written, in order."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.entry_bytes: list[int] = []
+        self.reads = 0
+
+    def get(self, key: str) -> Any:
+        self.reads += 1
+        return self.store.get(key)
+
+    def set(self, key: str, value: Any) -> None:
+        import json
+
+        if key.count(".") >= 4:
+            self.entry_bytes.append(len(json.dumps(value)))
+        self.store.set(key, value)
+
+    def delete(self, key: str) -> None:
+        self.store.delete(key)
+
+
+#: ``hook``: control, an ``after_node_run`` capability that does nothing (what pydantic-ai charges
+#: for the hook); ``memory``: the journal's own cost; ``path``: local files, as ``durable_path=``.
+STORES = ("hook", "memory", "path")
+
+
+class _NoOpHook(AbstractCapability[Any]):
+    async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
+        return result
+
+
+def _run(agent: Any, store: Any | None, hook_only: bool = False) -> None:
+    scope = TaskCancellation("bench")
+    journal = Journal(store, try_number=1, scope=scope) if store is not None else None
+    kwargs = {"capabilities": [_NoOpHook()]} if hook_only else {}
+    with scope.activate():
+        result = run_agent_in_scope(scope, agent, "go", journal=journal, **kwargs)
+    if journal is not None:
+        journal.completed(result)
+    assert result.output == "done"
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _candidate(kind: str, agent: Any, tmp: str) -> Callable[[], None]:
+    if kind == "hook":
+        return functools.partial(_run, agent, None, True)
+    store = MemoryStore() if kind == "memory" else PathStore(Path(tmp))
+    return functools.partial(_run, agent, store)
+
+
+def measure(kind: str, pairs: int = 100, warmup: int = 5) -> dict[str, Any]:
+    agent = fifty_step_agent("async")
+    counted = _Counting(MemoryStore())
+    with tempfile.TemporaryDirectory(prefix="durable-bench-") as tmp:
+        bare_s: list[float] = []
+        durable_s: list[float] = []
+        bare = functools.partial(_run, agent, None)
+        for i in range(warmup + pairs):
+            other = _candidate(kind, agent, tmp)
+            if i % 2 == 0:
+                t_bare, t_other = _timed(bare), _timed(other)
+            else:
+                t_other, t_bare = _timed(other), _timed(bare)
+            if i >= warmup:
+                bare_s.append(t_bare)
+                durable_s.append(t_other)
+        if kind != "hook":
+            counted = _Counting(MemoryStore() if kind == "memory" else PathStore(Path(tmp)))
+            _run(agent, counted)
+    diff = statistics.median([d - b for d, b in zip(durable_s, bare_s, strict=True)])
+    sizes = counted.entry_bytes
+    return {
+        "store": kind,
+        "steps": STEPS,
+        "pairs": pairs,
+        "bare_ms": round(statistics.median(bare_s) * 1000, 2),
+        "durable_ms": round(statistics.median(durable_s) * 1000, 2),
+        "overhead_ms": round(diff * 1000, 2),
+        "per_step_ms": round(diff * 1000 / STEPS, 3),
+        "entries": len(sizes),
+        "bytes_total": sum(sizes),
+        "bytes_per_step": round(sum(sizes) / STEPS),
+        "bytes_first_step": sum(sizes[1:3]),
+        "bytes_last_step": sum(sizes[-3:-1]),
+        "reads": counted.reads,
+    }
+
+
+_LABELS = {
+    "hook": "control: a no-op after_node_run hook",
+    "memory": "durable=True, in-memory store",
+    "path": "durable=True, local files (durable_path)",
+}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"| {STEPS}-step agent (pairs) | bare (ms) | compared (ms) | per run (ms) | per step (ms) "
+        "| bytes per step | step 2 / step 49 (bytes) | entries | store reads |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {_LABELS[r['store']]} ({r['pairs']}) | {r['bare_ms']:.2f} | {r['durable_ms']:.2f} "
+            f"| {r['overhead_ms']:.2f} | {r['per_step_ms']:.3f} | {r['bytes_per_step']} "
+            f"| {r['bytes_first_step']} / {r['bytes_last_step']} | {r['entries']} | {r['reads']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=100)
+    args = parser.parse_args(argv)
+    rows = [measure(kind, args.pairs) for kind in STORES]
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""``durable=True`` on an operator: which store, which try, checked when the DAG is parsed.
+
+The only Airflow-aware part of :mod:`cancellable_agents.durable`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.durable.journal import Journal
+from cancellable_agents.durable.stores import PathStore, TaskStateStore
+
+
+@functools.cache
+def has_task_state_store() -> bool:
+    """Airflow 3.3+ gives every task instance a store that survives its retries (AIP-103)."""
+    try:
+        from airflow.sdk.execution_time.context import TaskStateStoreAccessor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_durable(operator: Any) -> None:
+    """At DAG parse time (operator ``__init__``): refuse ``durable=True`` that cannot work."""
+    if not getattr(operator, "durable", False):
+        return
+    if operator.durable_path is None and not has_task_state_store():
+        import airflow
+
+        name = getattr(operator, "task_id", type(operator).__name__)
+        raise ConfigurationError(
+            f"{name}: durable=True needs Airflow 3.3+'s task state store, and this is Airflow "
+            f"{airflow.__version__}. Pass durable_path= (an ObjectStoragePath or a path such as "
+            f"'s3://bucket/agents' or '/shared/agents') to keep the record there, or upgrade to Airflow 3.3."
+        )
+
+
+def journal_for(operator: Any, context: Any = None) -> Journal:
+    """The journal of the operator's next ``run_agent_sync`` call in this try.
+
+    Each call of a task gets its own record (keyed by its order in ``execute``), so a task that
+    runs several agents resumes each one.
+    """
+    if context is None:
+        from airflow.sdk import get_current_context
+
+        context = get_current_context()
+    ti = context.get("ti") if hasattr(context, "get") else None
+    if ti is None:
+        raise ConfigurationError(
+            f"{getattr(operator, 'task_id', '?')}: durable=True needs the task instance (try number, store); "
+            f"call run_agent_sync from execute, with the task's context"
+        )
+    run_index = operator.__dict__.get("_durable_runs", 0)
+    operator.__dict__["_durable_runs"] = run_index + 1
+    return Journal(
+        _store(operator, context, ti),
+        try_number=int(ti.try_number),
+        run_key=str(run_index),
+        resume_after_clear=operator.resume_after_clear,
+        usage_spans_tries=operator.usage_limits_span_tries,
+        scope=operator.cancellation,
+        clear_count=_clear_number(context),
+    )
+
+
+def _clear_number(context: Any) -> int | None:
+    """How often the task's DAG run was cleared (``dag_run.clear_number``), if Airflow says."""
+    dag_run = context.get("dag_run") if hasattr(context, "get") else None
+    number = getattr(dag_run, "clear_number", None)
+    return number if isinstance(number, int) else None
+
+
+def _store(operator: Any, context: Any, ti: Any) -> Any:
+    if operator.durable_path is not None:
+        map_index = getattr(ti, "map_index", -1)
+        return PathStore.for_task(
+            operator.durable_path, ti.dag_id, ti.run_id, ti.task_id, -1 if map_index is None else map_index
+        )
+    accessor = context.get("task_state_store") if hasattr(context, "get") else None
+    if accessor is None:
+        raise ConfigurationError(
+            f"{ti.task_id}: durable=True but this task's context has no task_state_store; pass durable_path= "
+            f"(an ObjectStoragePath) to keep the record there."
+        )
+    return TaskStateStore(accessor)

@@ -1,0 +1,154 @@
+"""Fork server for the durable process tests: imports once, then forks one real process per try.
+
+Importing pydantic-ai, the OpenAI client and Airflow's ObjectStoragePath takes seconds on a busy
+machine; forking a process that has them loaded takes milliseconds. Each try is a forked child
+running one durable run against the local model server (real HTTP), journaled into files under
+an ``ObjectStoragePath`` (``PathStore``): the parent SIGKILLs it, really, at the moment it chooses.
+
+Protocol: one JSON command per stdin line, ``{"try": N, "store": URL, "lines": PATH, "stop_after": K,
+"block_in": S, "release": PATH, "wait": true}``; events
+as JSON lines on the fd in ``EVENTS_FD``: ``started`` (pid), ``recorded`` (the child appended its
+K-th entry and now waits to be killed), ``tool_running`` (step S wrote its line and blocks until
+the file ``release`` exists, if given), ``completed``, ``cancelled`` (cause, detail) and ``exited``
+(status as ``os.waitstatus_to_exitcode``; only for ``wait``: the others run beside the next try).
+Single-threaded between forks, so forking is safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.durable import Journal, PathStore, current_resume
+from cancellable_agents.run.runner import run_agent_in_scope
+
+FD = int(os.environ["EVENTS_FD"])
+STEPS = int(os.environ.get("STEPS", "3"))
+
+
+def emit(event: str, **data: Any) -> None:
+    line = {"event": event, "pid": os.getpid(), "t": time.monotonic(), **data}
+    os.write(FD, (json.dumps(line) + "\n").encode())
+
+
+class KilledAtBoundary(PathStore):
+    """A PathStore whose writer stops dead after its K-th entry (a SIGKILL lands right there)."""
+
+    stop_after = 0
+    entries = 0
+
+    def set(self, key: str, value: Any) -> None:
+        super().set(key, value)
+        if key.count(".") < 4:  # the header
+            return
+        type(self).entries += 1
+        if type(self).entries == type(self).stop_after:
+            emit("recorded", key=key, kind=value["kind"], entries=value["i"] + 1)
+            time.sleep(300)
+
+
+def run_try(try_number: int, store_url: str, lines: Path, block_in: int, release: str | None) -> None:
+    model = OpenAIChatModel(
+        f"steps?name=step&count={STEPS}&then=all+done",
+        provider=OpenAIProvider(base_url=os.environ["BASE_URL"], api_key="x"),
+    )
+    agent: Agent[None, str] = Agent(model, system_prompt="do the steps in order")
+
+    @agent.tool
+    def step(ctx: RunContext[None], n: int) -> str:
+        resume = current_resume()
+        rerun = bool(resume and resume.is_rerun(ctx.tool_call_id))
+        with lines.open("a") as out:
+            out.write(json.dumps({"n": n, "try": try_number, "rerun": rerun}) + "\n")
+        if n == block_in:
+            emit("tool_running", n=n)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (release and os.path.exists(release)):
+                time.sleep(0.01)
+        return f"step {n} ok"
+
+    scope = TaskCancellation(f"try{try_number}")
+    journal = Journal(KilledAtBoundary(store_url), try_number=try_number, scope=scope)
+    try:
+        with scope.activate():
+            result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)
+    except TaskCancelled as exc:
+        journal.cancelled(exc)
+        emit("cancelled", cause=exc.cause.value, detail=exc.detail)
+        return
+    journal.completed(result)
+    resumed = journal.resume
+    emit("completed", output=result.output, resumed_messages=resumed.messages if resumed else 0)
+
+
+def warm_up() -> None:
+    """Import in the zygote what a first run imports, without starting a thread (forking a
+    process with threads can deadlock the child): a FunctionModel run, the HTTP stack, the store."""
+    import importlib
+    import threading
+
+    from pydantic_ai.messages import ModelResponse, TextPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from cancellable_agents.durable import MemoryStore
+
+    for name in ("anyio._backends._asyncio", "httpcore", "genai_prices.data", "openai.types.chat"):
+        importlib.import_module(name)
+    PathStore("file:///nonexistent-warm-up")
+    agent: Agent[None, str] = Agent(FunctionModel(lambda m, i: ModelResponse(parts=[TextPart("ok")])))
+    scope = TaskCancellation("warm-up")
+    journal = Journal(MemoryStore(), try_number=1, scope=scope)
+    with scope.activate():
+        journal.completed(run_agent_in_scope(scope, agent, "warm up", journal=journal))
+    assert threading.active_count() == 1, f"the zygote must fork single-threaded: {threading.enumerate()}"
+
+
+def main() -> None:
+    warm_up()
+    emit("ready")
+    for line in sys.stdin:
+        command = json.loads(line)
+        _reap_quietly()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                KilledAtBoundary.stop_after = command.get("stop_after", 0)
+                run_try(
+                    command["try"],
+                    command["store"],
+                    Path(command["lines"]),
+                    command.get("block_in", 0),
+                    command.get("release"),
+                )
+            except BaseException as exc:
+                emit("failed", error=repr(exc))
+                code = 1
+            os._exit(code)
+        emit("started", child=pid)
+        if command.get("wait", True):
+            _, status = os.waitpid(pid, 0)
+            emit("exited", child=pid, code=os.waitstatus_to_exitcode(status))
+
+
+def _reap_quietly() -> None:
+    """Collect tries that ran beside others (``wait: false``) and have exited since."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Durable runs killed for real: SIGKILL (no Python runs, nothing written at kill time) at every
+step boundary in turn, and in the middle of a tool; the next try resumes from the files the
+journal wrote under an ``ObjectStoragePath``. Model requests are counted on the local model
+server (real HTTP); tool executions in a file the tool appends to.
+
+Each try is a process forked from one zygote that imported everything once (see
+``_durable_zygote.py``), so the nine tries of the boundary test cost milliseconds each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cancellable_agents.testing.openai_server import ScriptedModelServer
+
+pytestmark = pytest.mark.process
+
+STEPS = 3
+ZYGOTE = Path(__file__).with_name("_durable_zygote.py")
+
+
+class Zygote:
+    def __init__(self, tmp: Path, base_url: str) -> None:
+        read_fd, write_fd = os.pipe()
+        self.tmp = tmp
+        self.log = (tmp / "zygote.log").open("wb")
+        env = {**os.environ, "EVENTS_FD": str(write_fd), "STEPS": str(STEPS), "BASE_URL": base_url}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ZYGOTE)],
+            env=env,
+            pass_fds=(write_fd,),
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        os.close(write_fd)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        threading.Thread(target=self._read, args=(read_fd,), daemon=True).start()
+        self.expect("ready", timeout=120)
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as pipe:
+            for line in pipe:
+                self.events.put(json.loads(line))
+
+    def expect(self, *names: str, timeout: float = 30) -> dict[str, Any]:
+        """The next event; it must be one of ``names``."""
+        try:
+            event = self.events.get(timeout=timeout)
+            self.seen.append(event)
+        except queue.Empty:
+            raise AssertionError(f"no {names} within {timeout}s\n{self.tail()}") from None
+        assert event["event"] in names, f"expected {names}, got {event}\n{self.tail()}"
+        return event
+
+    def run_try(self, try_number: int, **command: Any) -> int:
+        """Fork try ``try_number``; return its pid."""
+        assert self.proc.stdin is not None
+        command = {"try": try_number, "store": f"file://{self.store}", "lines": str(self.lines), **command}
+        self.proc.stdin.write((json.dumps(command) + "\n").encode())
+        self.proc.stdin.flush()
+        return int(self.expect("started")["child"])
+
+    def kill(self, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        assert self.expect("exited")["code"] == -signal.SIGKILL
+
+    def steps_run(self) -> list[dict[str, Any]]:
+        return (
+            [json.loads(line) for line in self.lines.read_text().splitlines()] if self.lines.exists() else []
+        )
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+    def new_task(self, name: str) -> None:
+        """Tries from now on belong to a new task instance (its own store and tool log)."""
+        self.store = self.tmp / name / "store"
+        self.lines = self.tmp / name / "lines.jsonl"
+        self.lines.parent.mkdir()
+
+
+@pytest.fixture(scope="module")
+def _zygote(
+    tmp_path_factory: pytest.TempPathFactory, _model_server_session: ScriptedModelServer
+) -> Iterator[Zygote]:
+    zygote = Zygote(tmp_path_factory.mktemp("durable"), _model_server_session.base_url)
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
+@pytest.fixture
+def zygote(_zygote: Zygote, model_server: ScriptedModelServer, request: pytest.FixtureRequest) -> Zygote:
+    _zygote.new_task(request.node.name)
+    return _zygote
+
+
+def _finish(zygote: Zygote, try_number: int) -> dict[str, Any]:
+    zygote.run_try(try_number)
+    done = zygote.expect("completed", "failed")
+    assert done["event"] == "completed" and done["output"] == "all done", f"{done}\n{zygote.tail()}"
+    assert zygote.expect("exited")["code"] == 0
+    return done
+
+
+def test_sigkill_at_every_step_boundary_redoes_no_completed_step(
+    zygote: Zygote, model_server: ScriptedModelServer
+) -> None:
+    """Try k is SIGKILLed right after it appended one more entry; the next try goes on from there.
+
+    2 * STEPS + 2 entries (prompt, a response and the returns per step, the answer): as many
+    killed tries, then one that finishes. Over all of them the model is asked exactly as often
+    as in one uninterrupted run, and every tool runs exactly once.
+    """
+    entries = 2 * STEPS + 2
+    kinds = []
+    for try_number in range(1, entries + 1):
+        pid = zygote.run_try(try_number, stop_after=1)
+        recorded = zygote.expect("recorded", "failed")
+        assert recorded["event"] == "recorded", f"{recorded}\n{zygote.tail()}"
+        assert recorded["entries"] == try_number, "each try appended exactly the next entry"
+        kinds.append(recorded["kind"])
+        zygote.kill(pid)
+    done = _finish(zygote, entries + 1)
+    assert done["resumed_messages"] == entries
+    assert kinds == ["message"] * entries
+    assert model_server.request_count == STEPS + 1, "a completed model request was made again"
+    runs = zygote.steps_run()
+    assert [r["n"] for r in runs] == list(range(1, STEPS + 1)), f"a completed tool ran again: {runs}"
+    print(f"\n[durable] {entries} SIGKILLs at step boundaries: {model_server.request_count} model requests")
+
+
+def test_sigkill_during_a_tool_reruns_exactly_that_tool_once(
+    zygote: Zygote, model_server: ScriptedModelServer
+) -> None:
+    pid = zygote.run_try(1, block_in=2)
+    zygote.expect("tool_running")
+    zygote.kill(pid)
+    assert model_server.request_count == 2
+    _finish(zygote, 2)
+    runs = [(r["n"], r["try"], r["rerun"]) for r in zygote.steps_run()]
+    assert runs == [(1, 1, False), (2, 1, False), (2, 2, True), (3, 2, False)], runs
+    assert model_server.request_count == STEPS + 1, "try 2 made only the requests try 1 had not made"
+    t0 = zygote.seen[0]["t"]
+    print("\n" + " ".join(f"{e['event']}@{e['t'] - t0:.2f}" for e in zygote.seen))
+
+
+def test_an_older_try_still_running_is_fenced_off_the_record(
+    zygote: Zygote, model_server: ScriptedModelServer
+) -> None:
+    """Two copies of one task (an orphaned try 1 and its retry): only the newest may append."""
+    release = zygote.tmp / "release-try-1"
+    zygote.run_try(1, block_in=2, release=str(release), wait=False)
+    assert zygote.expect("tool_running")["n"] == 2
+    second = zygote.run_try(2, block_in=3, wait=False)  # takes the record over from the live try 1
+    running = zygote.expect("tool_running")
+    assert (running["pid"], running["n"]) == (second, 3)
+    release.touch()  # try 1's tool returns: its next append finds try 2's token in the header
+    cancelled = zygote.expect("cancelled")
+    assert cancelled["cause"] == "eviction" and "superseded by try 2" in cancelled["detail"], cancelled
+    os.kill(second, signal.SIGKILL)  # try 2 dies in tool 3; try 3 goes on from try 2's record
+    _finish(zygote, 3)
+    runs = [(r["n"], r["try"], r["rerun"]) for r in zygote.steps_run()]
+    assert runs == [(1, 1, False), (2, 1, False), (2, 2, True), (3, 2, False), (3, 3, True)], runs
+    assert model_server.request_count == STEPS + 1, "try 1's refused step did not cost try 3 a request"

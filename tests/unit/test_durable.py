@@ -1,0 +1,352 @@
+"""The continuity record (``durable=True``) without Airflow: pydantic-ai ``FunctionModel`` runs
+journaled into a :class:`MemoryStore`, resumed from every step boundary in turn."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.exceptions import UsageLimitExceeded
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+from pydantic_ai.usage import UsageLimits
+
+from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.durable import Journal, MemoryStore, current_resume
+from cancellable_agents.durable.journal import KEY_PREFIX
+from cancellable_agents.run.runner import run_agent_in_scope
+
+STEPS = 6
+
+
+@dataclass
+class Script:
+    """A model that calls ``step(n)`` for n = 1..STEPS, one per response, then answers."""
+
+    requests: int = 0
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        self.requests += 1
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < STEPS:
+            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
+        return ModelResponse(parts=[TextPart("all done")])
+
+    async def stream(self, messages: list[ModelMessage], info: AgentInfo) -> Any:
+        self.requests += 1
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < STEPS:
+            yield {0: DeltaToolCall(name="step", json_args=f'{{"n": {done + 1}}}')}
+        else:
+            yield "all done"
+
+
+@dataclass
+class Snapshots(MemoryStore):
+    """A MemoryStore that keeps a copy of itself after every write (each step boundary)."""
+
+    taken: list[dict[str, str]] = field(default_factory=list)
+
+    def set(self, key: str, value: Any) -> None:
+        super().set(key, value)
+        self.taken.append(dict(self.data))
+
+
+@dataclass
+class Task:
+    """One agent whose tool records each call (and whether it was a re-run)."""
+
+    script: Script = field(default_factory=Script)
+    calls: list[tuple[int, bool]] = field(default_factory=list)
+    on_call: Callable[[int], None] | None = None
+    prompt: str = "do six steps"
+
+    def agent(self) -> Agent[None, str]:
+        agent: Agent[None, str] = Agent(
+            FunctionModel(self.script, stream_function=self.script.stream), system_prompt="be brief"
+        )
+
+        @agent.tool
+        def step(ctx: RunContext[None], n: int) -> str:
+            resume = current_resume()
+            self.calls.append((n, bool(resume and resume.is_rerun(ctx.tool_call_id))))
+            if self.on_call is not None:
+                self.on_call(n)
+            return f"step {n} ok"
+
+        return agent
+
+    def run(self, store: Any, try_number: int, **kwargs: Any) -> tuple[Any, Journal, TaskCancellation]:
+        scope = TaskCancellation(f"try{try_number}")
+        names = ("resume_after_clear", "usage_spans_tries", "clear_count")
+        options = {k: kwargs.pop(k) for k in names if k in kwargs}
+        journal = Journal(store, try_number=try_number, scope=scope, **options)
+        with scope.activate():
+            try:
+                result = run_agent_in_scope(scope, self.agent(), self.prompt, journal=journal, **kwargs)
+            except TaskCancelled as exc:
+                journal.cancelled(exc)
+                return exc, journal, scope
+        journal.completed(result)
+        return result, journal, scope
+
+
+def _entries(data: dict[str, str]) -> int:
+    return sum(1 for k in data if k.count(".") >= 4 and k.startswith(KEY_PREFIX))
+
+
+def _first_run_snapshots(**kwargs: Any) -> tuple[Task, list[dict[str, str]]]:
+    task = Task()
+    store = Snapshots()
+    result, _, _ = task.run(store, 1, **kwargs)
+    assert result.output == "all done"
+    return task, store.taken
+
+
+def test_every_step_is_in_the_store_before_the_next_step_starts() -> None:
+    store = MemoryStore()
+    seen: list[int] = []
+    task = Task(on_call=lambda n: seen.append(_entries(store.data)))
+    task.run(store, 1)
+    # Before tool n runs: the prompt, and n model responses plus n-1 tool returns.
+    assert seen == [2 * n for n in range(1, STEPS + 1)]
+    assert task.script.requests == STEPS + 1
+
+
+def test_the_record_is_deleted_when_the_run_completes() -> None:
+    store = MemoryStore()
+    Task().run(store, 1)
+    assert store.data == {}
+
+
+def test_resume_from_every_step_boundary_redoes_no_completed_step() -> None:
+    first, snapshots = _first_run_snapshots()
+    # Drop the snapshots taken after the final delete calls (none: deletes do not snapshot) and the
+    # header-only one; every other snapshot is a SIGKILL right after that many appends.
+    boundaries = [s for s in snapshots if _entries(s) >= 1]
+    assert len(boundaries) == 2 * STEPS + 2  # prompt, 6 x (response, returns), the answer
+    for taken in boundaries:
+        entries = _entries(taken)
+        store = MemoryStore(dict(taken))
+        task = Task()
+        result, journal, _ = task.run(store, 2)
+        assert result.output == "all done"
+        responses = entries // 2  # model responses already in the record
+        assert task.script.requests == STEPS + 1 - responses, f"after {entries} entries"
+        # The record ends with a response whose tool call has no return (or with the answer itself).
+        in_flight = entries % 2 == 0 and entries < 2 * STEPS + 2
+        assert journal.resume is not None and journal.resume.messages == entries
+        if in_flight:
+            # Exactly the in-flight call runs again, once, and knows it is a re-run.
+            assert task.calls[0] == (responses, True)
+            assert [n for n, _ in task.calls] == list(range(responses, STEPS + 1))
+        else:
+            assert [n for n, _ in task.calls] == list(range(responses + 1, STEPS + 1))
+        assert sum(rerun for _, rerun in task.calls) == (1 if in_flight else 0)
+        assert store.data == {}
+    assert first.script.requests == STEPS + 1
+
+
+def test_a_streaming_run_is_journaled_and_resumed_too() -> None:
+    _first, snapshots = _first_run_snapshots(event_stream_handler=_drain)
+    taken = next(s for s in snapshots if _entries(s) == 6)  # killed while tool 3 ran
+    task = Task()
+    result, _journal, _ = task.run(MemoryStore(dict(taken)), 2, event_stream_handler=_drain)
+    assert result.output == "all done"
+    assert task.script.requests == STEPS + 1 - 3
+    assert task.calls[0] == (3, True)
+
+
+async def _drain(ctx: Any, events: Any) -> None:
+    async for _ in events:
+        pass
+
+
+def _killed_at(entries: int) -> dict[str, str]:
+    _, snapshots = _first_run_snapshots()
+    return dict(next(s for s in snapshots if _entries(s) == entries))
+
+
+def test_a_changed_prompt_starts_fresh_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    task = Task(prompt="something else entirely")
+    with caplog.at_level(logging.WARNING, logger="cancellable_agents.durable"):
+        _result, journal, _ = task.run(MemoryStore(_killed_at(7)), 2)
+    assert journal.resume is None and task.script.requests == STEPS + 1
+    warnings = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
+    assert len(warnings) == 1 and "different run" in warnings[0], warnings
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        ("edit", "does not match its checksum"),
+        ("drop", "is missing"),
+        ("garble", "does not parse"),
+        ("header", "header"),
+    ],
+)
+def test_a_damaged_record_starts_fresh_with_one_warning(
+    damage: str, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = _killed_at(7)
+    keys = sorted((k for k in data if k.count(".") >= 4), key=lambda k: int(k.rsplit(".", 1)[1]))
+    header_key = f"{KEY_PREFIX}.0"
+    if damage == "edit":  # entry 4 holds the return of step 2
+        assert "step 2 ok" in data[keys[4]]
+        data[keys[4]] = data[keys[4]].replace("step 2 ok", "step 2 FAILED")
+    elif damage == "drop":
+        del data[keys[2]]
+    elif damage == "garble":
+        data[keys[5]] = '"not an entry"'
+    else:
+        data[header_key] = '{"format": 1}'
+    task = Task()
+    with caplog.at_level(logging.WARNING, logger="cancellable_agents.durable"):
+        result, journal, _ = task.run(MemoryStore(data), 2)
+    assert result.output == "all done"
+    assert journal.resume is None and task.script.requests == STEPS + 1, "must start fresh"
+    warnings = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
+    assert len(warnings) == 1 and why in warnings[0], warnings
+
+
+def _cancel_on(
+    n: int, scope_of: Callable[[], TaskCancellation | None], verdict: CauseVerdict
+) -> Callable[[int], None]:
+    def hook(called: int) -> None:
+        scope = scope_of()
+        if called == n and scope is not None:
+            scope.cancel(verdict.cause, classify=lambda: verdict)
+
+    return hook
+
+
+def _cancelled_try(verdict: CauseVerdict, store: MemoryStore) -> TaskCancelled:
+    from cancellable_agents.core.scope import current_cancellation
+
+    task = Task(on_call=_cancel_on(4, current_cancellation, verdict))
+    exc, _, _ = task.run(store, 1)
+    assert isinstance(exc, TaskCancelled)
+    return exc
+
+
+def test_an_evicted_try_is_resumed_and_usage_is_summed() -> None:
+    store = MemoryStore()
+    _cancelled_try(CauseVerdict(CancelCause.EVICTION, "worker shutdown"), store)
+    task = Task()
+    _result, journal, scope = task.run(store, 2)
+    assert journal.resume is not None and journal.resume.from_try == 1
+    assert task.script.requests == 3  # responses 5, 6 and the answer
+    facts = scope.attached["durable"]
+    # Try 1 made 4 requests, and a 5th if the cancel landed after tool 4 returned (counted: it was sent).
+    earlier = facts["usage_earlier_tries"][0]["requests"]
+    assert earlier in (4, 5)
+    assert facts["usage_this_try"]["requests"] == 3
+    assert facts["usage_total"]["requests"] == earlier + 3
+
+
+def test_a_cleared_try_starts_fresh_unless_resume_after_clear() -> None:
+    cleared = CauseVerdict.of_user(UserAction.CLEARED)
+    store = MemoryStore()
+    _cancelled_try(cleared, store)
+    task = Task()
+    _task_result, journal, _ = task.run(copy.deepcopy(store), 2)
+    assert journal.resume is None and task.script.requests == STEPS + 1
+    again = Task()
+    _, journal, _ = again.run(store, 2, resume_after_clear=True)
+    assert journal.resume is not None and again.script.requests == 3
+
+
+def test_a_try_cleared_away_without_an_end_is_known_by_the_clear_count() -> None:
+    """After a Clear the old try can no longer write (its task instance is gone): the next try
+    sees the DAG run's clear count grew since the old try began."""
+    first = Snapshots()
+    Task().run(first, 1, clear_count=0)
+    killed = next(s for s in first.taken if _entries(s) == 6)
+    task = Task()
+    _, journal, _ = task.run(MemoryStore(dict(killed)), 2, clear_count=1)
+    assert journal.resume is None and task.script.requests == STEPS + 1
+    again = Task()
+    _, journal, _ = again.run(MemoryStore(dict(killed)), 2, clear_count=0)
+    assert journal.resume is not None and again.script.requests == STEPS + 1 - 3
+    _, journal, _ = Task().run(MemoryStore(dict(killed)), 2, clear_count=1, resume_after_clear=True)
+    assert journal.resume is not None
+
+
+def test_usage_limits_can_span_tries() -> None:
+    store = MemoryStore()
+    _cancelled_try(CauseVerdict(CancelCause.EVICTION, "worker shutdown"), store)
+    with pytest.raises(UsageLimitExceeded):
+        Task().run(copy.deepcopy(store), 2, usage_spans_tries=True, usage_limits=UsageLimits(request_limit=5))
+    result, _, _scope = Task().run(store, 2, usage_limits=UsageLimits(request_limit=5))
+    assert result.output == "all done", "without the option, the limit counts this try only"
+
+
+def test_an_older_try_may_not_append_once_a_newer_try_took_over(caplog: pytest.LogCaptureFixture) -> None:
+    from cancellable_agents.core.scope import current_cancellation
+
+    store = MemoryStore()
+    newer: list[Any] = []
+    evicted = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
+
+    def start_try_2(n: int) -> None:
+        if n == 2 and not newer:  # try 1 is still alive when try 2 starts (an orphan); try 2 is evicted
+            try_2 = Task(on_call=_cancel_on(4, current_cancellation, evicted))
+            thread = threading.Thread(target=lambda: newer.append(try_2.run(store, 2)))
+            thread.start()
+            thread.join(30)
+
+    old = Task(on_call=start_try_2)
+    with caplog.at_level(logging.WARNING, logger="cancellable_agents.durable"):
+        outcome, _journal, scope = old.run(store, 1)
+    assert isinstance(outcome, TaskCancelled), "the superseded try cancels itself"
+    assert scope.cause is CancelCause.EVICTION and "superseded by try 2" in scope.cause_detail
+    assert old.calls == [(1, False), (2, False)], "try 1 went no further"
+    exc, journal2, _ = newer[0]
+    assert isinstance(exc, TaskCancelled) and journal2.resume is not None
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("may still be running" in m for m in messages), messages
+    assert any("is not the newest" in m for m in messages), messages
+    tries = [MemoryStore(store.data).get(k)["try"] for k in store.data if k.count(".") >= 4]
+    assert tries.count(1) == 4, "try 1 appended nothing after try 2 took over (prompt, 2 responses, 1 return)"
+
+
+def test_a_resumed_run_with_a_sandbox_is_told_its_workspace_is_gone() -> None:
+    from cancellable_agents.toolsets.sandbox import SandboxToolset
+
+    instructions: list[str] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        instructions.append(info.instructions or "")
+        if not any(isinstance(m, ModelResponse) for m in messages):
+            return ModelResponse(parts=[ToolCallPart("step", {"n": 1})])
+        return ModelResponse(parts=[TextPart("ok")])
+
+    def run(store: Any, try_number: int, sandbox: bool) -> Journal:
+        agent: Agent[None, str] = Agent(FunctionModel(model), toolsets=[SandboxToolset()] if sandbox else [])
+
+        @agent.tool_plain
+        def step(n: int) -> str:
+            return "ok"
+
+        scope = TaskCancellation(f"try{try_number}")
+        journal = Journal(store, try_number=try_number, scope=scope)
+        with scope.activate():
+            journal.completed(run_agent_in_scope(scope, agent, "work", journal=journal))
+        return journal
+
+    for sandbox in (False, True):
+        first = Snapshots()
+        run(first, 1, sandbox)
+        killed = next(s for s in first.taken if _entries(s) == 2)  # while the tool call ran
+        instructions.clear()
+        assert run(MemoryStore(dict(killed)), 2, sandbox).resume is not None
+        told = ["sandbox workspace of the previous try is gone" in i for i in instructions]
+        assert told == [sandbox], (sandbox, instructions)

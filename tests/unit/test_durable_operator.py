@@ -1,0 +1,124 @@
+"""``durable=True`` on the operators: parse-time checks per Airflow version, and an operator's
+killed try resumed by the next try through ``durable_path`` (real files via ObjectStoragePath).
+
+Runs on every supported Airflow (the compat venvs too): on 3.1/3.2 ``durable=True`` without
+``durable_path`` must fail when the DAG is parsed, naming the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from cancellable_agents import AgentOperator, LLMOperator, TaskCancelled
+from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.durable.binding import has_task_state_store
+
+STEPS = 4
+
+
+@dataclass
+class TI:
+    """The task instance facts the journal reads from the context (as the Task SDK's ti has them)."""
+
+    try_number: int
+    dag_id: str = "d"
+    run_id: str = "manual__1"
+    task_id: str = "agent"
+    map_index: int = -1
+
+
+def test_durable_needs_a_store_on_airflow_before_3_3_and_says_which() -> None:
+    if has_task_state_store():
+        AgentOperator(task_id="ok", model="test", prompt="p", durable=True)
+        return
+    with pytest.raises(ConfigurationError, match=r"durable_path=.*ObjectStoragePath"):
+        AgentOperator(task_id="refused", model="test", prompt="p", durable=True)
+
+
+def test_durable_settings_are_operator_arguments(tmp_path: Path) -> None:
+    op = LLMOperator(
+        task_id="t",
+        model="test",
+        prompt="p",
+        durable=True,
+        durable_path=str(tmp_path),
+        resume_after_clear=True,
+        usage_limits_span_tries=True,
+    )
+    assert (op.durable, op.durable_path, op.resume_after_clear, op.usage_limits_span_tries) == (
+        True,
+        str(tmp_path),
+        True,
+        True,
+    )
+    assert LLMOperator(task_id="u", model="test", prompt="p").durable is False
+
+
+def _agent(requests: list[int], kill_at: int | None, op_box: list[Any]) -> Agent[None, str]:
+    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        requests.append(1)
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < STEPS:
+            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
+        return ModelResponse(parts=[TextPart("done")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(script))
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        if n == kill_at:
+            op_box[0].on_kill()  # the SIGTERM lands while this tool runs (cause: unknown here)
+        return f"step {n} ok"
+
+    return agent
+
+
+def _try(tmp_path: Path, try_number: int, kill_at: int | None) -> tuple[AgentOperator, list[int], Any]:
+    requests: list[int] = []
+    box: list[Any] = []
+    op = AgentOperator(
+        task_id="agent",
+        agent=_agent(requests, kill_at, box),
+        prompt="four steps",
+        durable=True,
+        durable_path=str(tmp_path),
+        classify_timeout=0.2,
+    )
+    box.append(op)
+    try:
+        outcome: Any = op.execute({"ti": TI(try_number)})
+    except TaskCancelled as exc:
+        outcome = exc
+    return op, requests, outcome
+
+
+def test_a_killed_try_is_resumed_by_the_next_and_the_record_reports_usage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        _, first, outcome = _try(tmp_path, 1, kill_at=3)
+        assert isinstance(outcome, TaskCancelled)
+        record_lines = [
+            r.getMessage() for r in caplog.records if "cancellable_agents.record " in r.getMessage()
+        ]
+        assert len(record_lines) == 1
+        record = json.loads(record_lines[0].split("cancellable_agents.record ", 1)[1])
+        assert record["attached"]["durable"]["usage_this_try"]["requests"] == len(first)
+        assert any(tmp_path.rglob("*.json")), "the record is kept for the next try"
+
+        op, second, outcome = _try(tmp_path, 2, kill_at=None)
+    assert outcome == "done"
+    assert len(second) == 2, "try 2 re-ran tool 3, then asked for step 4 and the answer: nothing else"
+    facts = op.cancellation.attached["durable"]
+    assert facts["resumed_from_try"] == 1
+    assert facts["usage_total"]["requests"] == len(first) + len(second)
+    assert not list(tmp_path.rglob("*.json")), "success deletes the record"
