@@ -69,8 +69,11 @@ class CommonAIKillSemantics(CancellableAgentMixin):
 
     Put it first in the bases, before the common.ai operator class (as :func:`cancellable` does).
     ``on_kill`` is the mixin's; it still calls common.ai's ``on_kill``, which finds no token
-    (common.ai's ``run_agent_sync`` is never used) and returns.
+    (common.ai's ``run_agent_sync`` is never used) and returns. ``durable=`` stays common.ai's
+    (its journal), so switching keeps the constructor's meaning.
     """
+
+    owns_durable = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from cancellable_agents.airflow.adapter import (
     GRACE_SECONDS,
@@ -103,6 +103,10 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
     return result
 
 
+#: The mixin's ``durable=True`` settings (see ``owns_durable``).
+_DURABLE_SETTINGS = ("durable", "durable_path", "resume_after_clear", "usage_limits_span_tries")
+
+
 def cancellation_of(task: Any) -> TaskCancellation | None:
     """The scope of ``task`` (an operator with the mixin) if it has one yet, else ``None``.
 
@@ -149,6 +153,9 @@ class CancellableAgentMixin:
     durable_path: Any = None
     resume_after_clear: bool = False
     usage_limits_span_tries: bool = False
+    #: Whether ``durable=`` and friends are this provider's. ``False`` where the operator class
+    #: has a ``durable`` of its own (common.ai's): then they are passed on to it, untouched.
+    owns_durable: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -158,28 +165,24 @@ class CancellableAgentMixin:
         classify_timeout: float | None = None,
         reap_descendants: bool | None = None,
         cancellation_retry_policy: bool = True,
-        durable: bool | None = None,
-        durable_path: Any = None,
-        resume_after_clear: bool | None = None,
-        usage_limits_span_tries: bool | None = None,
         **kwargs: Any,
     ) -> None:
+        durable_settings = {}
+        if self.owns_durable:
+            durable_settings = {name: kwargs.pop(name, None) for name in _DURABLE_SETTINGS}
         super().__init__(*args, **kwargs)
         settings = {
             "cancellation_budget": cancellation_budget,
             "timeout_margin": timeout_margin,
             "classify_timeout": classify_timeout,
             "reap_descendants": reap_descendants,
-            "durable": durable,
-            "durable_path": durable_path,
-            "resume_after_clear": resume_after_clear,
-            "usage_limits_span_tries": usage_limits_span_tries,
+            **durable_settings,
         }
         for name, value in settings.items():
             if value is not None:
                 setattr(self, name, value)
         _check_settings(self)
-        if self.durable:
+        if self.owns_durable and self.durable:
             from cancellable_agents.durable.binding import check_durable
 
             check_durable(self)
@@ -267,7 +270,7 @@ class CancellableAgentMixin:
 
     def _journal(self) -> Any:
         """``durable=True``: this run's continuity record (:mod:`cancellable_agents.durable`)."""
-        if not self.durable:
+        if not (self.owns_durable and self.durable):
             return None
         from cancellable_agents.durable.binding import journal_for
 
