@@ -197,6 +197,21 @@ class _Child:
                 return line
         raise AssertionError(f"no line with {needle!r} within {timeout}s:\n{''.join(self.lines[-80:])}")
 
+    def wait_for_record(self, timeout: float) -> dict[str, Any]:
+        """The record after ``RECORD_PREFIX``: one JSON object that spans several lines."""
+        deadline = time.monotonic() + timeout
+        self.wait_for_line(RECORD_PREFIX, timeout)
+        while True:
+            text = "".join(self.lines)
+            start = text.index(RECORD_PREFIX) + len(RECORD_PREFIX)
+            try:
+                record, _ = json.JSONDecoder().raw_decode(text, start)
+                return record
+            except json.JSONDecodeError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)  # the record's later lines are still being read
+
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -236,12 +251,6 @@ def _wait_for_process(root_pid: int, cmdline: list[str], timeout: float) -> Any:
     raise AssertionError(f"{cmdline} did not start under pid {root_pid} within {timeout}s")
 
 
-def _record(line: str) -> dict[str, Any]:
-    start = line.index(RECORD_PREFIX) + len(RECORD_PREFIX)
-    record, _ = json.JSONDecoder().raw_decode(line[start:])
-    return record
-
-
 @pytest.mark.process
 def test_kill_me_sandbox_task_stops_its_process_tree_on_sigterm(
     airflow_env: dict[str, str], child_factory: Any
@@ -252,7 +261,7 @@ def test_kill_me_sandbox_task_stops_its_process_tree_on_sigterm(
 
     os.kill(child.proc.pid, signal.SIGTERM)
 
-    record = _record(child.wait_for_line(RECORD_PREFIX, timeout=30))
+    record = child.wait_for_record(timeout=30)
     if has_retry_policies():  # Airflow 3.3+: the cause decides the retry (an eviction retries)
         decision = child.wait_for_line("Retry policy decision", timeout=30)
         assert "action=retry" in decision
