@@ -89,6 +89,17 @@ def test_a_connection_switches_every_example_to_a_real_model(monkeypatch: pytest
     assert {(t.llm_conn_id, t.model) for t in tasks} == {("my_llm", None)}
 
 
+def test_example_loggers_have_readable_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Airflow imports DAG files as ``unusual_prefix_<sha>_<file>``: a ``getLogger(__name__)``
+    logger shows up in the task log under that name."""
+    import logging
+
+    _parse(monkeypatch, conn=None)
+    names = set(logging.root.manager.loggerDict)
+    assert not [n for n in names if "unusual_prefix" in n and "_example_" in n], sorted(names)
+    assert "cancellable_agents.examples.kill_me" in names
+
+
 # -- running ----------------------------------------------------------------------------------
 
 

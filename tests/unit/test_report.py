@@ -176,3 +176,43 @@ def test_a_task_killed_mid_run_writes_the_line_the_record_and_a_short_traceback(
     for internal in ("asyncio", "anyio", "pydantic_ai", "RunCancelled", "CancelledError"):
         assert internal not in shown, f"{internal} in the shown traceback:\n{shown}"
     assert isinstance(info.value.unwind_chain, RunCancelled)  # type: ignore[attr-defined]
+
+
+# -- the Airflow facts behind it -----------------------------------------------------------
+
+
+def test_the_noise_table_names_what_airflow_logs_after_each_user_stop() -> None:
+    from cancellable_agents.airflow.kill_report import airflow_logs_next
+    from cancellable_agents.causes import CancelCause
+
+    def texts(cause: CancelCause, action: UserAction | None) -> list[str]:
+        return [line.text for line in airflow_logs_next(cause, action)]
+
+    assert texts(CancelCause.USER, UserAction.MARKED_FAILED) == ["Task killed!"]
+    assert texts(CancelCause.USER, UserAction.CLEARED) == [
+        "Failed to report terminal task state to supervisor",
+        "Process exited abnormally",
+        "Task killed!",
+    ]
+    assert texts(CancelCause.EVICTION, None) == texts(CancelCause.TIMEOUT, None) == []
+
+
+def test_the_retry_outlook_follows_the_cause_and_the_servers_word() -> None:
+    from types import SimpleNamespace
+
+    from cancellable_agents.airflow.kill_report import retry_outlook
+    from cancellable_agents.causes import CancelCause
+
+    class Op(CancellableAgentMixin, BaseOperator):
+        def execute(self, context: Any) -> None:
+            return None
+
+    op = Op(task_id="t")
+    assert retry_outlook(op, CancelCause.USER, UserAction.CLEARED) is RetryOutlook.NEXT_TRY_STARTS
+    assert retry_outlook(op, CancelCause.USER, UserAction.MARKED_FAILED) is RetryOutlook.NOT_RETRYING
+    assert retry_outlook(op, CancelCause.EVICTION, None) is RetryOutlook.UNDECIDED  # no task instance
+    # What the server sent with the task's start (the Task SDK's RuntimeTaskInstance holds it).
+    op.__dict__["_ti"] = SimpleNamespace(_ti_context_from_server=SimpleNamespace(should_retry=True))
+    assert retry_outlook(op, CancelCause.EVICTION, None) is RetryOutlook.RETRYING
+    op.__dict__["_ti"] = SimpleNamespace(_ti_context_from_server=SimpleNamespace(should_retry=False))
+    assert retry_outlook(op, CancelCause.TIMEOUT, None) is RetryOutlook.NO_RETRIES_LEFT
