@@ -95,14 +95,16 @@ def test_the_connection_form_shows_the_model_id_and_its_test_button_works(
     with chromium.page(_ui_cookie(e2e)) as page:
         page.goto(f"{e2e.stack.url}/connections")
         page.wait_for_text(CONN_ID, timeout=60)
+        before = len(e2e.model_server.requests)
+        page.click_text("button", "Test Connection")  # the row's button, as a user clicks it
+        page.wait_for_text("Test Connection Successful", timeout=60)
+        tested = page.screenshot(screenshots / "connection_tested.png")
         page.click_text("button", "Edit Connection")
         form = page.wait_for_text("Model id", timeout=30)
         fits = page.evaluate(PLACEHOLDERS_FIT)
-        page.screenshot(screenshots / "connection_form.png")
-        page.click_text("button", "Test Connection")
-        page.wait_for_text("Test Connection Successful", timeout=30)
-        shot = page.screenshot(screenshots / "connection_form_tested.png")
-    print(f"\n[e2e-ui] connection form screenshot: {shot}")
+        shot = page.screenshot(screenshots / "connection_form.png")
+    print(f"\n[e2e-ui] connection form screenshots: {tested}, {shot}")
+    assert len(e2e.model_server.requests) == before + 1, "the Test button did not reach the model server"
     positions = [form.find(label) for label in SHOWN]
     assert all(p >= 0 for p in positions), f"missing fields: {dict(zip(SHOWN, positions, strict=True))}"
     for label in HIDDEN:

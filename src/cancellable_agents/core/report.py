@@ -30,6 +30,8 @@ SUMMARY_PREFIX = "cancelled: "
 
 #: Keys the record shows first, in this order; the rest follow as the scope wrote them.
 _LEADING_KEYS = ("cause", "detail", "outcome", "retry", "airflow_logs_next", "root_cause", "scope")
+#: Strings longer than this go last in a list item (see :func:`_short_first`).
+_LONG = 40
 #: Keys whose list items are put one per line (the rest of the record stays compact).
 _LISTED_KEYS = ("airflow_logs_next", "killed", "timeline", "children")
 
@@ -143,9 +145,18 @@ def _render(record: Mapping[str, Any]) -> Iterator[str]:
     yield "{" + ", ".join(f"{_dumps(k)}: {_dumps(v)}" for k, v in compact)
     for i, (key, value) in enumerate(listed):
         yield ("," if compact or i else "") + f"\n  {_dumps(key)}: ["
-        yield ",".join(f"\n    {_dumps(item)}" for item in value)
+        yield ",".join(f"\n    {_dumps(_short_first(item))}" for item in value)
         yield "\n  ]"
     yield "}"
+
+
+def _short_first(item: Any) -> Any:
+    """A list item with its long strings (a sandbox's whole command line) moved to the end, so
+    what fits the log view's width is the event, its time, the pid and the signal."""
+    if not isinstance(item, dict):
+        return item
+    long = {k: v for k, v in item.items() if isinstance(v, str) and len(v) > _LONG}
+    return {**{k: v for k, v in item.items() if k not in long}, **long}
 
 
 def _listed(key: str, value: Any) -> bool:
