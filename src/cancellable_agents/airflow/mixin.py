@@ -29,13 +29,8 @@ from cancellable_agents.airflow.adapter import (
 from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outlook
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
-from cancellable_agents.core.report import (
-    RECORD_PREFIX,
-    KillReport,
-    hide_unwind_chain,
-    render_record,
-    summary_line,
-)
+from cancellable_agents.core.report import RECORD_PREFIX as RECORD_PREFIX  # its old home
+from cancellable_agents.core.report import KillReport, hide_unwind_chain, render_record, summary_line
 from cancellable_agents.core.scope import DEFAULT_BUDGET, Outcome, TaskCancellation
 from cancellable_agents.process_reaper import DescendantReaper, read_proc
 from cancellable_agents.run.runner import run_agent_in_scope
@@ -46,8 +41,6 @@ log = logging.getLogger(__name__)
 #: Re-entrant: ``on_kill`` runs as a signal handler on the main thread and needs the scope, also
 #: when the signal lands while the main thread is creating it (a plain Lock deadlocks there).
 _scope_creation = threading.RLock()
-
-__all__ = ["RECORD_PREFIX", "CancellableAgentMixin", "cancellation_of"]
 
 
 def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
