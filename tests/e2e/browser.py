@@ -51,6 +51,8 @@ class Page:
     def __init__(self, ws: ClientConnection) -> None:
         self._ws = ws
         self._ids = itertools.count(1)
+        self.events: list[dict[str, Any]] = []
+        """Every DevTools event received so far (``Network.*`` once ``Network.enable`` was sent)."""
 
     def call(self, method: str, timeout: float = 30.0, **params: Any) -> dict[str, Any]:
         call_id = next(self._ids)
@@ -62,6 +64,8 @@ class Page:
                 if "error" in message:
                     raise AssertionError(f"{method}: {message['error']}")
                 return dict(message.get("result", {}))
+            if "method" in message:
+                self.events.append(message)
 
     def goto(self, url: str) -> None:
         self.call("Page.navigate", url=url)
@@ -95,6 +99,23 @@ class Page:
         )
         if not self.evaluate(script):
             raise AssertionError(f"no <{tag}> labelled {label!r} on the page:\n{self.text()[-2000:]}")
+
+    def wait_for_response(self, url_part: str, timeout: float = 30.0) -> tuple[int, str]:
+        """Status and body of the first response whose URL contains ``url_part`` (the page
+        must have sent ``Network.enable`` before the request)."""
+
+        def finished() -> tuple[int, str] | None:
+            self.call("Runtime.evaluate", expression="0")  # drains the events received so far
+            sent = [e for e in self.events if e["method"] == "Network.responseReceived"]
+            ids = {e["params"]["requestId"]: e for e in sent if url_part in e["params"]["response"]["url"]}
+            for event in self.events:
+                request_id = event["params"].get("requestId")
+                if event["method"] == "Network.loadingFinished" and request_id in ids:
+                    body = self.call("Network.getResponseBody", requestId=request_id)["body"]
+                    return int(ids[request_id]["params"]["response"]["status"]), str(body)
+            return None
+
+        return wait_until(finished, timeout, f"a response from {url_part}", interval=0.2)
 
     def screenshot(self, path: Path) -> Path:
         data = self.call("Page.captureScreenshot", format="png")["data"]

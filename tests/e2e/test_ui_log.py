@@ -10,6 +10,7 @@ the UI makes. A headless-Chromium check of the rendered pages is in ``test_ui_br
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -17,7 +18,8 @@ import pytest
 
 from cancellable_agents.core.report import RECORD_PREFIX, SUMMARY_PREFIX, parse_record
 from tests.e2e.conftest import E2EEnv, KilledRuns
-from tests.e2e.driver import PathResult, diagnostics
+from tests.e2e.airflow_stack import wait_until
+from tests.e2e.driver import PathResult, diagnostics, fetch_log
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -116,14 +118,24 @@ def test_every_airflow_error_after_the_record_was_announced(
     e2e: E2EEnv, killed_runs: KilledRuns, path: str
 ) -> None:
     """What the record calls expected is what Airflow then logs: no more, no less."""
-    seen = _judge(e2e, killed_runs.results[path])
+    result = killed_runs.results[path]
+    seen = _judge(e2e, result)
     announced = [line["line"] for line in seen["record"].get("airflow_logs_next", [])]
-    after = seen["events"][seen["at"] + 1 :]
-    loud = ("error", "warning", "critical")
-    noisy = [_text(e) for e in after if e.get("level") in loud and _text(e) != TASK_FAILED]
-    # The e2e DAG's own callbacks log at WARNING; they are the test's, not Airflow's.
-    airflow_lines = [text for text in noisy if not text.startswith("E2E_")]
-    assert airflow_lines == announced, f"announced {announced}, Airflow logged {airflow_lines}"
+
+    def airflow_lines() -> list[str]:
+        events = fetch_log(e2e, result, 1)
+        after = events[[_text(e) for e in events].index(_text(seen["events"][seen["at"]])) + 1 :]
+        loud = ("error", "warning", "critical")
+        noisy = [_text(e) for e in after if e.get("level") in loud and _text(e) != TASK_FAILED]
+        # The e2e DAG's own callbacks log at WARNING; they are the test's, not Airflow's.
+        return [text for text in noisy if not text.startswith("E2E_")]
+
+    # The supervisor writes "Task killed!" once it has reaped the task: possibly after the run
+    # settled. Read the log again until Airflow's lines are all there (or the wait runs out).
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: len(airflow_lines()) >= len(announced), 15, "Airflow's lines", interval=0.5)
+    logged = airflow_lines()
+    assert logged == announced, f"announced {announced}, Airflow logged {logged}"
 
 
 def test_the_connection_forms_test_button_asks_the_model(e2e: E2EEnv) -> None:
