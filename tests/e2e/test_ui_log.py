@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from cancellable_agents.core.report import RECORD_PREFIX, SUMMARY_PREFIX, parse_record
-from tests.e2e.conftest import E2EEnv, KilledRuns
 from tests.e2e.airflow_stack import wait_until
+from tests.e2e.conftest import E2EEnv, KilledRuns
 from tests.e2e.driver import PathResult, diagnostics, fetch_log
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
