@@ -38,6 +38,14 @@ PLACEHOLDERS_FIT = """
 """
 
 
+#: Scroll the log view so our human line is at its top (the page opens at the end of the log).
+SCROLL_TO_SUMMARY = """
+(() => { const el = [...document.querySelectorAll('*')].find(e =>
+  e.childElementCount === 0 && (e.textContent || '').includes('cancelled: user marked it failed'));
+  if (el) el.scrollIntoView({block: 'start'}); return Boolean(el); })()
+"""
+
+
 @pytest.fixture(scope="module")
 def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
     binary = chromium_binary()
@@ -76,7 +84,9 @@ def test_the_log_page_of_a_marked_failed_try_reads_at_a_glance(
         text = page.wait_for_text("cancelled: user marked it failed", timeout=60)
         text = page.wait_for_text("TaskCancelled", timeout=20)
         shot = page.screenshot(screenshots / "mark_failed_log.png")
-    print(f"\n[e2e-ui] log page screenshot: {shot}")
+        page.evaluate(SCROLL_TO_SUMMARY)
+        top = page.screenshot(screenshots / "mark_failed_log_summary.png")
+    print(f"\n[e2e-ui] log page screenshots: {shot} (as it opens), {top} (scrolled to our line)")
     # The page opens at the end of the log: what it shows there is ours, and reads as a stop.
     assert '"cause": "user", "detail": "marked failed", "outcome": "cancelled"' in text
     for internal in ("WouldBlock", "CancelledError", "RunCancelled", "anyio", "asyncio"):
