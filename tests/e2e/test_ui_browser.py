@@ -42,7 +42,10 @@ PLACEHOLDERS_FIT = """
 SCROLL_TO_SUMMARY = """
 (() => { const el = [...document.querySelectorAll('*')].find(e =>
   e.childElementCount === 0 && (e.textContent || '').includes('cancelled: user marked it failed'));
-  if (el) el.scrollIntoView({block: 'start'}); return Boolean(el); })()
+  if (!el) return false;
+  el.scrollIntoView({block: 'start', inline: 'nearest'});
+  document.querySelectorAll('*').forEach(e => { if (e.scrollLeft) e.scrollLeft = 0; });
+  return true; })()
 """
 
 

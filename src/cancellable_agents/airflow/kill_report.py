@@ -54,8 +54,11 @@ def retry_outlook(operator: Any, cause: CancelCause | None, action: UserAction |
     if cause is CancelCause.USER:
         return RetryOutlook.NOT_RETRYING
     decide = getattr(getattr(operator, "retry_policy", None), "decide", None)
-    if callable(decide) and cause is not None and str(decide(cause, action).action.value) == "fail":
-        return RetryOutlook.NOT_RETRYING
+    if callable(decide) and cause is not None:  # CancellationAwareRetryPolicy: Airflow 3.3+
+        from airflow.sdk.definitions.retry_policy import RetryAction
+
+        if decide(cause, action).action is RetryAction.FAIL:
+            return RetryOutlook.NOT_RETRYING
     should_retry = _should_retry(operator)
     if should_retry is None:
         return RetryOutlook.UNDECIDED
