@@ -34,6 +34,14 @@ def test_provider_info_is_provider_yaml() -> None:
     assert get_provider_info() == expected
 
 
+def test_the_providers_page_links_to_the_documentation() -> None:
+    """Airflow's *Providers* page shows ``documentation-url`` as the provider's link."""
+    from airflow.providers_manager import ProvidersManager
+
+    info = ProvidersManager().providers["airflow-provider-cancellable-agents"].data
+    assert str(info["documentation-url"]).startswith("https://")
+
+
 def test_entry_point_returns_the_provider_info() -> None:
     (ep,) = [
         e for e in entry_points(group="apache_airflow_provider") if e.value.startswith("cancellable_agents")
