@@ -1,11 +1,13 @@
 """Kill me: long-running agent tasks for trying Airflow's buttons and watching them stop.
 
-Trigger the DAG, wait until the tasks are running, then on any task press *Mark as failed*
-(cause ``user``: fails at once, no retry), *Clear* (cause ``user``: the next try starts at
-once), or stop the worker with SIGTERM (cause ``eviction``: retried). ``times_out`` ends by
-itself through ``execution_timeout`` (cause ``timeout``). Each task log ends with one line
-starting ``cancellable_agents.record`` that holds the cause, the timeline in ms and every
-process killed. See docs/content/kill-paths.md for what happens, step by step.
+Trigger the DAG and wait until a task is mid-work: its log shows ``watch_the_queue: still
+watching``, ``rebuild_the_index: batch`` or the sandbox's first output. Then press *Mark as
+failed* on it (cause ``user``: fails at once, no retry), *Clear* (cause ``user``: the next try
+starts at once), or stop the worker with SIGTERM (cause ``eviction``: retried). ``times_out``
+ends by itself through ``execution_timeout`` (cause ``timeout``). Each killed try's log ends
+with a ``cancelled: ...`` line (cause, unwind time, processes killed, retry), the record
+(``cancellable_agents.record``, cause first, one timeline event per line) and a short
+``TaskCancelled``. See docs/content/kill-paths.md for what happens, step by step.
 
 The keyless ``test`` model calls each task's tool straight away, and the tools take ten
 minutes, so there is time to press buttons. Set ``CANCELLABLE_AGENTS_CONN`` for a real model
@@ -26,7 +28,8 @@ from cancellable_agents import AgentOperator, LLMOperator, LocalSandbox, current
 
 LLM_CONN_ID = os.environ.get("CANCELLABLE_AGENTS_CONN")
 MODEL = None if LLM_CONN_ID else "test"
-log = logging.getLogger(__name__)
+# Not __name__: Airflow imports DAG files as `unusual_prefix_<sha>_<file>`, unreadable in the log.
+log = logging.getLogger("cancellable_agents.examples.kill_me")
 
 
 async def watch_the_queue() -> str:

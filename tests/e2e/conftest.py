@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
+from tests.e2e.driver import PATHS, PathResult, drive
 from tests.e2e.procs import kill_marked, marked_processes
 
 DAGS_FOLDER = Path(__file__).with_name("dags")
@@ -60,6 +62,8 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
                 "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
                 "E2E_STATE_DIR": str(state_dir),
                 "E2E_MARKER": marker,
+                # The connection form's *Test* button (POST /api/v2/connections/test).
+                "AIRFLOW__CORE__TEST_CONNECTION": "Enabled",
             },
         )
         started = time.monotonic()
@@ -84,6 +88,24 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
             kill_marked(marker)
             leftovers = marked_processes(marker)
             assert not leftovers, f"processes with marker {marker} survived the session: {leftovers}"
+
+
+@dataclass
+class KilledRuns:
+    """Every kill path, driven once per session (in parallel DAG runs)."""
+
+    results: dict[str, PathResult]
+    took_s: float
+
+
+@pytest.fixture(scope="session")
+def killed_runs(e2e: E2EEnv) -> KilledRuns:
+    """Drive all kill paths at once; the tests of ``test_kill_paths`` and ``test_ui_log`` judge them."""
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(PATHS), thread_name_prefix="e2e-path") as pool:
+        futures = {name: pool.submit(drive, e2e, path) for name, path in PATHS.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    return KilledRuns(results, time.monotonic() - started)
 
 
 def _await_dags(stack: AirflowStack, rest: RestClient, timeout: float = 90) -> None:

@@ -266,17 +266,25 @@ def _collect(env: E2EEnv, result: PathResult) -> None:
     tries = env.rest.json("GET", f"{_ti_path(result)}/tries")["task_instances"]
     result.tries = sorted(tries, key=lambda t: t["try_number"])
     for entry in result.tries:
-        number = entry["try_number"]
-        body = env.rest.json(
-            "GET",
-            f"{_ti_path(result)}/logs/{number}",
-            params={"full_content": "true"},
-            headers={"Accept": "application/json"},
-        )
-        result.logs[number] = [e for e in body["content"] if isinstance(e, dict)]
+        result.logs[entry["try_number"]] = fetch_log(env, result, entry["try_number"])
     result.callbacks_fired = _callbacks(env, result)
     result.request = _request(env, result, 1)
     result.survivors = _survivors(env, result)
+
+
+def fetch_log(env: E2EEnv, result: PathResult, try_number: int) -> list[dict[str, Any]]:
+    """A try's log events the way the UI reads them: ``application/x-ndjson``, one event a line
+    (the endpoint refuses ``text/plain``; ``application/json`` gives the same events in one body)."""
+    response = env.rest.request(
+        "GET",
+        f"{_ti_path(result)}/logs/{try_number}",
+        params={"full_content": "true"},
+        headers={"Accept": "application/x-ndjson"},
+    )
+    if response.status_code != 200:
+        raise AssertionError(f"log of try {try_number} -> {response.status_code}: {response.text[:500]}")
+    events = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    return [e for e in events if isinstance(e, dict)]
 
 
 def _collect_quietly(env: E2EEnv, result: PathResult) -> None:

@@ -13,15 +13,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from cancellable_agents.mixin import CancellableAgentMixin
-from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv
+from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv, KilledRuns
 from tests.e2e.dags.kill_paths import EXECUTION_TIMEOUT_S
-from tests.e2e.driver import PATHS, PathResult, diagnostics, drive
+from tests.e2e.driver import PathResult, diagnostics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -34,16 +33,12 @@ TIMEOUT_MARGIN_S = CancellableAgentMixin.timeout_margin
 
 
 @pytest.fixture(scope="module")
-def outcomes(e2e: E2EEnv) -> Iterator[dict[str, PathResult]]:
-    """Drive all four kill paths in parallel DAG runs; print the measurements afterwards."""
-    started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=len(PATHS), thread_name_prefix="e2e-path") as pool:
-        futures = {name: pool.submit(drive, e2e, path) for name, path in PATHS.items()}
-        results = {name: future.result() for name, future in futures.items()}
-    took = time.monotonic() - started
-    yield results
-    print(f"\n[e2e] Airflow ready in {e2e.ready_s:.1f}s; the four paths took {took:.1f}s in parallel")
-    for result in results.values():
+def outcomes(e2e: E2EEnv, killed_runs: KilledRuns) -> Iterator[dict[str, PathResult]]:
+    """All kill paths, driven once per session in parallel DAG runs; print the measurements."""
+    yield killed_runs.results
+    took = killed_runs.took_s
+    print(f"\n[e2e] Airflow ready in {e2e.ready_s:.1f}s; the paths took {took:.1f}s in parallel")
+    for result in killed_runs.results.values():
         print(_measurements(result))
 
 

@@ -33,12 +33,15 @@ def _failed_with_task_cancelled(task: Any) -> dict[str, Any]:
 
 
 def _logged_records(task: Any) -> list[dict[str, Any]]:
-    """The ``cancellable_agents.record {json}`` lines of the task's log (read once it exited)."""
+    """The ``cancellable_agents.record {json}`` records of the task's log (read once it exited);
+    each is one JSON object that may span several lines."""
+    text = task.tail(2000)
+    decoder = json.JSONDecoder()
     records = []
-    for line in task.tail(2000).splitlines():
-        if RECORD_PREFIX in line:
-            text = line[line.index(RECORD_PREFIX) + len(RECORD_PREFIX) :]
-            records.append(json.JSONDecoder().raw_decode(text)[0])
+    start = text.find(RECORD_PREFIX)
+    while start >= 0:
+        records.append(decoder.raw_decode(text, start + len(RECORD_PREFIX))[0])
+        start = text.find(RECORD_PREFIX, start + len(RECORD_PREFIX))
     return records
 
 

@@ -89,6 +89,17 @@ def test_a_connection_switches_every_example_to_a_real_model(monkeypatch: pytest
     assert {(t.llm_conn_id, t.model) for t in tasks} == {("my_llm", None)}
 
 
+def test_example_loggers_have_readable_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Airflow imports DAG files as ``unusual_prefix_<sha>_<file>``: a ``getLogger(__name__)``
+    logger shows up in the task log under that name."""
+    import logging
+
+    _parse(monkeypatch, conn=None)
+    names = set(logging.root.manager.loggerDict)
+    assert not [n for n in names if "unusual_prefix" in n and "_example_" in n], sorted(names)
+    assert "cancellable_agents.examples.kill_me" in names
+
+
 # -- running ----------------------------------------------------------------------------------
 
 
@@ -197,6 +208,21 @@ class _Child:
                 return line
         raise AssertionError(f"no line with {needle!r} within {timeout}s:\n{''.join(self.lines[-80:])}")
 
+    def wait_for_record(self, timeout: float) -> dict[str, Any]:
+        """The record after ``RECORD_PREFIX``: one JSON object that spans several lines."""
+        deadline = time.monotonic() + timeout
+        self.wait_for_line(RECORD_PREFIX, timeout)
+        while True:
+            text = "".join(self.lines)
+            start = text.index(RECORD_PREFIX) + len(RECORD_PREFIX)
+            try:
+                record, _ = json.JSONDecoder().raw_decode(text, start)
+                return record
+            except json.JSONDecodeError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)  # the record's later lines are still being read
+
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -236,12 +262,6 @@ def _wait_for_process(root_pid: int, cmdline: list[str], timeout: float) -> Any:
     raise AssertionError(f"{cmdline} did not start under pid {root_pid} within {timeout}s")
 
 
-def _record(line: str) -> dict[str, Any]:
-    start = line.index(RECORD_PREFIX) + len(RECORD_PREFIX)
-    record, _ = json.JSONDecoder().raw_decode(line[start:])
-    return record
-
-
 @pytest.mark.process
 def test_kill_me_sandbox_task_stops_its_process_tree_on_sigterm(
     airflow_env: dict[str, str], child_factory: Any
@@ -252,7 +272,7 @@ def test_kill_me_sandbox_task_stops_its_process_tree_on_sigterm(
 
     os.kill(child.proc.pid, signal.SIGTERM)
 
-    record = _record(child.wait_for_line(RECORD_PREFIX, timeout=30))
+    record = child.wait_for_record(timeout=30)
     if has_retry_policies():  # Airflow 3.3+: the cause decides the retry (an eviction retries)
         decision = child.wait_for_line("Retry policy decision", timeout=30)
         assert "action=retry" in decision

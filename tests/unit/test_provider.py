@@ -19,6 +19,7 @@ from cancellable_agents.get_provider_info import (
     get_provider_info,
 )
 from cancellable_agents.hooks.model import ModelHook, build_model
+from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.airflow_versions import AIRFLOW_VERSION, major_minor
 
 ROOT = Path(__file__).parents[2]
@@ -31,6 +32,14 @@ def test_provider_info_is_provider_yaml() -> None:
             d for d in expected["task-decorators"] if d["name"] not in NAMES_SHARED_WITH_COMMON_AI
         ]
     assert get_provider_info() == expected
+
+
+def test_the_providers_page_links_to_the_documentation() -> None:
+    """Airflow's *Providers* page shows ``documentation-url`` as the provider's link."""
+    from airflow.providers_manager import ProvidersManager
+
+    info = ProvidersManager().providers["airflow-provider-cancellable-agents"].data
+    assert str(info["documentation-url"]).startswith("https://")
 
 
 def test_entry_point_returns_the_provider_info() -> None:
@@ -62,9 +71,9 @@ def test_airflow_registers_the_connection_type_hook_and_decorators() -> None:
     assert "airflow-provider-cancellable-agents" in manager.providers
     if major_minor(AIRFLOW_VERSION) < (3, 2):
         return  # 3.1 reads the form from the hook, and only with FAB: see the UI test below
-    assert "extra__cancellable_agents_model__model" in manager.connection_form_widgets
     behaviour = manager.field_behaviours["cancellable_agents_model"]
-    assert behaviour["relabeling"] == {"host": "Base URL", "password": "API key"}
+    assert behaviour["relabeling"] == {"schema": "Model id", "host": "Base URL", "password": "API key"}
+    assert set(behaviour["hidden_fields"]) == {"port", "login"}
 
 
 UI_HOOK_META = """
@@ -84,9 +93,13 @@ def test_the_ui_connection_form_has_the_model_field_and_labels() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
     fields = meta["standard_fields"]
-    assert (fields["host"]["title"], fields["password"]["title"]) == ("Base URL", "API key")
-    assert fields["login"]["hidden"] and fields["port"]["hidden"] and fields["url_schema"]["hidden"]
-    assert meta["extra_fields"]["model"]["schema"]["title"] == "Model id"
+    titles = [fields[name]["title"] for name in ("url_schema", "host", "password")]
+    assert titles == ["Model id", "Base URL", "API key"]
+    assert fields["login"]["hidden"] and fields["port"]["hidden"]
+    assert not fields["url_schema"]["hidden"], "the model id must be visible, not under Extra Fields"
+    # The form cuts placeholders at its width (~40 characters at the default window size).
+    assert all(len(fields[name]["placeholder"] or "") <= 40 for name in ("url_schema", "host", "password"))
+    assert not meta["extra_fields"], "one place for the model id"
 
 
 def test_task_decorators_build_our_operators() -> None:
@@ -165,7 +178,53 @@ def test_connection_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(model, OpenAIChatModel) and model.model_name == "qwen"
     overridden = ModelHook(llm_conn_id="my_llm", model="openai:other").get_model()
     assert overridden.model_name == "other"
-    assert ModelHook(llm_conn_id="my_llm").test_connection()[0] is True
+
+
+def test_model_id_field_wins_over_the_old_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    conn = {
+        "conn_type": "cancellable_agents_model",
+        "host": "http://127.0.0.1:8000/v1",
+        "schema": "openai:new",
+        "extra": {"model": "openai:old"},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_MY_LLM", json.dumps(conn))
+    assert ModelHook(llm_conn_id="my_llm").get_model().model_name == "new"
+
+
+def test_the_test_button_asks_an_openai_compatible_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The form's *Test* (``Connection.test_connection`` calls the hook's): a real request."""
+    from airflow.models.connection import Connection
+
+    with ScriptedModelServer() as server:
+        conn = Connection(
+            conn_id="my_llm", conn_type="cancellable_agents_model", host=server.base_url, schema="openai:echo"
+        )
+        monkeypatch.setenv("AIRFLOW_CONN_MY_LLM", conn.as_json())
+        ok, message = conn.test_connection()
+        assert ok, message
+        assert "echo: Reply with: ok" in message
+        assert [r.model for r in server.requests] == ["echo"]
+
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_MY_LLM", json.dumps({**json.loads(conn.as_json()), "schema": "openai:nope"})
+        )
+        ok, message = ModelHook(llm_conn_id="my_llm").test_connection()
+        assert not ok and "400" in message and "nope" in message, message
+
+
+def test_the_test_button_runs_the_test_model_locally(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_MY_LLM", json.dumps({"conn_type": "cancellable_agents_model", "schema": "test"})
+    )
+    ok, message = ModelHook(llm_conn_id="my_llm").test_connection()
+    assert ok and "'test'" in message, message
+
+
+def test_the_test_button_says_why_it_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    conn = {"conn_type": "cancellable_agents_model", "host": "http://127.0.0.1:9/v1", "schema": "openai:x"}
+    monkeypatch.setenv("AIRFLOW_CONN_MY_LLM", json.dumps(conn))
+    ok, message = ModelHook(llm_conn_id="my_llm").test_connection()
+    assert not ok and "Connection" in message, message
 
 
 def test_unknown_connection_names_the_fix() -> None:

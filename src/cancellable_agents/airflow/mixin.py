@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import logging
 import sys
 import threading
@@ -28,10 +27,13 @@ from cancellable_agents.airflow.adapter import (
     is_execution_timeout,
     ti_key,
 )
+from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outlook
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
+from cancellable_agents.core.report import RECORD_PREFIX as RECORD_PREFIX  # its old home
+from cancellable_agents.core.report import KillReport, hide_unwind_chain, render_record, summary_line
 from cancellable_agents.core.scope import DEFAULT_BUDGET, Outcome, TaskCancellation
-from cancellable_agents.process_reaper import DescendantReaper
+from cancellable_agents.process_reaper import DescendantReaper, read_proc
 from cancellable_agents.run.runner import run_agent_in_scope
 
 log = logging.getLogger(__name__)
@@ -40,9 +42,6 @@ log = logging.getLogger(__name__)
 #: Re-entrant: ``on_kill`` runs as a signal handler on the main thread and needs the scope, also
 #: when the signal lands while the main thread is creating it (a plain Lock deadlocks there).
 _scope_creation = threading.RLock()
-
-#: Prefix of the one structured log line a cancellation writes (parsed by the e2e tests).
-RECORD_PREFIX = "cancellable_agents.record "
 
 
 def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,6 +56,10 @@ def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
         self.__dict__["_in_execute"] = True
         try:
             return _run_guarded(self, execute, context)
+        except TaskCancelled as exc:
+            # Airflow logs the chain: unless a real error is in it, show our frames, not anyio's.
+            hide_unwind_chain(exc)
+            raise
         finally:
             self.__dict__["_in_execute"] = False
 
@@ -233,6 +236,7 @@ class CancellableAgentMixin:
         self.__dict__["_context"] = context  # durable=True: the task state store and try number
         if self.__dict__.get("_ti_key") is None:
             self.__dict__["_ti_key"] = ti_key(context)
+            self.__dict__["_ti"] = context.get("ti") if hasattr(context, "get") else None  # retry outlook
 
     def _start_reaper(self) -> None:
         """Watch for processes the task starts (once per task instance)."""
@@ -342,8 +346,8 @@ class CancellableAgentMixin:
         return exc
 
     def _log_record(self, exc: TaskCancelled | None = None) -> None:
-        """Once per task instance: wait for the unwind (within the budget), then write the single
-        structured line that says what happened, for the task log in the UI."""
+        """Once per task instance: wait for the unwind (within the budget), then write what
+        happened for the task log in the UI: one human line, then the structured record."""
         if self.__dict__.setdefault("_record_logged", False):
             return
         self.__dict__["_record_logged"] = True
@@ -353,7 +357,16 @@ class CancellableAgentMixin:
         record = scope.summary()
         record["usage"] = _usage_dict(exc.usage if exc else None)
         record["messages"] = len(exc.messages) if exc else 0
-        log.warning("%s%s", RECORD_PREFIX, json.dumps(record, default=str, sort_keys=True))
+        cause, action = scope.cause, scope.user_action
+        report = KillReport(
+            record,
+            action=action,
+            processes_left=_still_running(record["killed"]),
+            retry=retry_outlook(self, cause, action),
+            airflow_logs_next=airflow_logs_next(cause, action),
+        )
+        log.warning("%s", summary_line(report))
+        log.warning("%s", render_record(report.full_record()))
         _exit_promptly()
 
 
@@ -419,6 +432,12 @@ def _exit_promptly() -> None:
     though its unwind took milliseconds. Frozen objects are left to the OS at exit.
     """
     gc.freeze()
+
+
+def _still_running(killed: list[dict[str, Any]]) -> int:
+    """How many of the processes the unwind signalled still run code (zombies count as gone)."""
+    pids = {k["pid"] for k in killed if isinstance(k.get("pid"), int)}
+    return sum(1 for pid in pids if (info := read_proc(pid)) is not None and not info.exited)
 
 
 def _usage_dict(usage: Any) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """``ModelHook``: an Airflow connection (or a bare model id) turned into a pydantic-ai model.
 
-Connection fields: *Model id* (extra ``model``), *Base URL* (host), *API key* (password).
+Connection fields: *Model id* (the standard ``schema`` field, relabelled; connections made before
+it moved there keep it in extra ``model``), *Base URL* (host), *API key* (password).
 Model ids are pydantic-ai's ``provider:name``; ``test`` is pydantic-ai's keyless ``TestModel``
 for demos and tests. A Base URL makes any ``openai:`` model talk to an OpenAI-compatible server
 (Ollama, vLLM, LM Studio, the provider's own local test server).
@@ -8,6 +9,8 @@ for demos and tests. A Base URL makes any ``openai:`` model talk to an OpenAI-co
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from typing import Any
 
 from airflow.sdk.bases.hook import BaseHook
@@ -16,6 +19,10 @@ from cancellable_agents.core.exceptions import ConfigurationError
 
 #: Sent to OpenAI-compatible local servers that want *some* key but check none.
 _LOCAL_SERVER_KEY = "not-needed-for-local-servers"
+#: The form's *Test* button waits this long for the model's answer (the API server waits on it).
+TEST_TIMEOUT_S = 20.0
+#: The test request's answer size: the test checks reachability, key and model id, not the answer.
+_TEST_MAX_TOKENS = 16
 
 
 class ModelHook(BaseHook):
@@ -56,15 +63,13 @@ class ModelHook(BaseHook):
             raise ConfigurationError(
                 f"Connection {self.llm_conn_id!r} not found ({exc}). Create it, e.g. "
                 f"`airflow connections add {self.llm_conn_id} --conn-type cancellable_agents_model "
-                f"--conn-host https://api.openai.com/v1 --conn-password $OPENAI_API_KEY "
-                f'--conn-extra \'{{"model": "openai:gpt-4o-mini"}}\'`.'
+                f"--conn-schema openai:gpt-4o-mini --conn-host https://api.openai.com/v1 "
+                f"--conn-password $OPENAI_API_KEY`."
             ) from exc
-        extra = conn.extra_dejson or {}
-        model = extra.get("model") or extra.get(f"extra__{self.conn_type}__model")
-        return conn.host or None, conn.password or None, model
+        return conn.host or None, conn.password or None, _model_of(conn)
 
-    # Airflow 3.2+ builds the connection form from provider.yaml (``conn-fields``,
-    # ``ui-field-behaviour``) and skips these two methods; Airflow 3.1 knows only them. Both read
+    # Airflow 3.2+ builds the connection form from provider.yaml (``ui-field-behaviour``,
+    # ``conn-fields``) and skips these two methods; Airflow 3.1 knows only them. Both read
     # provider.yaml, so the form is the same on every version.
 
     @classmethod
@@ -75,12 +80,15 @@ class ModelHook(BaseHook):
 
     @classmethod
     def get_connection_form_widgets(cls) -> dict[str, Any]:
-        """The form's extra fields, i.e. *Model id* (Airflow 3.1; its UI stands in for FAB)."""
+        """The form's extra fields (Airflow 3.1; its UI stands in for FAB). None today: *Model id*
+        is a standard field."""
+        fields = _connection_type_info().get("conn-fields") or {}
+        if not fields:
+            return {}
         from flask_appbuilder.fieldwidgets import BS3TextFieldWidget
         from flask_babel import lazy_gettext
         from wtforms import StringField
 
-        fields = _connection_type_info()["conn-fields"]
         return {
             name: StringField(
                 lazy_gettext(f["label"]), description=f.get("description"), widget=BS3TextFieldWidget()
@@ -89,12 +97,48 @@ class ModelHook(BaseHook):
         }
 
     def test_connection(self) -> tuple[bool, str]:
-        """Used by the UI's *Test* button: the model can be built (no request is sent)."""
+        """The form's *Test* button: one short real request to the model (``test`` runs locally).
+
+        Checks what a task needs: the Base URL answers, the key is accepted, the model id exists.
+        Never raises; the message says what failed.
+        """
         try:
             model = self.get_model()
+            answer = _ask_once(model, TEST_TIMEOUT_S)
+        except TimeoutError:
+            return False, f"The model did not answer within {TEST_TIMEOUT_S:.0f}s"
         except Exception as exc:
-            return False, str(exc)
-        return True, f"Model {getattr(model, 'model_name', model)!r} is configured"
+            return False, f"{type(exc).__name__}: {exc}"
+        name = getattr(model, "model_name", model)
+        return True, f"Model {name!r} answered: {answer[:60]!r}"
+
+
+def _model_of(conn: Any) -> str | None:
+    """The connection's model id: the *Model id* field (``schema``), else the extra field where
+    connections made before it moved keep it."""
+    if conn.schema:
+        return str(conn.schema)
+    extra = conn.extra_dejson or {}
+    return extra.get("model") or extra.get(f"extra__{ModelHook.conn_type}__model")
+
+
+def _ask_once(model: Any, timeout: float) -> str:
+    """Send one short prompt to ``model`` and return its text; bounded by ``timeout``.
+
+    On a thread of its own with its own event loop: the API server calls the hook from wherever
+    it is, possibly a thread with a running loop.
+    """
+    from pydantic_ai import Agent
+    from pydantic_ai.settings import ModelSettings
+
+    async def ask() -> str:
+        agent = Agent(model, output_type=str, retries=0)
+        settings = ModelSettings(max_tokens=_TEST_MAX_TOKENS)
+        result = await asyncio.wait_for(agent.run("Reply with: ok", model_settings=settings), timeout)
+        return str(result.output)
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-hook-test") as pool:
+        return pool.submit(asyncio.run, ask()).result(timeout + 5)
 
 
 def _connection_type_info() -> dict[str, Any]:
