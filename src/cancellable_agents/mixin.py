@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from cancellable_agents.agent_run import run_agent_in_scope
+from cancellable_agents.airflow.supervisor import watch_supervisor
 from cancellable_agents.cancellation import DEFAULT_BUDGET, Outcome, TaskCancellation
 from cancellable_agents.causes import CancelCause, CauseVerdict, classify_sigterm
 from cancellable_agents.exceptions import ConfigurationError, TaskCancelled
@@ -186,6 +187,8 @@ class CancellableAgentMixin:
             reaper = DescendantReaper.start(scope)
             if reaper is not None:
                 self.__dict__["_reaper"] = reaper
+        if "_supervisor_watch" not in self.__dict__:  # stops by itself once the run settled
+            self.__dict__["_supervisor_watch"] = watch_supervisor(scope, context)
         super().pre_execute(context)  # type: ignore[misc]
 
     # -- running agents ------------------------------------------------------------------

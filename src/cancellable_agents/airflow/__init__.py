@@ -1,0 +1,1 @@
+"""Everything that knows about Airflow (the Task SDK, its supervisor, executors)."""
