@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from cancellable_agents.agent_run import run_agent_in_scope
-from cancellable_agents.airflow.supervisor import watch_supervisor
+from cancellable_agents.airflow.supervisor import notice_exit_at_once, watch_supervisor
 from cancellable_agents.cancellation import DEFAULT_BUDGET, Outcome, TaskCancellation
 from cancellable_agents.causes import CancelCause, CauseVerdict, classify_sigterm
 from cancellable_agents.exceptions import ConfigurationError, TaskCancelled
@@ -363,6 +363,7 @@ def _exit_promptly() -> None:
     though its unwind took milliseconds. Frozen objects are left to the OS at exit.
     """
     gc.freeze()
+    notice_exit_at_once()  # and spare it Airflow's supervisor sleeping through its exit
 
 
 def _ti_key(context: Any) -> tuple[str, str, str, int] | None:
