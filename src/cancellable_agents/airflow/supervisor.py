@@ -33,11 +33,10 @@ import contextlib
 import json
 import logging
 import os
-import select
-import signal
 import socket
 import stat
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -272,6 +271,7 @@ def notice_exit_at_once() -> None:
     evictions under Celery, and a Clear at the edge of the SIGKILL). So at exit a tiny forked
     helper keeps the task's stdout socket open until the kernel reports the whole task process
     gone (a pidfd), then exits: the supervisor's last EOF arrives after the process is reapable.
+    (The helper is reparented to init when we exit, which reaps it.)
     Linux 5.3+ only; elsewhere, and without a Task SDK supervisor, nothing is done.
     """
     global _linger_registered
@@ -285,28 +285,26 @@ def notice_exit_at_once() -> None:
 
 
 def _linger_until_reaped() -> None:
-    """At exit: fork the helper that holds fd 1 (a socket to the supervisor) until we are gone."""
+    """At exit: start the helper that holds fd 1 (a socket to the supervisor) until we are gone.
+
+    Exec'd, not merely forked: a forked copy of this multi-threaded interpreter can hang on a
+    lock another thread held (measured: then the supervisor waited the full 5 s after all).
+    """
     try:
         if not stat.S_ISSOCK(os.fstat(1).st_mode):
             return
-        pidfd = os.pidfd_open(os.getpid())
-    except OSError:
+        argv = [sys.executable, "-S", "-I", "-c", _LINGER_SCRIPT, str(os.getpid()), str(_LINGER_MAX)]
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+    except (OSError, ValueError):
         return
-    try:
-        child = os.fork()
-    except OSError:
-        os.close(pidfd)
-        return
-    if child:
-        os.close(pidfd)
-        return
-    try:  # the helper: no Python-level handlers (a group SIGTERM simply ends it), no other fds
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        os.closerange(3, pidfd)
-        os.closerange(pidfd + 1, os.sysconf("SC_OPEN_MAX"))
-        os.close(0)
-        os.close(2)
-        select.select([pidfd], [], [], _LINGER_MAX)  # readable once the task process fully exited
-    finally:
-        os._exit(0)
+
+
+#: The helper: wait (bounded) until the task process has fully exited, then end.
+_LINGER_SCRIPT = (
+    "import os, select, sys\n"
+    "try:\n"
+    "    pidfd = os.pidfd_open(int(sys.argv[1]))\n"
+    "except OSError:\n"
+    "    sys.exit()\n"
+    "select.select([pidfd], [], [], float(sys.argv[2]))\n"
+)
