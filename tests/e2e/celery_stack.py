@@ -44,9 +44,6 @@ class CeleryStack(AirflowStack):
             "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
             "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://127.0.0.1:{self.redis_port}/1",
             "AIRFLOW__CELERY__WORKER_CONCURRENCY": "2",
-            # Nine workers' tasks write through one SQLite file: wait for its lock up to 30 s
-            # instead of pysqlite's 5 s (a dag-processor that gets "database is locked" exits).
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}?timeout=30",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": str(
                 HEARTBEAT_DETECTION_S
