@@ -14,13 +14,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # bubblewrap gives sandbox commands their own PID namespace; the tests skip namespace mode
-# (with the reason) only where it truly cannot be installed.
+# (with the reason) only where it truly cannot be installed. redis-server is the CeleryExecutor
+# e2e's broker (tests/e2e/test_celery.py starts its own on a free loopback port; skipped without).
 system-deps:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) || \
 	      echo "warning: could not install bubblewrap; sandboxes fall back to process groups"; \
 	  else echo "note: bubblewrap not installed; sandboxes fall back to process groups"; fi; }
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) || \
+	      echo "warning: could not install redis-server; the CeleryExecutor e2e is skipped"; \
+	  else echo "note: redis-server not installed; the CeleryExecutor e2e is skipped"; fi; }
 
 demo: $(STAMP) system-deps
 	$(PY) -m cancellable_agents.demo
@@ -44,7 +50,7 @@ unit: $(STAMP)
 process: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/process
 
-e2e: $(STAMP)
+e2e: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/e2e
 
 bench: $(STAMP) system-deps

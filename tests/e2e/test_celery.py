@@ -473,6 +473,10 @@ def _report_line(env: E2EEnv, result: PathResult) -> str:
         )
         first = _try(result, 1)["state"] if result.tries else None
         retry = _retry_worker(env, result) if result.final_ti.get("try_number") == 2 else None
+        if retry and result.click_wall:
+            retry += (
+                f" {(_wall(_try(result, 2)['start_date']) or 0) - result.click_wall:.1f}s after the signal"
+            )
         cause = f"{record['cause']}/{record['detail']}" if record else "none"
         return (
             f"[celery] {result.path:<19} reached: {reached}; record in {where}; cause {cause}; "
