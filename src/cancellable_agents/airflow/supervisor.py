@@ -21,9 +21,11 @@ main thread, which is the one blocked in the run. On loss the watch:
 4. exits the process with ``os._exit``: nobody is left to report a state to, and the
    scheduler's ``task_instance_heartbeat_timeout`` decides the retry.
 
-Steps 1-4 run on a *non-daemon* thread, so a main thread that reaches ``sys.exit`` first still
-waits for the record to be written. The watch stops by itself once the run settled otherwise
-(completed or failed). Under ``dag.test()`` or without a Task SDK supervisor it is not started.
+Steps 1-4 run on a non-daemon thread that an ``atexit`` hook joins, so a main thread that
+reaches the exit first still waits for the record. After any other cancel,
+:func:`notice_exit_at_once` makes the supervisor see the task's exit at once. The watch stops by
+itself once the run settled otherwise (completed or failed). Under ``dag.test()`` or without a
+Task SDK supervisor it is not started.
 """
 
 from __future__ import annotations
@@ -197,10 +199,14 @@ class SupervisorWatch:
             now = self._parent()
             if now != self.supervisor:
                 self.lost.set()
-                # Non-daemon: a main thread that reaches sys.exit first waits for the record.
-                threading.Thread(
+                # A main thread that reaches the exit first must wait for the record: Python joins
+                # non-daemon threads at exit, and the Task SDK's forked task process (which ends
+                # with os._exit) runs the atexit hooks registered after its fork.
+                worker = threading.Thread(
                     target=self._on_lost, args=(now,), name="cancellable-agents-supervisor-lost"
-                ).start()
+                )
+                worker.start()
+                atexit.register(worker.join, self.scope.budget + 1.0)
                 return
 
     def _on_lost(self, new_parent: int) -> None:
