@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -145,15 +143,3 @@ def kill_tree(root: int) -> list[int]:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     return [p.pid for p in procs]
-
-
-def redis_version() -> str:
-    """``redis-server --version`` for the report."""
-    if REDIS_SERVER is None:
-        return "not installed"
-    done = subprocess.run([REDIS_SERVER, "--version"], capture_output=True, text=True, timeout=10)
-    return done.stdout.strip()
-
-
-def monotonic_ms(since: float) -> float:
-    return (time.monotonic() - since) * 1000

@@ -16,7 +16,6 @@ before the LocalExecutor stack (``e2e``) starts, so the two never compete for th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -51,11 +50,17 @@ from tests.e2e.driver import (
     _request,
     _retried,
     _ti_path,
-    diagnostics,
     drive,
 )
 from tests.e2e.procs import ancestors, is_alive, kill_marked, marked_processes
-from tests.e2e.test_kill_paths import BUDGET_MS, HEARTBEAT_S, _callbacks, _stopped_everything, _the_record
+from tests.e2e.test_kill_paths import (
+    BUDGET_MS,
+    HEARTBEAT_S,
+    _callbacks,
+    _stopped_everything,
+    _the_record,
+    explained,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -200,10 +205,14 @@ def celery_e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
         stack.migrate()
         try:
             stack.start()
-            workers = {"w1": ["default"], "w2": ["default"], STANDBY: ["e2e_standby_idle"]}
-            workers |= {victim(m): [celery_queue(m)] for m in MODES}
-            for name, queues in workers.items():
-                stack.start_worker(name, queues, MODES[name[2:]].env if name.startswith("v_") else None)
+            workers: dict[str, tuple[list[str], dict[str, str]]] = {
+                "w1": (["default"], {}),
+                "w2": (["default"], {}),
+                STANDBY: (["e2e_standby_idle"], {}),  # takes over each mode's queue before its kill
+            }
+            workers |= {victim(m.mode): ([celery_queue(m.mode)], m.env) for m in MODES.values()}
+            for name, (queues, worker_env) in workers.items():
+                stack.start_worker(name, queues, worker_env)
             stack.wait_healthy()
             stack.wait_workers(list(workers))
             rest = stack.client()
@@ -233,16 +242,6 @@ def outcomes(celery_e2e: E2EEnv) -> Iterator[dict[str, PathResult]]:
     print(f"\n[celery] stack ready in {celery_e2e.ready_s:.1f}s; {len(paths)} paths took {took:.1f}s at once")
     for result in results.values():
         print(_report_line(celery_e2e, result))
-
-
-@contextlib.contextmanager
-def explained(env: E2EEnv, result: PathResult) -> Iterator[None]:
-    try:
-        if result.error is not None:
-            raise AssertionError(f"{result.path}: {result.error!r}") from result.error
-        yield
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{diagnostics(env, result)}") from exc
 
 
 # -- reading what happened ---------------------------------------------------------------------
