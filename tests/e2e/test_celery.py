@@ -211,12 +211,14 @@ def celery_e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
                 STANDBY: (["e2e_standby_idle"], {}),  # takes over each mode's queue before its kill
             }
             workers |= {victim(m.mode): ([celery_queue(m.mode)], m.env) for m in MODES.values()}
-            for name, (queues, worker_env) in workers.items():
-                stack.start_worker(name, queues, worker_env)
+            # Workers only after Airflow is up and the DAGs are parsed: nine worker imports at
+            # once starve the SQLite writers on 2 cores ("database is locked" kills a component).
             stack.wait_healthy()
-            stack.wait_workers(list(workers))
             rest = stack.client()
             _await_dags(stack, rest, dag_ids=(*E2E_DAG_IDS, *(f"e2e_celery_{m}" for m in MODES)))
+            for name, (queues, worker_env) in workers.items():
+                stack.start_worker(name, queues, worker_env)
+            stack.wait_workers(list(workers))
             ready = time.monotonic() - started
             print(f"\n[celery] AIRFLOW_HOME={home}; redis, Airflow, {len(workers)} workers: {ready:.1f}s")
             yield E2EEnv(stack, rest, model_server, state_dir, marker, ready)
