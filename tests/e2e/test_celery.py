@@ -217,7 +217,8 @@ def celery_e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
             rest = stack.client()
             _await_dags(stack, rest, dag_ids=(*E2E_DAG_IDS, *(f"e2e_celery_{m}" for m in MODES)))
             for name, (queues, worker_env) in workers.items():
-                stack.start_worker(name, queues, worker_env)
+                # The standby runs all six retries: enough slots that none waits for another.
+                stack.start_worker(name, queues, worker_env, concurrency=6 if name == STANDBY else 2)
             stack.wait_workers(list(workers))
             ready = time.monotonic() - started
             print(f"\n[celery] AIRFLOW_HOME={home}; redis, Airflow, {len(workers)} workers: {ready:.1f}s")
