@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 
 # bubblewrap gives sandbox commands their own PID namespace; the tests skip namespace mode
 # (with the reason) only where it truly cannot be installed. chromium (headless) renders the
-# Airflow UI's log page and connection form in tests/e2e/test_ui_browser.py (skipped without it).
+# Airflow UI's log page and connection form in tests/e2e/test_ui_browser.py (skipped without it);
+# redis-server is the CeleryExecutor e2e's broker (tests/e2e/test_celery.py; skipped without).
 system-deps:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -27,6 +28,11 @@ system-deps:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) || \
 	      echo "warning: could not install chromium; the UI browser checks are skipped"; \
 	  else echo "note: chromium not installed; the UI browser checks are skipped"; fi; }
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) || \
+	      echo "warning: could not install redis-server; the CeleryExecutor e2e is skipped"; \
+	  else echo "note: redis-server not installed; the CeleryExecutor e2e is skipped"; fi; }
 
 demo: $(STAMP) system-deps
 	$(PY) -m cancellable_agents.demo

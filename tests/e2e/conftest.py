@@ -108,13 +108,15 @@ def killed_runs(e2e: E2EEnv) -> KilledRuns:
     return KilledRuns(results, time.monotonic() - started)
 
 
-def _await_dags(stack: AirflowStack, rest: RestClient, timeout: float = 90) -> None:
-    """Wait until the dag-processor has serialized all e2e DAGs (they are unpaused at creation)."""
+def _await_dags(
+    stack: AirflowStack, rest: RestClient, timeout: float = 90, dag_ids: tuple[str, ...] = E2E_DAG_IDS
+) -> None:
+    """Wait until the dag-processor has serialized ``dag_ids`` (they are unpaused at creation)."""
 
     def parsed() -> bool:
         stack.check_alive()
         body = rest.json("GET", "/api/v2/dags", params={"dag_id_pattern": "e2e_", "limit": 100})
-        return set(E2E_DAG_IDS) <= {d["dag_id"] for d in body["dags"]}
+        return set(dag_ids) <= {d["dag_id"] for d in body["dags"]}
 
     wait_until(
         parsed, timeout, "the dag-processor to parse tests/e2e/dags", interval=0.25, on_timeout=stack.logs

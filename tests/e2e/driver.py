@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -59,6 +60,10 @@ class PathResult:
     callbacks_fired: list[dict[str, Any]] = field(default_factory=list)
     request: RequestRecord | None = None
     survivors: dict[int, str] = field(default_factory=dict)
+    #: When try 1's task process was seen gone (polled every 10 ms from the kill on).
+    task_exit_wall: float | None = None
+    #: What a path's own kill observed on the way (e.g. a worker's warm-shutdown hold).
+    notes: dict[str, Any] = field(default_factory=dict)
     error: BaseException | None = None
 
     # -- reading the task log ---------------------------------------------------------------
@@ -198,12 +203,24 @@ def drive(env: E2EEnv, path: KillPath) -> PathResult:
         clicked = path.kill(env, result)
         if clicked is not None:
             result.click_wall, result.answered_wall = clicked
+        exit_watch = threading.Thread(target=_watch_exit, args=(result,), daemon=True)
+        exit_watch.start()
         _await_settled(env, result, path.settled)
+        exit_watch.join(1.0)
         _collect(env, result)
     except BaseException as exc:
         result.error = exc
         _collect_quietly(env, result)
     return result
+
+
+def _watch_exit(result: PathResult, timeout: float = SETTLE_TIMEOUT) -> None:
+    """Note when try 1's task process is gone (to measure the exit after the unwind)."""
+    deadline = time.monotonic() + timeout
+    while is_alive(result.task_pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not is_alive(result.task_pid):
+        result.task_exit_wall = time.time()
 
 
 def _ti_path(result: PathResult) -> str:

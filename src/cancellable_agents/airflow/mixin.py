@@ -28,6 +28,7 @@ from cancellable_agents.airflow.adapter import (
     ti_key,
 )
 from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outlook
+from cancellable_agents.airflow.supervisor import notice_exit_at_once, watch_supervisor
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.report import RECORD_PREFIX as RECORD_PREFIX  # its old home
@@ -230,6 +231,8 @@ class CancellableAgentMixin:
         self.cancellation  # noqa: B018 - the scope exists before any pre_execute hook runs
         self._know_task_instance(context)
         self._start_reaper()
+        if "_supervisor_watch" not in self.__dict__:  # stops by itself once the run settled
+            self.__dict__["_supervisor_watch"] = watch_supervisor(self.cancellation, context)
         super().pre_execute(context)  # type: ignore[misc]
 
     def _know_task_instance(self, context: Any) -> None:
@@ -432,6 +435,7 @@ def _exit_promptly() -> None:
     though its unwind took milliseconds. Frozen objects are left to the OS at exit.
     """
     gc.freeze()
+    notice_exit_at_once()  # and spare it Airflow's supervisor sleeping through its exit
 
 
 def _still_running(killed: list[dict[str, Any]]) -> int:

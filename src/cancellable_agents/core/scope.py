@@ -386,6 +386,12 @@ class TaskCancellation:
         helper.start()
         return True
 
+    def decide_cause(self, cause: CancelCause, detail: str = "") -> bool:
+        """Fix the cause from what is known locally if nothing decided it yet (first decision
+        wins); return whether it did. For a cancel whose classifier cannot answer (its channel
+        died), so the record need not wait for the classifier's timeout."""
+        return self._decide(CauseVerdict(cause, detail))
+
     def _decide(self, verdict: CauseVerdict) -> bool:
         with self._lock:
             if self._cause is not None:

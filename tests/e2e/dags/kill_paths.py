@@ -162,3 +162,23 @@ with _dag("e2e_timeout", "Killed by its execution_timeout: must end gracefully, 
 
 with _dag("e2e_evict_in_comms", "Evicted while its main thread is inside a supervisor call: no deadlock."):
     _agent_operator(pre_execute=talk_to_the_supervisor_until_killed)
+
+
+#: CeleryExecutor worker shutdowns (``tests/e2e/test_celery.py``): each DAG's queue is served by
+#: exactly one worker when try 1 starts, the one its test kills; under the LocalExecutor the
+#: queue is ignored. TODO(issue 17): a ``durable=True`` twin of each, to assert the retry resumes.
+CELERY_WORKER_KILLS = ("warm", "cold", "soft", "remap", "sigkill_main", "node_loss")
+
+
+def celery_queue(mode: str) -> str:
+    """The Celery queue of ``e2e_celery_<mode>`` (only its victim worker serves it at first)."""
+    return f"e2e_{mode}"
+
+
+for _mode in CELERY_WORKER_KILLS:
+    with _dag(
+        f"e2e_celery_{_mode}", f"Celery worker shutdown ({_mode}) mid-run: must retry on another worker."
+    ):
+        # All paths run at once on 2 cores and the one-worker api-server stalls for seconds at
+        # times: give the cause query more than the default 1 s (it overlaps the unwind).
+        _agent_operator(queue=celery_queue(_mode), classify_timeout=3.0)

@@ -1,0 +1,491 @@
+"""The CeleryExecutor: Airflow's kills and every way a Celery worker goes away, end to end.
+
+One stack for the module (``celery_e2e``): a private ``redis-server``, api-server, scheduler,
+dag-processor and Celery workers. ``w1`` and ``w2`` serve the ``default`` queue and run the
+user's kill paths (mark failed, clear, execution_timeout: the LocalExecutor tests' DAGs and
+drivers). Each worker shutdown mode has a DAG on a queue of its own, served at first only by
+its *victim* worker (started with that mode's settings); once try 1 is mid-run there, the
+``standby`` worker is told to consume that queue too (``celery control add_consumer``) and the
+victim is killed, so the retry runs on the standby. All paths run at once.
+
+Per mode the tests assert what reached the task, the cause recorded (in the task log, or in the
+fallback record file when the supervisor died with the worker), that nothing the task started
+is left running, the final TI state, and the retry and its worker. The module is torn down
+before the LocalExecutor stack (``e2e``) starts, so the two never compete for the 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+from typing import Any
+
+import pytest
+
+from cancellable_agents.airflow.supervisor import (
+    SUPERVISOR_LOST,
+    TaskIdentity,
+    fallback_record_path,
+    records_root,
+)
+from cancellable_agents.mixin import RECORD_PREFIX
+from cancellable_agents.testing.openai_server import ScriptedModelServer
+from tests.e2e.airflow_stack import Component
+from tests.e2e.celery_stack import REDIS_SERVER, CeleryStack, kill_tree, worker_of
+from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags
+from tests.e2e.dags.kill_paths import CELERY_WORKER_KILLS, celery_queue
+from tests.e2e.driver import (
+    PATHS,
+    TASK_ID,
+    KillPath,
+    PathResult,
+    _request,
+    _retried,
+    _ti_path,
+    drive,
+)
+from tests.e2e.procs import ancestors, is_alive, kill_marked, marked_processes
+from tests.e2e.test_kill_paths import (
+    BUDGET_MS,
+    HEARTBEAT_S,
+    _callbacks,
+    _stopped_everything,
+    _the_record,
+    explained,
+)
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (make system-deps)"),
+]
+
+USER_PATHS = ("mark_failed", "clear", "timeout")
+STANDBY = "standby"
+#: How long a warm shutdown is watched before the test escalates to SIGQUIT.
+WARM_HOLD_S = 3.0
+#: ``worker_soft_shutdown_timeout`` of the ``soft`` victim.
+SOFT_SHUTDOWN_S = 3.0
+
+
+def victim(mode: str) -> str:
+    return f"v_{mode}"
+
+
+# -- how each mode kills its worker -------------------------------------------------------------
+
+
+def _signal(sig: int, env: E2EEnv, result: PathResult, worker: Component) -> tuple[float, float]:
+    sent = time.time()
+    os.kill(worker.proc.pid, sig)
+    return sent, sent
+
+
+def _warm_then_cold(env: E2EEnv, result: PathResult, worker: Component) -> tuple[float, float]:
+    """SIGTERM (warm shutdown); watch for WARM_HOLD_S that nothing reaches the task; then SIGQUIT."""
+    os.kill(worker.proc.pid, signal.SIGTERM)
+    held_until = time.monotonic() + WARM_HOLD_S
+    states: set[str] = set()
+    alive = True
+    while time.monotonic() < held_until:
+        alive = alive and is_alive(result.task_pid)
+        states.add(env.rest.json("GET", _ti_path(result))["state"])
+        time.sleep(0.2)
+    request = _request(env, result, 1)
+    result.notes["warm"] = {
+        "task_alive": alive and is_alive(result.task_pid),
+        "worker_alive": worker.proc.poll() is None,
+        "ti_states": sorted(states),
+        "request_outcome": request.outcome if request else "missing",
+        "records_before_sigquit": _log_records_now(env, result),
+    }
+    return _signal(signal.SIGQUIT, env, result, worker)
+
+
+def _sigkill_tree(env: E2EEnv, result: PathResult, worker: Component) -> tuple[float, float]:
+    sent = time.time()
+    result.notes["node_loss_killed"] = kill_tree(worker.proc.pid)
+    return sent, sent
+
+
+@dataclass(frozen=True)
+class WorkerMode:
+    """One way a Celery worker goes away, and what its victim worker is started with."""
+
+    mode: str
+    kill: Callable[[E2EEnv, PathResult, Component], tuple[float, float]]
+    env: dict[str, str] = field(default_factory=dict)
+    #: The supervisor (the prefork pool child) survives long enough to report for the task.
+    supervisor_survives: bool = True
+    #: Code ran in the task process after the kill (node loss: none).
+    task_notices: bool = True
+
+
+MODES = {
+    m.mode: m
+    for m in (
+        WorkerMode("warm", _warm_then_cold),
+        WorkerMode("cold", partial(_signal, signal.SIGQUIT)),
+        WorkerMode(
+            "soft",
+            partial(_signal, signal.SIGQUIT),
+            {
+                "AIRFLOW__CELERY__EXTRA_CELERY_CONFIG": json.dumps(
+                    {"worker_soft_shutdown_timeout": SOFT_SHUTDOWN_S}
+                )
+            },
+        ),
+        WorkerMode("remap", partial(_signal, signal.SIGTERM), {"REMAP_SIGTERM": "SIGQUIT"}, False),
+        WorkerMode("sigkill_main", partial(_signal, signal.SIGKILL), supervisor_survives=False),
+        WorkerMode("node_loss", _sigkill_tree, supervisor_survives=False, task_notices=False),
+    )
+}
+assert tuple(MODES) == CELERY_WORKER_KILLS
+
+
+def _kill_worker(mode: WorkerMode, env: E2EEnv, result: PathResult) -> tuple[float, float]:
+    """Check try 1 runs on the victim, hand its queue to the standby, then kill the victim."""
+    stack = env.stack
+    assert isinstance(stack, CeleryStack)
+    worker = stack.worker(victim(mode.mode))
+    chain = ancestors(result.supervisor_pid)
+    assert chain and chain[0] == worker.proc.pid, (
+        f"try 1's supervisor {result.supervisor_pid} is not a pool child of {victim(mode.mode)} "
+        f"({worker.proc.pid}): ancestors {chain}"
+    )
+    stack.remember_processes()  # so teardown finds an orphan even after it was reparented
+    stack.add_consumer(STANDBY, celery_queue(mode.mode))
+    worker.expendable = True
+    return mode.kill(env, result, worker)
+
+
+def _log_records_now(env: E2EEnv, result: PathResult) -> int:
+    """How many record lines try 1's log file holds right now."""
+    files = env.stack.task_log_files(result.dag_id, result.run_id, TASK_ID)
+    return sum(f.read_text(errors="replace").count(RECORD_PREFIX) for f in files)
+
+
+def celery_paths() -> dict[str, KillPath]:
+    paths = {name: PATHS[name] for name in USER_PATHS}
+    for mode in MODES.values():
+        kill = partial(_kill_worker, mode)
+        paths[f"celery_{mode.mode}"] = KillPath(
+            f"celery_{mode.mode}", f"e2e_celery_{mode.mode}", kill, _retried
+        )
+    return paths
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def celery_e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
+    """Redis, Airflow with the CeleryExecutor, w1 + w2, one victim per mode and the standby."""
+    home = tmp_path_factory.mktemp("airflow_home_celery")
+    state_dir = home / "e2e_state"
+    state_dir.mkdir()
+    marker = f"cancellable-agents-e2e-{uuid.uuid4().hex[:10]}"
+    with ScriptedModelServer() as model_server:
+        conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
+        env = {
+            "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
+            "E2E_STATE_DIR": str(state_dir),
+            "E2E_MARKER": marker,
+        }
+        stack = CeleryStack(home, DAGS_FOLDER, env)
+        started = time.monotonic()
+        stack.migrate()
+        try:
+            stack.start()
+            workers: dict[str, tuple[list[str], dict[str, str]]] = {
+                "w1": (["default"], {}),
+                "w2": (["default"], {}),
+                STANDBY: (["e2e_standby_idle"], {}),  # takes over each mode's queue before its kill
+            }
+            workers |= {victim(m.mode): ([celery_queue(m.mode)], m.env) for m in MODES.values()}
+            # Workers only after Airflow is up and the DAGs are parsed: nine worker imports at
+            # once starve the SQLite writers on 2 cores ("database is locked" kills a component).
+            stack.wait_healthy()
+            rest = stack.client()
+            _await_dags(stack, rest, dag_ids=(*E2E_DAG_IDS, *(f"e2e_celery_{m}" for m in MODES)))
+            for name, (queues, worker_env) in workers.items():
+                # The standby runs all six retries: enough slots that none waits for another.
+                stack.start_worker(name, queues, worker_env, concurrency=6 if name == STANDBY else 2)
+            stack.wait_workers(list(workers))
+            ready = time.monotonic() - started
+            print(f"\n[celery] AIRFLOW_HOME={home}; redis, Airflow, {len(workers)} workers: {ready:.1f}s")
+            yield E2EEnv(stack, rest, model_server, state_dir, marker, ready)
+            rest.close()
+        finally:
+            stack.remember_processes()
+            stack.stop()
+            kill_marked(marker)
+            leftovers = marked_processes(marker)
+            assert not leftovers, f"processes with marker {marker} survived the module: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def outcomes(celery_e2e: E2EEnv) -> Iterator[dict[str, PathResult]]:
+    """Drive the three user paths and the six worker shutdowns at once."""
+    started = time.monotonic()
+    paths = celery_paths()
+    with ThreadPoolExecutor(max_workers=len(paths), thread_name_prefix="celery-path") as pool:
+        futures = {name: pool.submit(drive, celery_e2e, path) for name, path in paths.items()}
+        results = {name: future.result() for name, future in futures.items()}
+    took = time.monotonic() - started
+    yield results
+    print(f"\n[celery] stack ready in {celery_e2e.ready_s:.1f}s; {len(paths)} paths took {took:.1f}s at once")
+    for result in results.values():
+        print(_report_line(celery_e2e, result))
+
+
+# -- reading what happened ---------------------------------------------------------------------
+
+
+def _fallback_record(env: E2EEnv, result: PathResult, try_number: int = 1) -> dict[str, Any] | None:
+    """The record a task that lost its supervisor wrote to ``$AIRFLOW_HOME/cancellable_agents``."""
+    task = TaskIdentity(result.dag_id, result.run_id, TASK_ID, -1, try_number)
+    path = fallback_record_path(task, records_root(str(env.stack.home)))
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()[len(RECORD_PREFIX) :])
+
+
+def _retry_worker(env: E2EEnv, result: PathResult) -> str | None:
+    """The worker whose pool child supervised try 2 (from try 2's pid file)."""
+    info = json.loads((env.state_dir / f"{result.dag_id}.{result.run_id}.try2.json").read_text())
+    assert isinstance(env.stack, CeleryStack)
+    return worker_of(env.stack, info["ppid"], ancestors(info["ppid"]))
+
+
+def _try(result: PathResult, number: int) -> dict[str, Any]:
+    return next(t for t in result.tries if t["try_number"] == number)
+
+
+def _wall(iso: str | None) -> float | None:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() if iso else None
+
+
+def _assert_retried_elsewhere(env: E2EEnv, result: PathResult, killed_worker: str) -> str:
+    assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2), result.states_seen
+    retry_worker = _retry_worker(env, result)
+    assert retry_worker not in (None, killed_worker), f"try 2 ran on {retry_worker}"
+    assert result.survivors == {}, f"processes started by the task survived: {result.survivors}"
+    assert not is_alive(result.task_pid)
+    return retry_worker or ""
+
+
+# -- the user's kills on Celery ----------------------------------------------------------------
+
+
+def test_mark_failed_on_celery(celery_e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+    result = outcomes["mark_failed"]
+    with explained(celery_e2e, result):
+        record = _the_record(result, "user", "marked failed")
+        _stopped_everything(result, record)
+        assert (result.final_ti["state"], [t["try_number"] for t in result.tries]) == ("failed", [1])
+        assert _callbacks(result) == [("on_failure_callback", 1)]
+        _exited_promptly(celery_e2e, result, record)
+
+
+def test_clear_on_celery(celery_e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+    result = outcomes["clear"]
+    with explained(celery_e2e, result):
+        record = _the_record(result, "user", "cleared")
+        _stopped_everything(result, record)
+        assert result.final_ti["try_number"] == 2 and result.final_ti["state"] == "success"
+        assert result.log_callbacks(1) == ["on_retry_callback"]
+        _exited_promptly(celery_e2e, result, record)
+
+
+def test_execution_timeout_on_celery(celery_e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+    result = outcomes["timeout"]
+    with explained(celery_e2e, result):
+        record = _the_record(result, "timeout", "the run's deadline passed")
+        _stopped_everything(result, record, earliest_ms=-1000.0)
+        assert "AirflowTaskTimeout" not in result.log_text(1)
+        assert (1, "up_for_retry") in result.states_seen
+        assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2)
+        _exited_promptly(celery_e2e, result, record)
+
+
+def _exited_promptly(env: E2EEnv, result: PathResult, record: dict[str, Any]) -> None:
+    """The task process is gone soon after its unwind settled, and its supervisor saw it at once
+    (not at its next heartbeat or kill deadline, 5 s later: ``notice_exit_at_once``)."""
+    assert result.task_exit_wall is not None
+    exit_ms = (result.task_exit_wall - record["wall_origin"]) * 1000
+    assert exit_ms < 2000, f"the task process exited {exit_ms:.0f} ms after the kill"
+    finished = _supervisor_finished_wall(env, result)
+    assert finished is not None, "the supervisor never logged 'Workload finished' for try 1"
+    seen_ms = (finished - result.task_exit_wall) * 1000
+    assert seen_ms < 2000, f"the supervisor finished {seen_ms:.0f} ms after the task process exited"
+
+
+def _supervisor_finished_wall(env: E2EEnv, result: PathResult) -> float | None:
+    """When try 1's supervisor logged ``Workload finished`` (in its worker's log)."""
+    ti_id = next((e["ti_id"] for e in result.logs.get(1, []) if e.get("ti_id")), None)
+    if ti_id is None:
+        return None
+    for path in (env.stack.home / "components").glob("worker-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "Workload finished" in line and f"workload_id={ti_id}" in line:
+                return _wall(line.split()[0])
+    return None
+
+
+# -- worker shutdowns --------------------------------------------------------------------------
+
+
+def test_warm_shutdown_reaches_nothing_then_sigquit_evicts(
+    celery_e2e: E2EEnv, outcomes: dict[str, PathResult]
+) -> None:
+    """A warm shutdown (SIGTERM to the worker) waits for the task without limit and tells it
+    nothing: the TI stays running and the answer keeps streaming. Only the SIGQUIT ends it."""
+    result = outcomes["celery_warm"]
+    with explained(celery_e2e, result):
+        warm = result.notes["warm"]
+        assert warm["task_alive"] and warm["worker_alive"], warm
+        assert warm["ti_states"] == ["running"], warm
+        assert warm["request_outcome"] is None, f"the stream ended during the warm shutdown: {warm}"
+        assert warm["records_before_sigquit"] == 0, warm
+        _evicted_by_forwarded_sigterm(celery_e2e, result, "warm", within_s=(0.0, 1.0))
+
+
+def test_cold_shutdown_evicts_and_retries_elsewhere(
+    celery_e2e: E2EEnv, outcomes: dict[str, PathResult]
+) -> None:
+    _evicted_by_forwarded_sigterm(celery_e2e, outcomes["celery_cold"], "cold", within_s=(0.0, 1.0))
+
+
+def test_soft_shutdown_delays_the_eviction_by_its_timeout(
+    celery_e2e: E2EEnv, outcomes: dict[str, PathResult]
+) -> None:
+    _evicted_by_forwarded_sigterm(
+        celery_e2e, outcomes["celery_soft"], "soft", within_s=(SOFT_SHUTDOWN_S - 0.2, SOFT_SHUTDOWN_S + 1.5)
+    )
+
+
+def _evicted_by_forwarded_sigterm(
+    env: E2EEnv, result: PathResult, mode: str, within_s: tuple[float, float]
+) -> None:
+    with explained(env, result):
+        record = _the_record(result, "eviction", "worker shutdown")
+        _stopped_everything(result, record)
+        assert result.click_wall is not None
+        reached_s = record["wall_origin"] - result.click_wall
+        assert within_s[0] <= reached_s < within_s[1], (
+            f"SIGTERM reached the task {reached_s:.2f}s after the signal"
+        )
+        assert (1, "up_for_retry") in result.states_seen
+        assert _callbacks(result) == [("on_retry_callback", 1)]
+        _assert_retried_elsewhere(env, result, victim(mode))
+        _exited_promptly(env, result, record)
+
+
+@pytest.mark.parametrize("mode", ["remap", "sigkill_main"])
+def test_supervisor_killed_with_the_worker_leaves_no_orphan(
+    celery_e2e: E2EEnv, outcomes: dict[str, PathResult], mode: str
+) -> None:
+    """``REMAP_SIGTERM=SIGQUIT`` + SIGTERM, or SIGKILL of the worker's main process, kill the pool
+    child (the supervisor) and nothing reaches the task: it must notice by itself, unwind, write
+    its record to the fallback file and exit before the heartbeat timeout starts the retry."""
+    result = outcomes[f"celery_{mode}"]
+    with explained(celery_e2e, result):
+        assert result.records(1) == [], (
+            "the log channel died with the supervisor; a record there is a surprise"
+        )
+        record = _fallback_record(celery_e2e, result)
+        assert record is not None, "no fallback record: the task did not notice its supervisor died"
+        assert (record["cause"], record["detail"], record["outcome"]) == (
+            "eviction",
+            SUPERVISOR_LOST,
+            "cancelled",
+        )
+        assert record["stragglers"] == []
+        assert result.click_wall is not None and result.task_exit_wall is not None
+        noticed_ms = (record["wall_origin"] - result.click_wall) * 1000
+        assert 0 <= noticed_ms < 1000, f"noticed the loss {noticed_ms:.0f} ms after the kill"
+        exited_ms = (result.task_exit_wall - record["wall_origin"]) * 1000
+        assert exited_ms < BUDGET_MS, f"exited {exited_ms:.0f} ms after noticing"
+        request = result.request
+        assert request is not None and request.outcome == "disconnected"
+        killed = {k.get("pid") for k in record["killed"]}
+        assert killed and killed <= set(result.tree_before), (killed, result.tree_before)
+        # Never two copies: try 2 started after try 1's process was gone.
+        started_2 = _wall(_try(result, 2)["start_date"])
+        assert started_2 is not None and started_2 > result.task_exit_wall
+        _assert_retried_elsewhere(celery_e2e, result, victim(mode))
+
+
+def test_node_loss_is_retried_after_the_heartbeat_timeout(
+    celery_e2e: E2EEnv, outcomes: dict[str, PathResult]
+) -> None:
+    """SIGKILL of the whole worker tree (the machine is gone): no code runs, so there is no
+    record; everything died with it and the scheduler's heartbeat timeout starts the retry."""
+    result = outcomes["celery_node_loss"]
+    with explained(celery_e2e, result):
+        assert result.records(1) == [] and _fallback_record(celery_e2e, result) is None
+        assert result.task_pid in result.notes["node_loss_killed"]
+        assert result.click_wall is not None
+        started_2 = _wall(_try(result, 2)["start_date"])
+        assert started_2 is not None and started_2 - result.click_wall >= HEARTBEAT_S
+        _assert_retried_elsewhere(celery_e2e, result, victim("node_loss"))
+
+
+@pytest.mark.skip(reason="TODO(issue 17): needs durable=True; fill in once it lands")
+@pytest.mark.parametrize("mode", CELERY_WORKER_KILLS)
+def test_durable_retry_resumes_after_worker_loss(mode: str) -> None:
+    """With ``durable=True`` (issue 17): after each worker shutdown the retry resumes from the
+    journal: model requests counted on the local model server across both tries equal one run's,
+    0 repeated completed tool calls; after ``remap``/``sigkill_main`` the orphan appended nothing
+    once try 2 began (journal fencing). Needs ``durable=True`` twins of the ``e2e_celery_*`` DAGs."""
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def _report_line(env: E2EEnv, result: PathResult) -> str:
+    """mode -> what reached the task -> cause -> try 1 / final state -> retry worker -> leftovers."""
+    try:
+        record = (result.records(1) or [None])[0] or _fallback_record(env, result)
+        where = "log" if result.records(1) else ("fallback file" if record else "none")
+        reached = "nothing ran (SIGKILLed)"
+        if record is not None and result.click_wall is not None:
+            reached = (
+                f"kill_received {(record['wall_origin'] - result.click_wall) * 1000:.0f} ms after the signal"
+            )
+        exit_ms = (
+            f"{(result.task_exit_wall - record['wall_origin']) * 1000:.0f} ms"
+            if record and result.task_exit_wall
+            else "n/a"
+        )
+        finished = _supervisor_finished_wall(env, result)
+        sup = (
+            f"{(finished - result.task_exit_wall) * 1000:.0f} ms"
+            if finished and result.task_exit_wall
+            else "n/a"
+        )
+        first = _try(result, 1)["state"] if result.tries else None
+        retry = _retry_worker(env, result) if result.final_ti.get("try_number") == 2 else None
+        if retry and result.click_wall:
+            retry += (
+                f" {(_wall(_try(result, 2)['start_date']) or 0) - result.click_wall:.1f}s after the signal"
+            )
+        cause = f"{record['cause']}/{record['detail']}" if record else "none"
+        return (
+            f"[celery] {result.path:<19} reached: {reached}; record in {where}; cause {cause}; "
+            f"exit after kill {exit_ms}; supervisor saw it after {sup}; try 1 {first}; "
+            f"final {result.final_ti.get('state')} try {result.final_ti.get('try_number')} "
+            f"(seen {result.states_seen}); retry on {retry}; "
+            f"left running {result.survivors or 'nothing'}; notes {result.notes}"
+        )
+    except Exception as exc:
+        return f"[celery] {result.path}: no measurements ({exc!r}; error: {result.error!r})"
