@@ -13,26 +13,21 @@ $(STAMP): pyproject.toml
 	$(UV) pip install --quiet --python $(PY) -e '.[dev]'
 	touch $(STAMP)
 
-# bubblewrap gives sandbox commands their own PID namespace; the tests skip namespace mode
-# (with the reason) only where it truly cannot be installed. chromium (headless) renders the
-# Airflow UI's log page and connection form in tests/e2e/test_ui_browser.py (skipped without it);
-# redis-server is the CeleryExecutor e2e's broker (tests/e2e/test_celery.py; skipped without).
+# Debian packages the tests use, as COMMAND:PACKAGE. bubblewrap gives sandbox commands their
+# namespaces (namespace mode); chromium (headless) renders the Airflow UI's log page and connection
+# form (tests/e2e/test_ui_browser.py); redis-server is the CeleryExecutor e2e's broker
+# (tests/e2e/test_celery.py). What is missing is installed in one apt-get run where we are root;
+# elsewhere (and if that fails) the tests that need it skip and say why.
+SYSTEM_DEPS := bwrap:bubblewrap chromium:chromium redis-server:redis-server
+
 system-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) || \
-	      echo "warning: could not install bubblewrap; sandboxes fall back to process groups"; \
-	  else echo "note: bubblewrap not installed; sandboxes fall back to process groups"; fi; }
-	@command -v chromium >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) || \
-	      echo "warning: could not install chromium; the UI browser checks are skipped"; \
-	  else echo "note: chromium not installed; the UI browser checks are skipped"; fi; }
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) || \
-	      echo "warning: could not install redis-server; the CeleryExecutor e2e is skipped"; \
-	  else echo "note: redis-server not installed; the CeleryExecutor e2e is skipped"; fi; }
+	@missing=""; for dep in $(SYSTEM_DEPS); do \
+	  command -v $${dep%%:*} >/dev/null 2>&1 || missing="$$missing $${dep#*:}"; done; \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing) || \
+	    echo "warning: could not install$$missing: the tests that need it skip and say why"; \
+	else echo "note: not installed:$$missing: the tests that need it skip and say why"; fi
 
 demo: $(STAMP) system-deps
 	$(PY) -m cancellable_agents.demo
