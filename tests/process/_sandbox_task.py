@@ -9,6 +9,10 @@ Usage: ``_sandbox_task.py MODE MARKER`` where MODE is
   :class:`DescendantReaper` watches the task process;
 - ``reaper-baseline``: a ``sleep MARKER.1`` started *before* the reaper must survive its reap,
   a double-forked ``setsid sleep MARKER.2`` started during the run must not;
+- ``hostile NAME``: a boundary-profile :class:`LocalSandbox` (small limits, no network) first runs
+  the hostile command ``NAME`` of :data:`HOSTILE` to its end (its result, as the model reads it,
+  goes into ``READY``), then starts its long-running form, which is running when the test's
+  SIGTERM lands; the report says whether anything outside changed (listener, secret reads);
 - ``reaper-orphans``: orphans reparented to the task process (a ``(sleep &)`` from a shell in its
   own session, bubblewrap's namespace init after the probe) are reaped as they exit, without the
   owner grace, while an exited ``Popen`` child is left for its ``Popen`` to wait for.
@@ -24,8 +28,10 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +46,66 @@ from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.causes import CancelCause
 from cancellable_agents.exceptions import TaskCancelled
 from cancellable_agents.process_reaper import DescendantReaper, become_subreaper, children_of, read_proc
-from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox.toolset import _for_model
+
+#: Small limits, so the hostile commands hit them in milliseconds.
+HOSTILE_LIMITS = Limits(max_processes=32, file_size_bytes=1_500_000, tmp_bytes=4 * 1024 * 1024, cpu_seconds=5)
+FORKS = (
+    "import os, subprocess\nstarted = 0\nfor _ in range(500):\n    try:\n"
+    "        subprocess.Popen(['sleep', '{sleep}'])\n        started += 1\n"
+    "    except OSError:\n        pass\n"
+)
+WAIT = "os.execvp('sleep', ['sleep', '{m}'])"
+#: name -> (probe: runs to its end, running: still running at the SIGTERM; "{m}" is the marker).
+#: ``{secrets}``, ``{port}``, ``{task}``, ``{supervisor}``, ``{python}`` are filled in per run.
+HOSTILE: dict[str, tuple[str, str]] = {
+    "read-secrets": (
+        "cat {secrets}/airflow/airflow.cfg {secrets}/home/.aws/credentials",
+        "cat {secrets}/home/.aws/credentials; sleep {m}",
+    ),
+    "connect-loopback": (
+        "{python} -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2); print('in')\"",
+        "{python} -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2)\"; sleep {m}",
+    ),
+    "kill-task-and-supervisor": ("kill -9 {task} {supervisor}", "kill -9 {task} {supervisor}; sleep {m}"),
+    # Forks until the process limit stops it (at most 500), then reports or waits.
+    "fork-bomb": (
+        f'{{python}} -c "{FORKS.format(sleep="30")}print(started)"',
+        f'{{python}} -c "{FORKS.replace("{sleep}", "{m}")}{WAIT}"',
+    ),
+    "fill-disk": (
+        "head -c 2000000 /dev/zero > big; echo big=$?; i=0; "
+        "while head -c 1000000 /dev/zero > /tmp/f$i; do i=$((i+1)); done; echo tmp_files=$i",
+        "yes > /tmp/fill; sleep {m}",
+    ),
+    "ignore-sigterm": ("trap '' TERM; kill -TERM $$; echo still here", "trap '' TERM; sleep {m}; sleep {m}"),
+    "double-fork-daemon": (
+        "( ( setsid sh -c 'trap \"\" TERM HUP; exec sleep 30' & ) & ); echo daemonized",
+        "( ( setsid sh -c 'trap \"\" TERM HUP; exec sleep {m}' & ) & ); sleep {m}",
+    ),
+}
+#: How many ``sleep {m}`` the running form has once it is in full swing.
+HOSTILE_SLEEPERS = {"fork-bomb": 20, "ignore-sigterm": 1, "double-fork-daemon": 2}
+
+
+class Listener:
+    """A real TCP listener on loopback, counting the connections it accepted."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
 
 
 def sleepers(marker: str) -> list[int]:
@@ -102,6 +167,24 @@ def sandbox_task(mode: str, marker: str) -> None:
     ready(sleepers=sleepers(marker))
     scope.wait_released(30)
     report(scope)
+
+
+def hostile_task(name: str, marker: str, secrets: str) -> None:
+    scope = TaskCancellation("task", budget=4.0)
+    box = LocalSandbox(isolation="namespace", scope=scope, stop_grace=1.0, limits=HOSTILE_LIMITS)
+    assert become_subreaper()
+    listener = Listener()
+    fill = {"secrets": secrets, "port": listener.port, "task": os.getpid(), "supervisor": os.getppid()}
+    fill["python"] = box.python
+    probe, running = (template.format(m=marker, **fill) for template in HOSTILE[name])
+    result = _for_model(box.run(probe, timeout=20), 20)
+    box.start(running)
+    wait_for(lambda: len(sleepers(marker)) >= HOSTILE_SLEEPERS.get(name, 1))
+    on_sigterm(scope)
+    ready(result=result, sleepers=len(sleepers(marker)))
+    scope.wait_released(30)
+    listener.sock.close()
+    report(scope, accepted=listener.accepted, workdir_left=box.workdir.exists())
 
 
 def reaper_task(marker: str) -> None:
@@ -184,6 +267,8 @@ def main() -> None:
     mode, marker = sys.argv[1], sys.argv[2]
     if mode in ("namespace", "process-group"):
         sandbox_task(mode, marker)
+    elif mode == "hostile":
+        hostile_task(sys.argv[3], marker, sys.argv[4])
     elif mode == "reaper":
         reaper_task(marker)
     elif mode == "reaper-baseline":

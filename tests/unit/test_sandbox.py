@@ -261,7 +261,7 @@ def test_reap_zombie_collects_exactly_that_exited_child(
     pidfd: bool, marker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not pidfd:
-        monkeypatch.setattr("cancellable_agents.process_reaper._pidfd_open", lambda pid: None)
+        monkeypatch.setattr("cancellable_agents.procs.proc._pidfd_open", lambda pid: None)
 
     def zombie(proc: subprocess.Popen[bytes]) -> ProcKey:
         info = eventually(lambda: (i := read_proc(proc.pid)) is not None and i.exited and i)

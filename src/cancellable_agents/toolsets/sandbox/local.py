@@ -375,6 +375,15 @@ class LocalSandbox:
             uid=uid,
         )
 
+    def _boundary_env(self, env: dict[str, str]) -> None:
+        """The real HOME is not visible (the workdir stands in), and ``python`` on PATH is the
+        sandbox's interpreter (a PATH entry such as a pyenv shim folder is not visible either)."""
+        if "HOME" not in self._explicit_env:
+            env["HOME"] = str(self.workdir)
+        if "PATH" not in self._explicit_env:
+            bindir = os.path.dirname(os.path.abspath(self.python))
+            env["PATH"] = os.pathsep.join([bindir, env.get("PATH") or os.defpath])
+
     # -- scope ---------------------------------------------------------------------------
 
     @property
@@ -388,9 +397,8 @@ class LocalSandbox:
             if scope is None or self._scope is not None or self._destroyed:
                 return
             self._scope = scope
-        self._attachment = attach_sandbox(self, scope, name=f"sandbox {self.id}")
-        scope.record(
-            "sandbox_mode", sandbox=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
+        self._attachment = attach_sandbox(
+            self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
         )
 
     def _grace(self) -> float:
@@ -422,8 +430,8 @@ class LocalSandbox:
         command_id = uuid.uuid4().hex[:12]
         tag = f"{self.id}:{command_id}"
         env = scrubbed_environment(os.environ, self._explicit_env)
-        if self._boundary is not None and "HOME" not in self._explicit_env:
-            env["HOME"] = str(self.workdir)  # the real one is not visible
+        if self._boundary is not None:
+            self._boundary_env(env)
         env[COMMAND_TAG] = tag
         with self._lock:
             if self._destroyed:
