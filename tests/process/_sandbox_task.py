@@ -9,10 +9,10 @@ Usage: ``_sandbox_task.py MODE MARKER`` where MODE is
   :class:`DescendantReaper` watches the task process;
 - ``reaper-baseline``: a ``sleep MARKER.1`` started *before* the reaper must survive its reap,
   a double-forked ``setsid sleep MARKER.2`` started during the run must not;
-- ``hostile NAME``: a boundary-profile :class:`LocalSandbox` (small limits, no network) first runs
-  the hostile command ``NAME`` of :data:`HOSTILE` to its end (its result, as the model reads it,
-  goes into ``READY``), then starts its long-running form, which is running when the test's
-  SIGTERM lands; the report says whether anything outside changed (listener, secret reads);
+- ``hostile SECRETS``: per command of :data:`HOSTILE`, a boundary-profile :class:`LocalSandbox`
+  (small limits, no network) first runs it to its end (the results, as the model reads them, go
+  into ``READY``), then starts its long-running form; all are running when the test's SIGTERM
+  lands; the report says whether anything outside changed (the loopback listener);
 - ``reaper-orphans``: orphans reparented to the task process (a ``(sleep &)`` from a shell in its
   own session, bubblewrap's namespace init after the probe) are reaped as they exit, without the
   owner grace, while an exited ``Popen`` child is left for its ``Popen`` to wait for.
@@ -71,7 +71,7 @@ HOSTILE: dict[str, tuple[str, str]] = {
     "kill-task-and-supervisor": ("kill -9 {task} {supervisor}", "kill -9 {task} {supervisor}; sleep {m}"),
     # Forks until the process limit stops it (at most 500), then reports or waits.
     "fork-bomb": (
-        f'{{python}} -c "{FORKS.format(sleep="30")}print(started)"',
+        f'{{python}} -c "{FORKS.replace("{sleep}", "1{m}")}print(started)"',
         f'{{python}} -c "{FORKS.replace("{sleep}", "{m}")}{WAIT}"',
     ),
     "fill-disk": (
@@ -81,7 +81,7 @@ HOSTILE: dict[str, tuple[str, str]] = {
     ),
     "ignore-sigterm": ("trap '' TERM; kill -TERM $$; echo still here", "trap '' TERM; sleep {m}; sleep {m}"),
     "double-fork-daemon": (
-        "( ( setsid sh -c 'trap \"\" TERM HUP; exec sleep 30' & ) & ); echo daemonized",
+        "( ( setsid sh -c 'trap \"\" TERM HUP; exec sleep 1{m}' & ) & ); echo daemonized",
         "( ( setsid sh -c 'trap \"\" TERM HUP; exec sleep {m}' & ) & ); sleep {m}",
     ),
 }
@@ -169,22 +169,30 @@ def sandbox_task(mode: str, marker: str) -> None:
     report(scope)
 
 
-def hostile_task(name: str, marker: str, secrets: str) -> None:
+def hostile_task(marker: str, secrets: str) -> None:
+    """Every command of :data:`HOSTILE`, each in its own sandbox: probes first, one by one, then
+    all the running forms at once, and one SIGTERM for the lot."""
     scope = TaskCancellation("task", budget=4.0)
-    box = LocalSandbox(isolation="namespace", scope=scope, stop_grace=1.0, limits=HOSTILE_LIMITS)
+    assert bwrap_support().boundary  # probed first: the probes' orphans are not the sandbox's to reap
     assert become_subreaper()
     listener = Listener()
     fill = {"secrets": secrets, "port": listener.port, "task": os.getpid(), "supervisor": os.getppid()}
-    fill["python"] = box.python
-    probe, running = (template.format(m=marker, **fill) for template in HOSTILE[name])
-    result = _for_model(box.run(probe, timeout=20), 20)
-    box.start(running)
-    wait_for(lambda: len(sleepers(marker)) >= HOSTILE_SLEEPERS.get(name, 1))
+    boxes, results = {}, {}
+    for name, (probe, running) in HOSTILE.items():
+        box = LocalSandbox(isolation="namespace", scope=scope, stop_grace=1.0, limits=HOSTILE_LIMITS)
+        boxes[name] = box
+        fill["python"] = box.python
+        started = time.monotonic()
+        results[name] = _for_model(box.run(probe.format(m=marker, **fill), timeout=20), 20)
+        results[name]["seconds"] = round(time.monotonic() - started, 3)
+        box.start(running.format(m=marker, **fill))
+    wait_for(lambda: len(sleepers(marker)) >= sum(HOSTILE_SLEEPERS.get(name, 1) for name in HOSTILE))
     on_sigterm(scope)
-    ready(result=result, sleepers=len(sleepers(marker)))
+    ready(results=results, sleepers=len(sleepers(marker)))
     scope.wait_released(30)
     listener.sock.close()
-    report(scope, accepted=listener.accepted, workdir_left=box.workdir.exists())
+    left = [name for name, box in boxes.items() if box.workdir.exists()]
+    report(scope, accepted=listener.accepted, workdirs_left=left)
 
 
 def reaper_task(marker: str) -> None:
@@ -268,7 +276,7 @@ def main() -> None:
     if mode in ("namespace", "process-group"):
         sandbox_task(mode, marker)
     elif mode == "hostile":
-        hostile_task(sys.argv[3], marker, sys.argv[4])
+        hostile_task(marker, sys.argv[3])
     elif mode == "reaper":
         reaper_task(marker)
     elif mode == "reaper-baseline":
