@@ -18,6 +18,7 @@ Two profiles in namespace mode:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -149,7 +150,7 @@ def _probe() -> BwrapSupport:
             interrupted=error.startswith("killed by signal"),
         )
     new_session, _ = _runs_ok([path, *_HOST_PROBE, "--new-session", "true"])
-    prlimit, setpriv = shutil.which("prlimit"), shutil.which("setpriv")
+    prlimit, setpriv = prlimit_path(), shutil.which("setpriv")
     boundary, why, userns = _probe_boundary(path, setpriv)
     return BwrapSupport(
         True,
@@ -189,6 +190,12 @@ def _runs_ok(argv: list[str]) -> tuple[bool, str]:
     if proc.returncode < 0:
         return False, f"killed by signal {-proc.returncode}"
     return proc.returncode == 0, proc.stderr.decode("utf-8", "replace").strip() or f"exit {proc.returncode}"
+
+
+@functools.cache
+def prlimit_path() -> str | None:
+    """``prlimit`` (util-linux), found once; process-group mode needs it without bubblewrap."""
+    return shutil.which("prlimit")
 
 
 def sandbox_uid() -> int:

@@ -75,6 +75,7 @@ from cancellable_agents.toolsets.sandbox.bwrap import (
     bwrap_support,
     host_argv,
     limits_prefix,
+    prlimit_path,
     sandbox_uid,
     unavailable_message,
 )
@@ -453,7 +454,8 @@ class LocalSandbox:
     def _wrap(self, argv: list[str]) -> list[str]:
         if self.mode != "namespace":
             # Per-uid here, RLIMIT_NPROC would count every process of the worker's user.
-            return limits_prefix(bwrap_support().prlimit, replace(self.limits, max_processes=None)) + argv
+            # (No bubblewrap probe here: its orphans would come back to a subreaper task process.)
+            return limits_prefix(prlimit_path(), replace(self.limits, max_processes=None)) + argv
         support = bwrap_support()
         if self._boundary is None:
             return host_argv(support, str(self.workdir), self.python) + argv

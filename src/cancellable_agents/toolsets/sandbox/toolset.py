@@ -36,7 +36,7 @@ T = TypeVar("T")
 _SIGNAL_MEANING = {
     int(signal.SIGXFSZ): "file size limit exceeded (a file grew past the sandbox's limit)",
     int(signal.SIGXCPU): "CPU time limit exceeded",
-    int(signal.SIGKILL): "killed (SIGKILL): the sandbox stopped it, or it hit the memory or CPU limit",
+    int(signal.SIGKILL): "killed (SIGKILL): out of memory, or past the hard CPU time limit",
     int(signal.SIGSEGV): "crashed (SIGSEGV); a memory limit makes allocations fail",
 }
 
