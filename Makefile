@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 	$(UV) pip install --quiet --python $(PY) -e '.[dev]'
 	touch $(STAMP)
 
-# bubblewrap gives sandbox commands their own PID namespace; the tests skip namespace mode
+# bubblewrap gives sandbox commands their namespaces; prlimit and setpriv (util-linux, on every
+# Debian/Ubuntu) set the boundary profile's limits and its uid. The tests skip namespace mode
 # (with the reason) only where it truly cannot be installed.
 system-deps:
+	@command -v prlimit >/dev/null 2>&1 && command -v setpriv >/dev/null 2>&1 || \
+	  echo "warning: prlimit/setpriv (util-linux) missing: sandbox limits are not applied"
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) || \
