@@ -217,6 +217,20 @@ def test_sigterm_to_the_task_pid_kills_the_sandboxed_tree(
     assert record["zombies"] == [], "the sandbox must reap every process of its command it stopped"
 
 
+@pytest.mark.skipif(
+    not bwrap_support().boundary, reason=f"no boundary profile: {bwrap_support().boundary_reason}"
+)
+def test_sigkill_of_the_task_leaves_no_boundary_command_running(
+    marker: str, child_tasks: Callable[..., ChildTask]
+) -> None:
+    """No Python runs after a SIGKILL: the kernel must end the namespace (``--die-with-parent``),
+    also when the command switched to the sandbox's own uid (which clears its parent-death signal)."""
+    task = child_tasks("namespace", marker)
+    assert len(task.ready()["sleepers"]) == 3
+    task.proc.kill()
+    eventually(lambda: survivors(marker) == [], timeout=5.0)
+
+
 def test_sigterm_to_the_task_pid_reaps_what_an_async_tool_started_without_a_sandbox(
     marker: str, child_tasks: Callable[..., ChildTask]
 ) -> None:

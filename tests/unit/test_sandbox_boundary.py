@@ -5,17 +5,21 @@ listed paths, and the process-group warning. Each check has a control that shows
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox.bwrap import BoundaryProfile, boundary_argv
 from cancellable_agents.toolsets.sandbox.toolset import _for_model
 
 pytestmark = [
@@ -160,3 +164,31 @@ def test_process_group_mode_warns_once_per_task_that_it_is_no_boundary(
     assert "apt-get install bubblewrap" in warnings[0] and "isolation='namespace'" in warnings[0]
     for box in boxes:
         box.destroy()
+
+
+def test_a_non_root_worker_gets_a_user_namespace_with_a_per_command_process_limit() -> None:
+    """What a non-root worker runs (bubblewrap as that user, its own user namespace), here as
+    ``nobody``: not root inside, no capabilities, no home folders, and the process limit holds."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the command line as another user")
+    support = replace(bwrap_support(), user_namespace=True, setpriv=None)
+    workdir = Path(tempfile.mkdtemp(prefix="cancellable-agents-userns-"))
+    os.chown(workdir, 65534, 65534)
+    profile = BoundaryProfile(str(workdir), "/bin/sh", False, (), (), Limits(max_processes=20), uid=None)
+    script = (
+        "id -u; grep -E '^CapEff' /proc/self/status; ls /root 2>&1 | head -1; "
+        "i=0; while [ $i -lt 60 ]; do sleep 3 & i=$((i+1)); done; echo forked=$i"
+    )
+    try:
+        done = subprocess.run(
+            [*boundary_argv(support, profile), "/bin/sh", "-c", script],
+            user=65534, group=65534, extra_groups=[], capture_output=True, text=True, timeout=30, cwd=workdir,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if "setting up uid map" in done.stderr or "No permissions to create new namespace" in done.stderr:
+        pytest.skip(f"unprivileged user namespaces are off here: {done.stderr.strip()}")
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["65534", "CapEff:\t0000000000000000"], (done.stdout, done.stderr)
+    assert "No such file" in lines[2]
+    assert "forked=60" not in done.stdout and "Cannot fork" in done.stderr, "the process limit did not hold"

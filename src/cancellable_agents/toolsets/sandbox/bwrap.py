@@ -56,6 +56,9 @@ SYSTEM_DIRS: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib
 #: Root workers run each sandbox as ``SANDBOX_UID_BASE + random``: a uid nobody else uses, so
 #: ``RLIMIT_NPROC`` (counted per uid) counts this sandbox's processes only.
 SANDBOX_UID_BASE = 1_900_000_000
+#: A non-root worker's commands: their own user namespace (where RLIMIT_NPROC counts from zero),
+#: no nested user namespaces, no capabilities in it. (--disable-userns needs bubblewrap 0.8+.)
+USERNS_ARGS = ("--unshare-user", "--disable-userns", "--cap-drop", "ALL")
 SANDBOX_UID_SPAN = 100_000_000
 
 
@@ -169,7 +172,7 @@ def _probe_boundary(path: str, setpriv: str | None) -> tuple[bool, str, bool]:
     namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--die-with-parent"]
     view = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     if os.geteuid() != 0:
-        works, error = _runs_ok([path, *namespaces, "--unshare-user", "--cap-drop", "ALL", *view, "true"])
+        works, error = _runs_ok([path, *namespaces, *USERNS_ARGS, *view, "true"])
         return works, "" if works else f"bwrap cannot create user/network namespaces here ({error})", works
     if setpriv is None:
         return False, "setpriv (util-linux) is missing: a root worker needs it to drop root", False
@@ -262,7 +265,7 @@ def boundary_argv(support: BwrapSupport, profile: BoundaryProfile) -> list[str]:
     if not profile.network:
         argv.append("--unshare-net")
     if support.user_namespace:
-        argv += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+        argv += USERNS_ARGS
     if support.new_session:
         argv.append("--new-session")
     for path in SYSTEM_DIRS:
@@ -336,7 +339,9 @@ def _interpreter_paths(python: str, *, under_tmp_only: bool = False) -> list[str
     the system folders already show them. ``under_tmp_only``: those the private /tmp would hide
     (a venv or checkout under /tmp, as CI clones often are)."""
     roots = {os.path.dirname(os.path.dirname(p)) for p in (os.path.abspath(python), os.path.realpath(python))}
-    candidates = {sys.prefix, sys.base_prefix, *roots}
+    candidates = set(roots)
+    if sys.executable and os.path.realpath(python) == os.path.realpath(sys.executable):
+        candidates |= {sys.prefix, sys.base_prefix}  # the task's own interpreter and its venv
     if under_tmp_only:
         kept = sorted(p for p in candidates if p == "/tmp" or p.startswith("/tmp/"))
     else:
