@@ -192,3 +192,13 @@ def test_a_non_root_worker_gets_a_user_namespace_with_a_per_command_process_limi
     assert lines[:2] == ["65534", "CapEff:\t0000000000000000"], (done.stdout, done.stderr)
     assert "No such file" in lines[2]
     assert "forked=60" not in done.stdout and "Cannot fork" in done.stderr, "the process limit did not hold"
+
+
+def test_files_the_task_writes_stay_changeable_by_the_command() -> None:
+    box = LocalSandbox(isolation="namespace")
+    try:
+        box.write_file("notes/a.txt", "x\n")
+        result = box.run("echo y >> notes/a.txt && mkdir notes/more && cat notes/a.txt")
+        assert (result.exit_code, result.stdout) == (0, "x\ny\n"), result.stderr
+    finally:
+        box.destroy()

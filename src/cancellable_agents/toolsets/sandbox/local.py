@@ -891,10 +891,22 @@ class LocalSandbox:
     def write_file(self, path: str, content: str) -> int:
         """Write ``content`` (UTF-8), creating parent directories; return the bytes written."""
         target = self.resolve(path)
+        created = [d for d in (target.parent, *target.parent.parents) if not d.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
         data = content.encode("utf-8")
         target.write_bytes(data)
+        self._hand_over([*created, target])
         return len(data)
+
+    def _hand_over(self, paths: Iterable[Path]) -> None:
+        """Files the task writes for a command that runs as the sandbox's own uid are its own,
+        or the command could read but never change them."""
+        uid = self._boundary.uid if self._boundary is not None else None
+        if uid is None:
+            return
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.chown(path, uid, uid)
 
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a directory, sorted; directories end with ``/``."""
