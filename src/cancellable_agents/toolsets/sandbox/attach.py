@@ -59,15 +59,15 @@ class SandboxAttachment:
             command_id = self.backend.start(command, timeout=timeout, stdin=stdin)
             with self._cond:
                 self._running[command_id] = text[:120]
+            if self.scope.cancelled:
+                # The IN_FLIGHT stop may have looked before this id existed: stop it here, while
+                # still counted as starting, so the unwind waits for this stop and its record.
+                self._stop(command_id, reason="started as the task was cancelled")
         finally:
             with self._cond:
                 self._starting -= 1
                 self._cond.notify_all()
-        if self.scope.cancelled:
-            # The IN_FLIGHT stop may have run before this id existed: stop it here too (stop is
-            # idempotent, so whichever comes second does nothing).
-            self._stop(command_id, reason="started as the task was cancelled")
-            self.scope.raise_if_cancelled()
+        self.scope.raise_if_cancelled()
         return command_id
 
     def wait(self, command_id: str, timeout: float | None = None) -> CommandResult:
