@@ -127,6 +127,16 @@ def main() -> None:
             print(f"{label} / {how}, {args.runs} runs:")
             print("  " + describe("gone", [g for g, _ in results]))
             print("  " + describe("returned", [r for _, r in results]))
+    print(f"run('true') end to end (what a profile costs per command), {args.runs} runs:")
+    for mode, profile in setups:
+        box = LocalSandbox(isolation=mode, profile=profile)  # type: ignore[arg-type]
+        try:
+            took = [box.run("true").duration for _ in range(args.runs)]
+        finally:
+            box.destroy()
+        label = f"{mode}, profile={profile}" if mode == "namespace" else mode
+        ms = [t * 1000 for t in took]
+        print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
     if args.hostile and support.boundary:
         hostile_table()
 
