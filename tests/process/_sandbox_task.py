@@ -136,8 +136,11 @@ def ready(**detail: Any) -> None:
     print("READY " + json.dumps(detail), flush=True)
 
 
-def zombie_children() -> list[int]:
-    return [pid for pid in children_of(os.getpid()) if (info := read_proc(pid)) and info.exited]
+def zombie_children() -> list[str]:
+    """``pid:name`` of this process's children that exited and nobody reaped."""
+    return [
+        f"{pid}:{info.name}" for pid in children_of(os.getpid()) if (info := read_proc(pid)) and info.exited
+    ]
 
 
 def report(scope: TaskCancellation, **extra: Any) -> None:

@@ -61,6 +61,7 @@ from cancellable_agents.procs.proc import (
     command_line,
     environ_contains,
     is_running,
+    nested_pid_namespace,
     read_proc,
     reap_zombie,
     send_signal,
@@ -597,8 +598,30 @@ class LocalSandbox:
         The sandbox started and stopped them, so it collects them: left as zombies, they would
         wait out the descendant reaper's owner grace, or stay until the task process exits.
         """
-        for key in cmd.known() - {cmd.main}:
+        keys = cmd.known() - {cmd.main}
+        if cmd.mode == "namespace":
+            keys |= self._orphaned_inits(cmd)
+        for key in keys:
             reap_zombie(key)
+
+    @staticmethod
+    def _orphaned_inits(cmd: _Command) -> set[ProcKey]:
+        """bubblewrap's namespace inits reparented to this process, once they have exited.
+
+        The outer bwrap exits as soon as the command does, and its init follows once the kernel
+        has emptied the namespace: always an orphan, reparented to a subreaper task process, and
+        for a short command never seen by the tracker. Only a process in a *nested* PID
+        namespace qualifies, so an outer bwrap (a ``Popen`` of ours, waited for by its command)
+        is never reaped here; nobody waits for an init.
+        """
+        me = os.getpid()
+        inits = set()
+        for pid in children_of(me):
+            info = read_proc(pid)
+            if info is not None and info.start >= cmd.main.start and nested_pid_namespace(pid):
+                inits.add(ProcKey(pid, info.start))
+        wait_gone(inits, KILL_WAIT)  # emptying a namespace of a fork bomb's processes takes a while
+        return inits
 
     # -- finding a command's processes ---------------------------------------------------
 
