@@ -85,10 +85,10 @@ def test_a_kill_stops_an_attached_backends_commands_and_destroys_it(marker: str)
 
 
 def test_a_kill_during_start_stops_the_command_start_was_starting(marker: str) -> None:
-    """The helper starts the command, then answers 2 s later; the cancel lands in between. The
+    """The helper starts the command, then answers 1 s later; the cancel lands in between. The
     helper's own ``stop_all`` does not know the command yet: only the attachment can stop it."""
     scope = TaskCancellation("task", budget=4.0)
-    backend = HelperSandbox(reply_delay=2.0)
+    backend = HelperSandbox(reply_delay=1.0)
     attachment = attach_sandbox(backend, scope, name="helper")
     outcome: list[BaseException | str] = []
 
