@@ -14,11 +14,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Debian packages the tests use, as COMMAND:PACKAGE. bubblewrap gives sandbox commands their
-# namespaces (namespace mode); chromium (headless) renders the Airflow UI's log page and connection
+# namespaces (namespace mode), util-linux's prlimit and setpriv the boundary profile's limits and
+# uid (on every Debian/Ubuntu; listed for minimal images); chromium (headless) renders the Airflow UI's log page and connection
 # form (tests/e2e/test_ui_browser.py); redis-server is the CeleryExecutor e2e's broker
 # (tests/e2e/test_celery.py). What is missing is installed in one apt-get run where we are root;
 # elsewhere (and if that fails) the tests that need it skip and say why.
-SYSTEM_DEPS := bwrap:bubblewrap chromium:chromium redis-server:redis-server
+SYSTEM_DEPS := bwrap:bubblewrap prlimit:util-linux setpriv:util-linux chromium:chromium redis-server:redis-server
 
 system-deps:
 	@missing=""; for dep in $(SYSTEM_DEPS); do \

@@ -1,4 +1,10 @@
-"""Kill -> tree-gone latency of LocalSandbox, per isolation mode (prints numbers; asserts nothing).
+"""Kill -> tree-gone latency of LocalSandbox, per isolation mode and profile (prints numbers).
+
+Namespace mode runs twice, side by side in the same run: ``profile="host"`` (the view before the
+boundary: host read-only, no limits) and ``profile="boundary"`` (the default), so the cost of the
+boundary shows against a baseline measured under the same load. ``--hostile`` also runs the
+hostile-command table (``tests/process/_sandbox_task.py hostile``): each command's result as
+the model reads it, then SIGTERM -> all gone with every one of them running.
 
 Each run starts ``sh -c 'setsid sleep M & (sleep M &) ; sleep M'`` (M a unique marker), waits
 until the three sleeps run (and, in process-group mode, until the tracker has seen the setsid'd
@@ -11,17 +17,26 @@ one), then stops it two ways:
 "gone" is the time from the call until no process with the marker in its command line runs
 (scanned every ~1 ms); "returned" is when ``stop()`` returned / the scope reported release.
 
-Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20]``
+Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.causes import CancelCause
@@ -50,11 +65,11 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def one_run(mode: str, via_scope: bool) -> tuple[float, float]:
+def one_run(mode: str, via_scope: bool, profile: str) -> tuple[float, float]:
     """Return (seconds until the tree was gone, seconds until the stop call returned)."""
     marker = f"39{uuid.uuid4().int % 10:d}.{uuid.uuid4().int % 10**9:09d}"
     scope = TaskCancellation("bench", budget=4.0)
-    box = LocalSandbox(isolation=mode, scope=scope, stop_grace=1.0)  # type: ignore[arg-type]
+    box = LocalSandbox(isolation=mode, profile=profile, scope=scope, stop_grace=1.0)  # type: ignore[arg-type]
     try:
         command = box.start(TREE.format(m=marker))
         wait_for(lambda: len(marker_processes(marker, "sleep")) == 3)
@@ -90,18 +105,86 @@ def describe(label: str, samples: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--hostile", action="store_true", help="also run the hostile-command table")
     args = parser.parse_args()
+    # The process-group rows would print the "not a boundary" warning once per run.
+    logging.getLogger("cancellable_agents.toolsets.sandbox.local").setLevel(logging.ERROR)
     support = bwrap_support()
-    modes = ["namespace", "process-group"] if support.usable else ["process-group"]
-    if not support.usable:
+    setups = [("process-group", "boundary")]
+    if support.usable:
+        setups[:0] = [("namespace", "host")] + ([("namespace", "boundary")] if support.boundary else [])
+    else:
         print(f"namespace mode skipped: {support.reason}")
-    for mode in modes:
-        for via_scope in (False, True):
-            results = [one_run(mode, via_scope) for _ in range(args.runs)]
-            how = "scope.cancel()" if via_scope else "stop()"
-            print(f"{mode} / {how}, {args.runs} runs:")
+    for via_scope in (False, True):
+        how = "scope.cancel()" if via_scope else "stop()"
+        # Interleaved, so the profiles share the same load.
+        samples: dict[tuple[str, str], list[tuple[float, float]]] = {setup: [] for setup in setups}
+        for _ in range(args.runs):
+            for setup in setups:
+                samples[setup].append(one_run(setup[0], via_scope, setup[1]))
+        for (mode, profile), results in samples.items():
+            label = f"{mode}, profile={profile}" if mode == "namespace" else mode
+            print(f"{label} / {how}, {args.runs} runs:")
             print("  " + describe("gone", [g for g, _ in results]))
             print("  " + describe("returned", [r for _, r in results]))
+    print(f"run('true') end to end (what a profile costs per command), {args.runs} runs:")
+    for mode, profile in setups:
+        box = LocalSandbox(isolation=mode, profile=profile)  # type: ignore[arg-type]
+        try:
+            took = [box.run("true").duration for _ in range(args.runs)]
+        finally:
+            box.destroy()
+        label = f"{mode}, profile={profile}" if mode == "namespace" else mode
+        ms = [t * 1000 for t in took]
+        print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
+    if args.hostile and support.boundary:
+        hostile_table()
+
+
+def hostile_table() -> None:
+    """Run ``_sandbox_task.py hostile`` and print each command's result and the kill latency."""
+    root = Path(__file__).parents[1]
+    secrets = Path(tempfile.mkdtemp(prefix="cancellable-agents-secrets-", dir="/var/tmp"))
+    (secrets / "airflow").mkdir()
+    (secrets / "airflow" / "airflow.cfg").write_text("[database]\nsql_alchemy_conn = secret\n")
+    (secrets / "home" / ".aws").mkdir(parents=True)
+    (secrets / "home" / ".aws" / "credentials").write_text("[default]\nkey = SECRET\n")
+    secrets.chmod(0o755)
+    marker = f"38{uuid.uuid4().int % 10:d}.{uuid.uuid4().int % 10**9:09d}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    script = root / "tests" / "process" / "_sandbox_task.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "hostile", marker, str(secrets)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline().removeprefix("READY "))
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        while set(marker_processes(marker)) - {proc.pid}:  # the task's own argv has the marker
+            time.sleep(0.001)
+        gone = time.monotonic() - started
+        record = json.loads(proc.stdout.readline())
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(secrets, ignore_errors=True)
+    print("hostile commands (boundary profile; result as the model reads it):")
+    for name, result in ready["results"].items():
+        said = (
+            result.get("killed_by") or result["stderr"].strip().splitlines() or [result["stdout"].strip()]
+        )[-1]
+        print(f"  {name:<26} exit {result['exit_code']:>4}  {result['seconds'] * 1000:6.0f} ms  {said[:70]}")
+        print(f"  {'':<26} stdout: {result['stdout'].strip()[:70]!r}")
+    print(
+        f"  all {len(ready['results'])} running ({ready['sleepers']} sleeps), SIGTERM -> all gone: "
+        f"{gone * 1000:.0f} ms; listener connections: {record['accepted']}; "
+        f"stragglers: {record['summary']['stragglers']}; zombies: {record['zombies']}"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ Usage: ``_sandbox_task.py MODE MARKER`` where MODE is
   :class:`DescendantReaper` watches the task process;
 - ``reaper-baseline``: a ``sleep MARKER.1`` started *before* the reaper must survive its reap,
   a double-forked ``setsid sleep MARKER.2`` started during the run must not;
+- ``hostile SECRETS``: per command of :data:`HOSTILE`, a boundary-profile :class:`LocalSandbox`
+  (small limits, no network) first runs it to its end (the results, as the model reads them, go
+  into ``READY``), then starts its long-running form; all are running when the test's SIGTERM
+  lands; the report says whether anything outside changed (the loopback listener);
 - ``reaper-orphans``: orphans reparented to the task process (a ``(sleep &)`` from a shell in its
   own session, bubblewrap's namespace init after the probe) are reaped as they exit, without the
   owner grace, while an exited ``Popen`` child is left for its ``Popen`` to wait for.
@@ -24,8 +28,10 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +46,66 @@ from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.causes import CancelCause
 from cancellable_agents.exceptions import TaskCancelled
 from cancellable_agents.process_reaper import DescendantReaper, become_subreaper, children_of, read_proc
-from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox.toolset import _for_model
+
+#: Small limits, so the hostile commands hit them in milliseconds.
+HOSTILE_LIMITS = Limits(max_processes=32, file_size_bytes=1_500_000, tmp_bytes=4 * 1024 * 1024, cpu_seconds=5)
+FORKS = (
+    "import os, subprocess\nstarted = 0\nfor _ in range(500):\n    try:\n"
+    "        subprocess.Popen(['sleep', '{sleep}'])\n        started += 1\n"
+    "    except OSError:\n        pass\n"
+)
+WAIT = "os.execvp('sleep', ['sleep', '{m}'])"
+#: name -> (probe: runs to its end, running: still running at the SIGTERM; "{m}" is the marker).
+#: ``{secrets}``, ``{port}``, ``{task}``, ``{supervisor}``, ``{python}`` are filled in per run.
+HOSTILE: dict[str, tuple[str, str]] = {
+    "read-secrets": (
+        "cat {secrets}/airflow/airflow.cfg {secrets}/home/.aws/credentials",
+        "cat {secrets}/home/.aws/credentials; sleep {m}",
+    ),
+    "connect-loopback": (
+        "{python} -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2); print('in')\"",
+        "{python} -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2)\"; sleep {m}",
+    ),
+    "kill-task-and-supervisor": ("kill -9 {task} {supervisor}", "kill -9 {task} {supervisor}; sleep {m}"),
+    # Forks until the process limit stops it (at most 500), then reports or waits.
+    "fork-bomb": (
+        f'{{python}} -c "{FORKS.replace("{sleep}", "1{m}")}print(started)"',
+        f'{{python}} -c "{FORKS.replace("{sleep}", "{m}")}{WAIT}"',
+    ),
+    "fill-disk": (
+        "head -c 2000000 /dev/zero > big; echo big=$?; i=0; "
+        "while head -c 1000000 /dev/zero > /tmp/f$i; do i=$((i+1)); done; echo tmp_files=$i",
+        "yes > /tmp/fill; sleep {m}",
+    ),
+    "ignore-sigterm": ("trap '' TERM; kill -TERM $$; echo still here", "trap '' TERM; sleep {m}; sleep {m}"),
+    "double-fork-daemon": (
+        "( ( setsid sh -c 'trap \"\" TERM HUP; exec sleep 1{m}' & ) & ); echo daemonized",
+        "( ( setsid sh -c 'trap \"\" TERM HUP; exec sleep {m}' & ) & ); sleep {m}",
+    ),
+}
+#: How many ``sleep {m}`` the running form has once it is in full swing.
+HOSTILE_SLEEPERS = {"fork-bomb": 20, "ignore-sigterm": 1, "double-fork-daemon": 2}
+
+
+class Listener:
+    """A real TCP listener on loopback, counting the connections it accepted."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
 
 
 def sleepers(marker: str) -> list[int]:
@@ -71,8 +136,11 @@ def ready(**detail: Any) -> None:
     print("READY " + json.dumps(detail), flush=True)
 
 
-def zombie_children() -> list[int]:
-    return [pid for pid in children_of(os.getpid()) if (info := read_proc(pid)) and info.exited]
+def zombie_children() -> list[str]:
+    """``pid:name`` of this process's children that exited and nobody reaped."""
+    return [
+        f"{pid}:{info.name}" for pid in children_of(os.getpid()) if (info := read_proc(pid)) and info.exited
+    ]
 
 
 def report(scope: TaskCancellation, **extra: Any) -> None:
@@ -102,6 +170,32 @@ def sandbox_task(mode: str, marker: str) -> None:
     ready(sleepers=sleepers(marker))
     scope.wait_released(30)
     report(scope)
+
+
+def hostile_task(marker: str, secrets: str) -> None:
+    """Every command of :data:`HOSTILE`, each in its own sandbox: probes first, one by one, then
+    all the running forms at once, and one SIGTERM for the lot."""
+    scope = TaskCancellation("task", budget=4.0)
+    assert bwrap_support().boundary  # probed first: the probes' orphans are not the sandbox's to reap
+    assert become_subreaper()
+    listener = Listener()
+    fill = {"secrets": secrets, "port": listener.port, "task": os.getpid(), "supervisor": os.getppid()}
+    boxes, results = {}, {}
+    for name, (probe, running) in HOSTILE.items():
+        box = LocalSandbox(isolation="namespace", scope=scope, stop_grace=1.0, limits=HOSTILE_LIMITS)
+        boxes[name] = box
+        fill["python"] = box.python
+        started = time.monotonic()
+        results[name] = _for_model(box.run(probe.format(m=marker, **fill), timeout=20), 20)
+        results[name]["seconds"] = round(time.monotonic() - started, 3)
+        box.start(running.format(m=marker, **fill))
+    wait_for(lambda: len(sleepers(marker)) >= sum(HOSTILE_SLEEPERS.get(name, 1) for name in HOSTILE))
+    on_sigterm(scope)
+    ready(results=results, sleepers=len(sleepers(marker)))
+    scope.wait_released(30)
+    listener.sock.close()
+    left = [name for name, box in boxes.items() if box.workdir.exists()]
+    report(scope, accepted=listener.accepted, workdirs_left=left)
 
 
 def reaper_task(marker: str) -> None:
@@ -191,6 +285,8 @@ def main() -> None:
     mode, marker = sys.argv[1], sys.argv[2]
     if mode in ("namespace", "process-group"):
         sandbox_task(mode, marker)
+    elif mode == "hostile":
+        hostile_task(marker, sys.argv[3])
     elif mode == "reaper":
         reaper_task(marker)
     elif mode == "reaper-baseline":

@@ -86,10 +86,10 @@ def marker() -> Iterator[str]:
 class ChildTask:
     """``_sandbox_task.py MODE MARKER`` with its stdout read line by line on a thread."""
 
-    def __init__(self, mode: str, marker: str) -> None:
+    def __init__(self, mode: str, marker: str, *extra: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(
-            [sys.executable, str(TASK_SCRIPT), mode, marker],
+            [sys.executable, str(TASK_SCRIPT), mode, marker, *extra],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -128,11 +128,11 @@ class ChildTask:
 
 
 @pytest.fixture
-def child_tasks() -> Iterator[Callable[[str, str], ChildTask]]:
+def child_tasks() -> Iterator[Callable[..., ChildTask]]:
     started: list[ChildTask] = []
 
-    def start(mode: str, marker: str) -> ChildTask:
-        task = ChildTask(mode, marker)
+    def start(mode: str, marker: str, *extra: str) -> ChildTask:
+        task = ChildTask(mode, marker, *extra)
         started.append(task)
         return task
 
@@ -198,7 +198,7 @@ def test_process_group_catches_an_untracked_double_forked_setsid_child_by_its_ta
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sigterm_to_the_task_pid_kills_the_sandboxed_tree(
-    mode: str, marker: str, child_tasks: Callable[[str, str], ChildTask]
+    mode: str, marker: str, child_tasks: Callable[..., ChildTask]
 ) -> None:
     task = child_tasks(mode, marker)
     running = task.ready()["sleepers"]
@@ -217,8 +217,22 @@ def test_sigterm_to_the_task_pid_kills_the_sandboxed_tree(
     assert record["zombies"] == [], "the sandbox must reap every process of its command it stopped"
 
 
+@pytest.mark.skipif(
+    not bwrap_support().boundary, reason=f"no boundary profile: {bwrap_support().boundary_reason}"
+)
+def test_sigkill_of_the_task_leaves_no_boundary_command_running(
+    marker: str, child_tasks: Callable[..., ChildTask]
+) -> None:
+    """No Python runs after a SIGKILL: the kernel must end the namespace (``--die-with-parent``),
+    also when the command switched to the sandbox's own uid (which clears its parent-death signal)."""
+    task = child_tasks("namespace", marker)
+    assert len(task.ready()["sleepers"]) == 3
+    task.proc.kill()
+    eventually(lambda: survivors(marker) == [], timeout=5.0)
+
+
 def test_sigterm_to_the_task_pid_reaps_what_an_async_tool_started_without_a_sandbox(
-    marker: str, child_tasks: Callable[[str, str], ChildTask]
+    marker: str, child_tasks: Callable[..., ChildTask]
 ) -> None:
     task = child_tasks("reaper", marker)
     ready = task.ready()
@@ -232,7 +246,7 @@ def test_sigterm_to_the_task_pid_reaps_what_an_async_tool_started_without_a_sand
 
 
 def test_reaper_spares_what_existed_before_the_run_and_is_idempotent(
-    marker: str, child_tasks: Callable[[str, str], ChildTask]
+    marker: str, child_tasks: Callable[..., ChildTask]
 ) -> None:
     task = child_tasks("reaper-baseline", marker)
     ready = task.ready()
@@ -246,7 +260,7 @@ def test_reaper_spares_what_existed_before_the_run_and_is_idempotent(
 
 
 def test_reaper_reaps_reparented_orphans_at_once_and_leaves_owned_children_to_their_owner(
-    marker: str, child_tasks: Callable[[str, str], ChildTask]
+    marker: str, child_tasks: Callable[..., ChildTask]
 ) -> None:
     task = child_tasks("reaper-orphans", marker)
     task.ready()
@@ -281,3 +295,77 @@ def test_cancelling_one_sandbox_leaves_the_other_running_to_success(mode: str, m
     finally:
         victim.destroy()
         other.destroy()
+
+
+# -- hostile commands in the boundary profile ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secrets() -> Iterator[Path]:
+    """An ``airflow.cfg`` and ``~/.aws/credentials`` outside /tmp (which is private anyway), so
+    only the boundary profile hides them: ``profile="host"`` would show them."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="cancellable-agents-secrets-", dir="/var/tmp"))
+    (root / "airflow").mkdir()
+    (root / "airflow" / "airflow.cfg").write_text("[database]\nsql_alchemy_conn = postgresql://secret\n")
+    (root / "home" / ".aws").mkdir(parents=True)
+    (root / "home" / ".aws" / "credentials").write_text("[default]\naws_secret_access_key = SECRET\n")
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _contained(name: str, result: dict[str, Any], record: dict[str, Any]) -> None:
+    """The command failed (or did no harm) and says why, in what the model reads."""
+    out, err = result["stdout"], result["stderr"]
+    if name == "read-secrets":
+        assert result["exit_code"] != 0 and "SECRET" not in out and "No such file" in err
+    elif name == "connect-loopback":
+        assert result["exit_code"] != 0 and record["accepted"] == 0
+        assert "Network is unreachable" in err or "Connection refused" in err, err
+    elif name == "kill-task-and-supervisor":
+        assert result["exit_code"] != 0 and "No such process" in err  # the pids are not even visible
+    elif name == "fork-bomb":
+        assert result["exit_code"] == 0 and int(out) < 32, "the process limit did not stop the forks"
+    elif name == "fill-disk":
+        assert "big=153" in out, "a file past the size limit must die of SIGXFSZ (128 + 25)"
+        assert "File size limit exceeded" in err and "No space left on device" in err
+        assert int(out.split("tmp_files=")[1]) <= 4, "the private /tmp is capped at 4 MiB"
+    elif name == "ignore-sigterm":
+        assert out == "still here\n"  # harmless on its own: the kill below is the test
+    elif name == "double-fork-daemon":
+        assert out == "daemonized\n"  # its daemon must be gone: checked by the survivors below
+
+
+@pytest.mark.skipif(
+    not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
+)
+def test_hostile_commands_are_contained_and_a_sigterm_during_them_unwinds(
+    marker: str, secrets: Path, child_tasks: Callable[..., ChildTask]
+) -> None:
+    """Each hostile command, in its own boundary-profile sandbox, fails with a result the model
+    can read and changes nothing outside; then, with all of them running (one ignores SIGTERM,
+    one double-forked a daemon, one forked to its limit), a SIGTERM to the task unwinds within
+    the budget with nothing left. The task surviving is also the ``kill -9`` check."""
+    task = child_tasks("hostile", marker, str(secrets))
+    ready = task.ready(timeout=60)
+    started = time.monotonic()
+    os.kill(task.proc.pid, signal.SIGTERM)
+    record = task.result()
+    unwind = time.monotonic() - started
+    failures = []
+    for name, result in ready["results"].items():
+        try:
+            _contained(name, result, record)
+        except (AssertionError, ValueError, IndexError) as exc:
+            failures.append(f"{name}: {exc!r} {result}")
+    assert not failures, "\n".join(failures)
+    assert survivors(marker) == [], "something a command started outlived the kill"
+    summary = record["summary"]
+    assert summary["stragglers"] == [] and record["zombies"] == []
+    assert {k["command_id"] for k in summary["killed"]}, "the kills were not recorded"
+    assert record["workdirs_left"] == [], "a sandbox was not destroyed"
+    assert unwind < summary["budget_s"] + 1.0, f"unwind took {unwind:.2f}s"
+    assert (secrets / "airflow" / "airflow.cfg").read_text().startswith("[database]")

@@ -1,42 +1,33 @@
-"""Shell and Python commands for an agent, run as process trees that a cancel really stops.
+"""The local backend: commands run as process trees on this host that a cancel really stops.
 
 :class:`LocalSandbox` gives one task a working directory and a command runner. Every command is
 a *process tree*: stopping it (``stop``, a per-command timeout, or the task being cancelled)
 sends SIGTERM to the whole tree, waits ``stop_grace`` (never past the scope's budget), SIGKILLs
 what is left, reaps it and records each kill on the task's :class:`TaskCancellation`. When a
 command's main process ends, whatever it left running in the background is killed too: a
-command never outlives itself. :class:`SandboxToolset` exposes the sandbox to any pydantic-ai
-agent as ``run_shell``, ``run_python``, ``read_file``, ``write_file`` and ``list_files``.
+command never outlives itself.
 
 Isolation modes (``isolation=``):
 
 ``"namespace"`` (Linux with a working bubblewrap)
-    Each command runs under ``bwrap --unshare-pid --die-with-parent`` in its own PID namespace,
-    with the host filesystem mounted read-only, the workdir writable and a private ``/tmp``.
-    Nothing the command starts (``setsid``, double forks, daemons) can leave the namespace, and
-    when the namespace's init dies the kernel kills every process in it. ``--die-with-parent``
-    ends the sandbox even when the task process itself is SIGKILLed.
+    Each command runs under bubblewrap in its own PID namespace: nothing it starts (``setsid``,
+    double forks, daemons) can leave it, when the namespace's init dies the kernel kills every
+    process in it, and ``--die-with-parent`` ends it even when the task process is SIGKILLed.
+    With the default ``profile="boundary"`` it is also a boundary (see
+    :mod:`~cancellable_agents.toolsets.sandbox.bwrap`): no home folders, no Airflow config, no
+    network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
 ``"process-group"`` (fallback, any POSIX)
     Each command starts a new session. A watcher thread records the pid and start time of every
     descendant every ~20 ms, so processes that later ``setsid`` or are reparented stay known.
     A stop signals the process group, every tracked process (start time checked, so a recycled
     pid is never hit) and every process that still carries the command's environment tag
-    (``CANCELLABLE_AGENTS_COMMAND``). A process that escapes the tree within one poll interval
-    *and* clears its environment can survive, and a SIGKILL of the task process leaves the
-    commands running; use namespace mode where that matters.
+    (``CANCELLABLE_AGENTS_COMMAND``). Cleanup only, **not a boundary**: the command sees what the
+    task's user sees, and a SIGKILL of the task leaves commands running. Warned once per task.
 ``"auto"`` (default)
-    Namespace mode when bubblewrap works here, else process-group mode. The choice is logged.
+    Namespace mode when bubblewrap can give the chosen profile here, else process-group mode.
 
-What it is not: a security boundary. The PID namespace and the read-only host view are
-*containment for cleanup*: they make sure a cancel stops everything and that a command cannot
-casually scribble over the worker. The command still runs as the task's user, shares the host's
-network, IPC and user namespaces, can read whatever that user can read (host files, other
-processes' ``/proc`` entries outside namespace mode), and a determined attacker has kernel
-attack surface. Run untrusted code in a VM or a remote sandbox (plug it in through the
-:class:`Sandbox` protocol). Secrets are kept out of commands' environment by default
-(``AIRFLOW__*``, ``AIRFLOW_CONN_*``, ``AIRFLOW_VAR_*`` and names containing ``API_KEY``,
-``TOKEN``, ``SECRET`` or ``PASSWORD``), but Airflow's own config files stay readable.
-
+Secrets are kept out of commands' environment in every mode (``AIRFLOW__*``, ``AIRFLOW_CONN_*``,
+``AIRFLOW_VAR_*`` and names containing ``API_KEY``, ``TOKEN``, ``SECRET`` or ``PASSWORD``).
 This module imports no Airflow.
 """
 
@@ -57,55 +48,54 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import IO, Any, Literal, TypeVar
 
-from pydantic_ai import ModelRetry
-from pydantic_ai.toolsets import FunctionToolset
-
-from cancellable_agents.cancellation import (
-    KillRecord,
-    Phase,
-    ResourceHandle,
-    TaskCancellation,
-    current_cancellation,
-)
-from cancellable_agents.process_reaper import (
-    IS_LINUX,
+from cancellable_agents.core.record import KillRecord
+from cancellable_agents.core.scope import TaskCancellation, current_cancellation
+from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,
     children_of,
     command_line,
     environ_contains,
     is_running,
+    nested_pid_namespace,
     read_proc,
     reap_zombie,
     send_signal,
-    wait_until,
+    wait_gone,
     walk_descendants,
 )
+from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox.bwrap import (
+    BoundaryProfile,
+    Limits,
+    boundary_argv,
+    bwrap_support,
+    host_argv,
+    limits_prefix,
+    prlimit_path,
+    sandbox_uid,
+    unavailable_message,
+)
+from cancellable_agents.toolsets.sandbox.env import scrubbed_environment
+from cancellable_agents.toolsets.sandbox.protocol import (
+    CommandResult,
+    SandboxClosed,
+    SandboxPathError,
+    SandboxUnavailable,
+)
 
-__all__ = [
-    "COMMAND_TAG",
-    "CommandResult",
-    "LocalSandbox",
-    "Sandbox",
-    "SandboxClosed",
-    "SandboxError",
-    "SandboxFiles",
-    "SandboxPathError",
-    "SandboxToolset",
-    "SandboxUnavailable",
-    "bwrap_support",
-    "scrubbed_environment",
-]
+__all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "Isolation", "LocalSandbox", "Profile"]
 
 log = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespace", "process-group"]
 Mode = Literal["namespace", "process-group"]
+Profile = Literal["boundary", "host"]
 T = TypeVar("T")
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024
@@ -122,193 +112,50 @@ KEEP_RESULTS = 256
 #: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
 
-_SCRUBBED_PREFIXES = ("AIRFLOW__", "AIRFLOW_CONN_", "AIRFLOW_VAR_")
-_SECRET_WORDS = ("API_KEY", "TOKEN", "SECRET", "PASSWORD")
 
-
-class SandboxError(RuntimeError):
-    """Base class of the sandbox's errors."""
-
-
-class SandboxUnavailable(SandboxError):
-    """The requested isolation cannot be provided on this machine."""
-
-
-class SandboxClosed(SandboxError):
-    """The sandbox was destroyed; it starts no more commands."""
-
-
-class SandboxPathError(SandboxError, ValueError):
-    """A file path points outside the sandbox's working directory."""
-
-
-@dataclass(frozen=True)
-class CommandResult:
-    """How a command ended.
-
-    ``exit_code`` is the main process's exit status (negative signal number when a signal
-    ended it). A command the sandbox stopped (``stop``, timeout, cancel) has ``stopped=True``
-    and ``exit_code == -signal`` of the last signal it needed, whatever it exited with:
-    a stopped command never reads as a success. In namespace mode a command killed by a
-    signal it did not get from the sandbox reports ``128 + signal`` (bubblewrap's convention).
-    """
-
-    command_id: str
-    exit_code: int
-    stdout: str
-    stderr: str
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    timed_out: bool = False
-    stopped: bool = False
-    duration: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """Ended on its own with exit code 0."""
-        return self.exit_code == 0 and not self.stopped
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@runtime_checkable
-class Sandbox(Protocol):
-    """What :class:`SandboxToolset` and the cancellation scope need from a sandbox backend.
-
-    ``stop``, ``stop_all`` and ``destroy`` must be idempotent, thread-safe and bounded in time:
-    they are called from the scope's unwind thread within the task's grace budget.
-    """
-
-    def start(
-        self,
-        command: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        stdin: str | bytes | None = None,
-    ) -> str: ...
-
-    def wait(self, command_id: str, timeout: float | None = None) -> CommandResult: ...
-
-    def stop(self, command_id: str) -> None: ...
-
-    def stop_all(self) -> None: ...
-
-    def destroy(self) -> None: ...
-
-
-@runtime_checkable
-class SandboxFiles(Protocol):
-    """File access confined to a sandbox's working directory (enables the file tools)."""
-
-    def read_file(self, path: str) -> str: ...
-
-    def write_file(self, path: str, content: str) -> int: ...
-
-    def list_files(self, path: str = ".") -> list[str]: ...
-
-
-# -- environment ----------------------------------------------------------------------------
-
-
-def is_sensitive(name: str) -> bool:
-    """Whether an environment variable is kept from commands unless passed explicitly."""
-    upper = name.upper()
-    return upper.startswith(_SCRUBBED_PREFIXES) or any(word in upper for word in _SECRET_WORDS)
-
-
-def scrubbed_environment(
-    base: Mapping[str, str], explicit: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """``base`` without Airflow settings, connections, variables and secret-looking names,
-    plus everything in ``explicit`` (the DAG author's deliberate choice wins)."""
-    env = {name: value for name, value in base.items() if not is_sensitive(name)}
-    env.update(explicit or {})
-    return env
-
-
-# -- bubblewrap -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BwrapSupport:
-    """Whether bubblewrap can give each command a PID namespace here (probed once)."""
-
-    usable: bool
-    path: str | None = None
-    new_session: bool = False
-    reason: str = ""
-    interrupted: bool = False
-    """The probe was killed by a signal: no verdict, so it is not cached."""
-
-
-_PROBE_ARGS: tuple[str, ...] = ("--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/")
-_PROBE_ARGS += ("--dev", "/dev", "--proc", "/proc")
-_bwrap_lock = threading.Lock()
-_bwrap_cache: BwrapSupport | None = None
-
-
-def bwrap_support() -> BwrapSupport:
-    """Probe bubblewrap once per process (thread-safe) and cache the answer."""
-    global _bwrap_cache
-    with _bwrap_lock:
-        if _bwrap_cache is not None:
-            return _bwrap_cache
-        support = _probe_bwrap()
-        # A probe killed by a signal (a task being cancelled reaps its descendants) says nothing
-        # about this machine: answer for now, probe again next time.
-        if not support.interrupted:
-            _bwrap_cache = support
-        return support
-
-
-def _probe_bwrap() -> BwrapSupport:
-    if not IS_LINUX:
-        return BwrapSupport(False, reason="PID namespaces need Linux")
-    path = shutil.which("bwrap")
-    if path is None:
-        return BwrapSupport(False, reason="bwrap is not installed")
-    works, error = _runs_ok([path, *_PROBE_ARGS, "true"])
-    if not works:
-        interrupted = error.startswith("killed by signal")
-        return BwrapSupport(
-            False, path, reason=f"bwrap cannot create a PID namespace here ({error})", interrupted=interrupted
-        )
-    new_session, _ = _runs_ok([path, *_PROBE_ARGS, "--new-session", "true"])
-    return BwrapSupport(True, path, new_session=new_session)
-
-
-def _runs_ok(argv: list[str]) -> tuple[bool, str]:
-    try:
-        proc = subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, str(exc)
-    if proc.returncode < 0:
-        return False, f"killed by signal {-proc.returncode}"
-    return proc.returncode == 0, proc.stderr.decode("utf-8", "replace").strip() or f"exit {proc.returncode}"
-
-
-def _unavailable_message(support: BwrapSupport) -> str:
-    return (
-        f"isolation='namespace' needs a working bubblewrap, but {support.reason}. Fix: install it "
-        "(`apt-get install bubblewrap`) and, if the worker is not root, allow unprivileged user "
-        "namespaces (`sysctl kernel.unprivileged_userns_clone=1`; on Ubuntu 24.04+ also "
-        "`kernel.apparmor_restrict_unprivileged_userns=0`), or pass isolation='process-group'."
-    )
-
-
-def _choose_mode(isolation: str) -> Mode:
+def _choose_mode(isolation: str, profile: str) -> Mode:
     if isolation not in ("auto", "namespace", "process-group"):
         raise ValueError(f"isolation must be 'auto', 'namespace' or 'process-group', got {isolation!r}")
+    if profile not in ("boundary", "host"):
+        raise ValueError(f"profile must be 'boundary' or 'host', got {profile!r}")
     if isolation == "process-group":
         return "process-group"
     support = bwrap_support()
-    if support.usable:
+    if support.usable and (profile == "host" or support.boundary):
         return "namespace"
     if isolation == "namespace":
-        raise SandboxUnavailable(_unavailable_message(support))
-    log.info("LocalSandbox: no PID namespace (%s); using process-group isolation", support.reason)
+        raise SandboxUnavailable(unavailable_message(support, profile))
+    log.info(
+        "LocalSandbox: no %s namespace sandbox (%s); using process-group isolation",
+        profile,
+        support.reason or support.boundary_reason,
+    )
     return "process-group"
+
+
+_warned_lock = threading.Lock()
+_warned: weakref.WeakSet[TaskCancellation] = weakref.WeakSet()  # guarded by _warned_lock
+_warned_unscoped = False  # guarded by _warned_lock
+
+
+def _warn_no_boundary(scope: TaskCancellation | None) -> None:
+    """Once per task (scope): process-group mode is cleanup, not a boundary."""
+    global _warned_unscoped
+    with _warned_lock:
+        if scope is None:
+            if _warned_unscoped:
+                return
+            _warned_unscoped = True
+        else:
+            if scope in _warned:
+                return
+            _warned.add(scope)
+    log.warning(
+        "LocalSandbox runs commands in process-group mode: this stops them on a kill but is NOT a "
+        "security boundary (commands see the task's files and network and run as its user, with "
+        "no limits). For a boundary install bubblewrap (`apt-get install bubblewrap`) and pass "
+        "isolation='namespace' to fail instead of falling back."
+    )
 
 
 # -- spawning -------------------------------------------------------------------------------
@@ -451,14 +298,29 @@ class LocalSandbox:
     the scrubbed environment (so a secret the DAG author hands over explicitly does reach them).
     With a ``scope`` (or the :func:`current_cancellation` found at creation or first use), a
     cancel stops all commands (``Phase.IN_FLIGHT``) before destroying the sandbox
-    (``Phase.TEARDOWN``), inside the scope's budget.
+    (``Phase.TEARDOWN``), inside the scope's budget (through :func:`attach_sandbox`).
+
+    Namespace mode, ``profile="boundary"`` (default): commands see the system folders, the
+    interpreter, ``read_only_paths``, ``writable_paths`` and the workdir (read-write, also their
+    ``HOME``) and nothing else; no network unless ``network=True``; ``limits`` (a
+    :class:`Limits`, defaults when ``None``). On a root worker the workdir is handed to the
+    sandbox's own uid, and ``writable_paths`` must be writable by it. ``profile="host"``: the
+    old view (whole host read-only, host network, no limits), for commands that need it.
     """
+
+    #: Kills are recorded here, per process (the attachment need not record per command).
+    records_kills = True
 
     def __init__(
         self,
         workdir: str | os.PathLike[str] | None = None,
         *,
         isolation: Isolation = "auto",
+        profile: Profile = "boundary",
+        network: bool = False,
+        read_only_paths: Iterable[str | os.PathLike[str]] = (),
+        writable_paths: Iterable[str | os.PathLike[str]] = (),
+        limits: Limits | None = None,
         env: Mapping[str, str] | None = None,
         stop_grace: float = 1.0,
         scope: TaskCancellation | None = None,
@@ -469,7 +331,10 @@ class LocalSandbox:
             raise ValueError(f"stop_grace must be >= 0 seconds, got {stop_grace!r}")
         if output_limit <= 0:
             raise ValueError(f"output_limit must be a positive number of bytes, got {output_limit!r}")
-        self.mode: Mode = _choose_mode(isolation)
+        self.mode: Mode = _choose_mode(isolation, profile)
+        self.profile: Profile = profile
+        self.network = network
+        self.limits = limits if limits is not None else Limits()
         self.id = uuid.uuid4().hex[:8]
         self.workdir, self._owns_workdir = _prepare_workdir(workdir)
         if self._owns_workdir:
@@ -483,15 +348,44 @@ class LocalSandbox:
         self._lock = threading.Lock()
         self._destroyed = False
         self._scope: TaskCancellation | None = None
-        self._handles: list[ResourceHandle] = []
+        self._attachment: SandboxAttachment | None = None
+        self._boundary = self._boundary_profile(read_only_paths, writable_paths)
         log.info(
             "LocalSandbox %s: isolation=%s, workdir=%s%s",
             self.id,
             self.mode,
             self.workdir,
-            " (PID namespace per command via bubblewrap)" if self.mode == "namespace" else "",
+            f" (bubblewrap, profile={profile}, network={network})" if self.mode == "namespace" else "",
         )
         self._attach(scope or current_cancellation())
+
+    def _boundary_profile(
+        self, read_only: Iterable[str | os.PathLike[str]], writable: Iterable[str | os.PathLike[str]]
+    ) -> BoundaryProfile | None:
+        if self.mode != "namespace" or self.profile != "boundary":
+            return None
+        uid = None if bwrap_support().user_namespace else sandbox_uid()
+        if uid is not None:
+            # A root worker's commands run as the sandbox's own uid: the workdir must be theirs.
+            os.chown(self.workdir, uid, uid)
+        return BoundaryProfile(
+            workdir=str(self.workdir),
+            python=self.python,
+            network=self.network,
+            read_only_paths=tuple(_absolute(p) for p in read_only),
+            writable_paths=tuple(_absolute(p) for p in writable),
+            limits=self.limits,
+            uid=uid,
+        )
+
+    def _boundary_env(self, env: dict[str, str]) -> None:
+        """The real HOME is not visible (the workdir stands in), and ``python`` on PATH is the
+        sandbox's interpreter (a PATH entry such as a pyenv shim folder is not visible either)."""
+        if "HOME" not in self._explicit_env:
+            env["HOME"] = str(self.workdir)
+        if "PATH" not in self._explicit_env:
+            bindir = os.path.dirname(os.path.abspath(self.python))
+            env["PATH"] = os.pathsep.join([bindir, env.get("PATH") or os.defpath])
 
     # -- scope ---------------------------------------------------------------------------
 
@@ -500,15 +394,15 @@ class LocalSandbox:
         return self._scope
 
     def _attach(self, scope: TaskCancellation | None) -> None:
+        if self.mode == "process-group":
+            _warn_no_boundary(scope)
         with self._lock:
             if scope is None or self._scope is not None or self._destroyed:
                 return
             self._scope = scope
-        self._handles = [
-            scope.register(self.stop_all, name=f"sandbox {self.id} commands", phase=Phase.IN_FLIGHT),
-            scope.register(self.destroy, name=f"sandbox {self.id}", phase=Phase.TEARDOWN),
-        ]
-        scope.record("sandbox_attached", sandbox=self.id, mode=self.mode, workdir=str(self.workdir))
+        self._attachment = attach_sandbox(
+            self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
+        )
 
     def _grace(self) -> float:
         """SIGTERM grace: ``stop_grace``, but never past the cancelled scope's budget."""
@@ -539,6 +433,8 @@ class LocalSandbox:
         command_id = uuid.uuid4().hex[:12]
         tag = f"{self.id}:{command_id}"
         env = scrubbed_environment(os.environ, self._explicit_env)
+        if self._boundary is not None:
+            self._boundary_env(env)
         env[COMMAND_TAG] = tag
         with self._lock:
             if self._destroyed:
@@ -559,19 +455,13 @@ class LocalSandbox:
 
     def _wrap(self, argv: list[str]) -> list[str]:
         if self.mode != "namespace":
-            return argv
+            # Per-uid here, RLIMIT_NPROC would count every process of the worker's user.
+            # (No bubblewrap probe here: its orphans would come back to a subreaper task process.)
+            return limits_prefix(prlimit_path(), replace(self.limits, max_processes=None)) + argv
         support = bwrap_support()
-        assert support.path is not None
-        wd = str(self.workdir)
-        wrapper = [support.path, "--unshare-pid", "--die-with-parent"]
-        if support.new_session:
-            wrapper.append("--new-session")
-        # /tmp's tmpfs goes before the workdir bind, or a workdir under /tmp would be hidden.
-        wrapper += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-        for path in _interpreter_paths_under_tmp(self.python):
-            wrapper += ["--ro-bind", path, path]
-        wrapper += ["--bind", wd, wd, "--chdir", wd, "--"]
-        return wrapper + argv
+        if self._boundary is None:
+            return host_argv(support, str(self.workdir), self.python) + argv
+        return boundary_argv(support, self._boundary) + argv
 
     def _spawn(
         self,
@@ -695,12 +585,12 @@ class LocalSandbox:
         """The main process ended on its own (not yet reaped): nothing it started may outlive it."""
         if cmd.mode == "namespace":
             # The kernel empties the namespace once bwrap's init is gone; just wait for it.
-            wait_until(lambda: not any(is_running(k) for k in cmd.known()), KILL_WAIT)
+            wait_gone(cmd.known(), KILL_WAIT)
         leftovers = {k: c for k, c in self._tree(cmd).items() if k != cmd.main}
         if not leftovers:
             return
         sent = {key: int(signal.SIGKILL) for key in leftovers if send_signal(key, signal.SIGKILL)}
-        wait_until(lambda: not any(is_running(k) for k in sent), KILL_WAIT)
+        wait_gone(sent, KILL_WAIT)
         self._record(cmd, sent, leftovers, reason="leftover")
 
     def _reap_tracked(self, cmd: _Command) -> None:
@@ -709,8 +599,30 @@ class LocalSandbox:
         The sandbox started and stopped them, so it collects them: left as zombies, they would
         wait out the descendant reaper's owner grace, or stay until the task process exits.
         """
-        for key in cmd.known() - {cmd.main}:
+        keys = cmd.known() - {cmd.main}
+        if cmd.mode == "namespace":
+            keys |= self._orphaned_inits(cmd)
+        for key in keys:
             reap_zombie(key)
+
+    @staticmethod
+    def _orphaned_inits(cmd: _Command) -> set[ProcKey]:
+        """bubblewrap's namespace inits reparented to this process, once they have exited.
+
+        The outer bwrap exits as soon as the command does, and its init follows once the kernel
+        has emptied the namespace: always an orphan, reparented to a subreaper task process, and
+        for a short command never seen by the tracker. Only a process in a *nested* PID
+        namespace qualifies, so an outer bwrap (a ``Popen`` of ours, waited for by its command)
+        is never reaped here; nobody waits for an init.
+        """
+        me = os.getpid()
+        inits = set()
+        for pid in children_of(me):
+            info = read_proc(pid)
+            if info is not None and info.start >= cmd.main.start and nested_pid_namespace(pid):
+                inits.add(ProcKey(pid, info.start))
+        wait_gone(inits, KILL_WAIT)  # emptying a namespace of a fork bomb's processes takes a while
+        return inits
 
     # -- finding a command's processes ---------------------------------------------------
 
@@ -783,8 +695,8 @@ class LocalSandbox:
                 return
             self._destroyed = True
         self.stop_all()
-        for handle in self._handles:
-            handle.unregister()
+        if self._attachment is not None:
+            self._attachment.detach()
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         log.debug("sandbox %s destroyed", self.id)
@@ -836,23 +748,25 @@ class LocalSandbox:
             for key in frozen:
                 send_signal(key, signal.SIGCONT)
             self._signal_group(cmd, signal.SIGCONT)
-        if not workers or not wait_until(lambda: not any(is_running(k) for k in workers), self._grace()):
+        if not workers or not wait_gone(workers, self._grace()):
             cmd.final_signal = signal.SIGKILL
             sent.update(self._kill_everything(cmd, tree))
         # bwrap's init leaves as soon as the command does; whatever is still around goes now.
-        wait_until(lambda: not any(is_running(k) for k in tree), KILL_WAIT)
+        wait_gone(tree, KILL_WAIT)
         stragglers = self._tree(cmd)
         for key in stragglers:
             if send_signal(key, signal.SIGKILL):
                 sent[key] = signal.SIGKILL
         tree.update(stragglers)
-        wait_until(lambda: not any(is_running(k) for k in sent), KILL_WAIT)
+        wait_gone(sent, KILL_WAIT)
         self._record(cmd, sent, tree, reason=cmd.stop_reason or "stopped")
         if cmd.mode == "namespace":
             # Running when the stop began, gone before our signal reached it: the kernel's
             # SIGKILL of the emptied namespace ended it.
             torn_down = {key: int(signal.SIGKILL) for key in workers if key not in sent}
-            self._record(cmd, torn_down, tree, reason=cmd.stop_reason or "stopped", by="namespace teardown")
+            self._record(
+                cmd, torn_down, tree, reason=cmd.stop_reason or "stopped", source="namespace teardown"
+            )
 
     def _kill_everything(self, cmd: _Command, tree: dict[ProcKey, str]) -> dict[ProcKey, int]:
         # Namespace init first: its death makes the kernel SIGKILL the whole namespace at once.
@@ -863,7 +777,7 @@ class LocalSandbox:
         for key in alive:
             send_signal(key, signal.SIGKILL)
         self._signal_group(cmd, signal.SIGKILL)
-        wait_until(lambda: not any(is_running(k) for k in tree), KILL_WAIT)
+        wait_gone(tree, KILL_WAIT)
         return dict.fromkeys(alive, int(signal.SIGKILL))
 
     def _signal_group(self, cmd: _Command, sig: int) -> None:
@@ -887,14 +801,14 @@ class LocalSandbox:
         sent: Mapping[ProcKey, int],
         tree: Mapping[ProcKey, str],
         reason: str,
-        by: str = "sandbox",
+        source: str = "sandbox",
     ) -> None:
         scope = self._scope
         for key, sig in sent.items():
             if cmd.mode == "namespace" and (key in cmd.infra or key == cmd.main):
                 continue  # bubblewrap's own processes are plumbing, not the command's work
             entry = KillRecord(
-                source=by,
+                source=source,
                 pid=key.pid,
                 command_id=cmd.id,
                 signal=int(sig),
@@ -1000,10 +914,22 @@ class LocalSandbox:
     def write_file(self, path: str, content: str) -> int:
         """Write ``content`` (UTF-8), creating parent directories; return the bytes written."""
         target = self.resolve(path)
+        created = [d for d in (target.parent, *target.parent.parents) if not d.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
         data = content.encode("utf-8")
         target.write_bytes(data)
+        self._hand_over([*created, target])
         return len(data)
+
+    def _hand_over(self, paths: Iterable[Path]) -> None:
+        """Files the task writes for a command that runs as the sandbox's own uid are its own,
+        or the command could read but never change them."""
+        uid = self._boundary.uid if self._boundary is not None else None
+        if uid is None:
+            return
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.chown(path, uid, uid)
 
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a directory, sorted; directories end with ``/``."""
@@ -1027,13 +953,11 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
         return True  # reaped by someone else
 
 
-def _interpreter_paths_under_tmp(python: str) -> list[str]:
-    """Installations the private /tmp would hide: a venv or checkout that lives under /tmp (as CI
-    clones often do) stays visible, read-only, so ``run_python`` still finds its interpreter."""
-    roots = {os.path.dirname(os.path.dirname(p)) for p in (os.path.abspath(python), os.path.realpath(python))}
-    candidates = {sys.prefix, sys.base_prefix, *roots}
-    under_tmp = sorted(p for p in candidates if p == "/tmp" or p.startswith("/tmp/"))
-    return [p for p in under_tmp if not any(p != q and p.startswith(q + "/") for q in under_tmp)]
+def _absolute(path: str | os.PathLike[str]) -> str:
+    resolved = Path(path).resolve()
+    if not resolved.exists():
+        raise ValueError(f"sandbox path {str(path)!r} does not exist")
+    return str(resolved)
 
 
 def _prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
@@ -1062,171 +986,3 @@ async def _finish_despite_cancel(awaitable: Awaitable[T]) -> None:
     task = asyncio.ensure_future(awaitable)
     with contextlib.suppress(asyncio.CancelledError):
         await asyncio.shield(task)
-
-
-# -- the toolset ----------------------------------------------------------------------------
-
-
-class SandboxToolset(FunctionToolset[Any]):
-    """Shell, Python and file tools for a pydantic-ai agent, run in a :class:`LocalSandbox`.
-
-    ``Agent(model, toolsets=[SandboxToolset()])``. Without ``sandbox`` one is created on first
-    use, attached to the run's :func:`current_cancellation`, and destroyed when the toolset is
-    exited; a sandbox passed in belongs to the caller and is never destroyed here. Commands run
-    at most ``command_timeout`` seconds (a tool call may ask for less).
-    """
-
-    def __init__(
-        self,
-        sandbox: Sandbox | None = None,
-        *,
-        isolation: Isolation = "auto",
-        command_timeout: float = 60,
-        output_limit: int = DEFAULT_OUTPUT_LIMIT,
-        id: str | None = None,
-    ) -> None:
-        super().__init__(id=id)
-        self._sandbox = sandbox
-        self._owned = False
-        self._isolation = isolation
-        self.command_timeout = command_timeout
-        self.output_limit = output_limit
-        self._lock = threading.Lock()
-        self._entered = 0
-        self.add_function(self.run_shell, name="run_shell")
-        self.add_function(self.run_python, name="run_python")
-        if sandbox is None or isinstance(sandbox, SandboxFiles):
-            self.add_function(self.read_file, name="read_file")
-            self.add_function(self.write_file, name="write_file")
-            self.add_function(self.list_files, name="list_files")
-
-    @property
-    def sandbox(self) -> Sandbox | None:
-        """The sandbox in use (``None`` until a lazily created one is first needed)."""
-        return self._sandbox
-
-    def _get_sandbox(self) -> Sandbox:
-        with self._lock:
-            if self._sandbox is None:
-                self._sandbox = LocalSandbox(
-                    isolation=self._isolation, output_limit=self.output_limit, scope=current_cancellation()
-                )
-                self._owned = True
-            return self._sandbox
-
-    async def __aenter__(self) -> SandboxToolset:
-        self._entered += 1
-        return self
-
-    async def __aexit__(self, *args: Any) -> bool | None:
-        self._entered = max(0, self._entered - 1)
-        if self._entered:
-            return None
-        with self._lock:
-            sandbox = self._sandbox if self._owned else None
-            if sandbox is not None:
-                self._sandbox, self._owned = None, False
-        if sandbox is not None:
-            await _finish_despite_cancel(asyncio.to_thread(sandbox.destroy))
-        return None
-
-    def _timeout(self, requested: float | None) -> float:
-        if requested is None or requested <= 0:
-            return self.command_timeout
-        return min(requested, self.command_timeout)
-
-    async def _execute(
-        self, command: str | Sequence[str], timeout: float | None, stdin: str | None = None
-    ) -> dict[str, Any]:
-        sandbox = self._get_sandbox()
-        limit = self._timeout(timeout)
-        if isinstance(sandbox, LocalSandbox):
-            result = await sandbox.arun(command, timeout=limit, stdin=stdin)
-        else:
-            result = await _run_on_backend(sandbox, command, limit, stdin)
-        return _for_model(result, limit)
-
-    async def run_shell(self, command: str, timeout: float | None = None) -> dict[str, Any]:
-        """Run a shell command (``/bin/sh -c``) in the sandbox's working directory.
-
-        Args:
-            command: The shell command line.
-            timeout: Seconds before the command is killed (capped by the toolset's limit).
-
-        Returns:
-            exit_code, stdout and stderr (and timed_out / truncated when that happened).
-        """
-        return await self._execute(command, timeout)
-
-    async def run_python(self, code: str, timeout: float | None = None) -> dict[str, Any]:
-        """Run a Python program in the sandbox's working directory.
-
-        Args:
-            code: The program's source code.
-            timeout: Seconds before the program is killed (capped by the toolset's limit).
-
-        Returns:
-            exit_code, stdout and stderr (and timed_out / truncated when that happened).
-        """
-        python = getattr(self._get_sandbox(), "python", "python3")
-        return await self._execute([python, "-"], timeout, stdin=code)
-
-    async def read_file(self, path: str) -> str:
-        """Read a text file from the sandbox's working directory.
-
-        Args:
-            path: Path relative to the working directory.
-        """
-        return await self._files(lambda files: files.read_file(path))
-
-    async def write_file(self, path: str, content: str) -> str:
-        """Write a text file in the sandbox's working directory (parent folders are created).
-
-        Args:
-            path: Path relative to the working directory.
-            content: The full new content of the file.
-        """
-        written = await self._files(lambda files: files.write_file(path, content))
-        return f"wrote {written} bytes to {path}"
-
-    async def list_files(self, path: str = ".") -> list[str]:
-        """List a folder of the sandbox's working directory; folders end with '/'.
-
-        Args:
-            path: Folder relative to the working directory.
-        """
-        return await self._files(lambda files: files.list_files(path))
-
-    async def _files(self, action: Callable[[SandboxFiles], T]) -> T:
-        sandbox = self._get_sandbox()
-        if not isinstance(sandbox, SandboxFiles):
-            raise ModelRetry("this sandbox has no file access; use run_shell instead")
-        try:
-            return await asyncio.to_thread(action, sandbox)
-        except SandboxPathError as exc:
-            raise ModelRetry(str(exc)) from exc
-        except FileNotFoundError as exc:
-            raise ModelRetry(f"no such file or folder: {exc.filename}") from exc
-        except (IsADirectoryError, NotADirectoryError) as exc:
-            raise ModelRetry(f"{exc.strerror}: {exc.filename}") from exc
-
-
-async def _run_on_backend(
-    sandbox: Sandbox, command: str | Sequence[str], timeout: float, stdin: str | None
-) -> CommandResult:
-    """Run on any :class:`Sandbox` backend without blocking the loop; stop it on cancel."""
-    command_id = await asyncio.to_thread(sandbox.start, command, timeout=timeout, stdin=stdin)
-    try:
-        return await asyncio.to_thread(sandbox.wait, command_id, None)
-    except asyncio.CancelledError:
-        await _finish_despite_cancel(asyncio.to_thread(sandbox.stop, command_id))
-        raise
-
-
-def _for_model(result: CommandResult, timeout: float) -> dict[str, Any]:
-    answer: dict[str, Any] = {"exit_code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr}
-    if result.timed_out:
-        answer["timed_out"] = f"killed after {timeout:g}s"
-    if result.stdout_truncated or result.stderr_truncated:
-        answer["truncated"] = True
-    return answer

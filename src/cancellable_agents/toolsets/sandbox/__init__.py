@@ -1,0 +1,48 @@
+"""Shell and Python commands for an agent, in a sandbox that is a boundary and that a kill stops.
+
+- :mod:`.protocol`: the :class:`Sandbox` protocol any backend implements, its result and errors;
+- :mod:`.attach`: :func:`attach_sandbox`, which ties any backend to a task's cancellation scope;
+- :mod:`.local`: :class:`LocalSandbox`, process trees on this host (bubblewrap or process groups);
+- :mod:`.bwrap`: bubblewrap's probe and the ``"boundary"`` / ``"host"`` profiles, :class:`Limits`;
+- :mod:`.env`: the scrubbed environment commands get;
+- :mod:`.toolset`: :class:`SandboxToolset`, the agent's tools on any backend.
+
+See ``docs/content/sandbox.md`` for what a sandboxed command can and cannot do in each mode.
+This package imports no Airflow.
+"""
+
+from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox.bwrap import BwrapSupport, Limits, bwrap_support
+from cancellable_agents.toolsets.sandbox.env import is_sensitive, scrubbed_environment
+from cancellable_agents.toolsets.sandbox.local import COMMAND_TAG, DEFAULT_OUTPUT_LIMIT, LocalSandbox
+from cancellable_agents.toolsets.sandbox.protocol import (
+    CommandResult,
+    Sandbox,
+    SandboxClosed,
+    SandboxError,
+    SandboxFiles,
+    SandboxPathError,
+    SandboxUnavailable,
+)
+from cancellable_agents.toolsets.sandbox.toolset import SandboxToolset
+
+__all__ = [
+    "COMMAND_TAG",
+    "DEFAULT_OUTPUT_LIMIT",
+    "BwrapSupport",
+    "CommandResult",
+    "Limits",
+    "LocalSandbox",
+    "Sandbox",
+    "SandboxAttachment",
+    "SandboxClosed",
+    "SandboxError",
+    "SandboxFiles",
+    "SandboxPathError",
+    "SandboxToolset",
+    "SandboxUnavailable",
+    "attach_sandbox",
+    "bwrap_support",
+    "is_sensitive",
+    "scrubbed_environment",
+]

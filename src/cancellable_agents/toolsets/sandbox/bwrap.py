@@ -1,0 +1,350 @@
+"""Bubblewrap: whether it works here (probed once) and the command line of each profile.
+
+Two profiles in namespace mode:
+
+``"boundary"`` (default)
+    A new root with only ``/usr``, ``/bin``, ``/sbin``, ``/lib*``, ``/etc`` (minus the secrets in
+    :data:`HIDDEN_ETC`), the interpreter's installation, ``/dev``, a fresh ``/proc``, a private
+    size-capped ``/tmp``, the paths the author listed and the workdir (read-write). New PID, IPC,
+    UTS and (unless ``network=True``) network namespaces, no new privileges, no capabilities,
+    and the :class:`Limits` set with ``prlimit`` just before the command runs. Not root: a
+    non-root worker gets its own user namespace; a root worker cannot (a user namespace made by
+    root maps to host root, which ``RLIMIT_NPROC`` exempts), so each sandbox switches to a uid of
+    its own (``setpriv``) after bubblewrap has mounted everything.
+``"host"``
+    The pre-boundary behaviour, for commands that must see the host: ``/`` read-only, the
+    workdir writable, a private ``/tmp``, a PID namespace; host network, user and IPC, no limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cancellable_agents.procs.proc import IS_LINUX
+
+__all__ = ["HIDDEN_ETC", "BwrapSupport", "Limits", "bwrap_support", "sandbox_uid"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+#: Files and folders under /etc a command never sees (masked with an empty file or folder).
+HIDDEN_ETC: tuple[str, ...] = (
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+    "/etc/sudoers",
+    "/etc/sudoers.d",
+    "/etc/ssh",
+    "/etc/ssl/private",
+    "/etc/security/opasswd",
+    "/etc/airflow",
+)
+#: System folders the boundary profile shows (read-only); a symlink stays a symlink.
+SYSTEM_DIRS: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+#: Root workers run each sandbox as ``SANDBOX_UID_BASE + random``: a uid nobody else uses, so
+#: ``RLIMIT_NPROC`` (counted per uid) counts this sandbox's processes only.
+SANDBOX_UID_BASE = 1_900_000_000
+#: A non-root worker's commands: their own user namespace (where RLIMIT_NPROC counts from zero),
+#: no nested user namespaces, no capabilities in it. (--disable-userns needs bubblewrap 0.8+.)
+USERNS_ARGS = ("--unshare-user", "--disable-userns", "--cap-drop", "ALL")
+SANDBOX_UID_SPAN = 100_000_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of each command (``None``: unlimited). Set with ``setrlimit`` inside the
+    sandbox, so they bind the command and everything it starts, not the task.
+
+    ``max_processes`` is ``RLIMIT_NPROC``: per sandbox on a root worker (its own uid), per
+    command otherwise (its own user namespace). ``memory_bytes`` is address space
+    (``RLIMIT_AS``): a runtime that reserves much more than it uses (the JVM, Go) needs more.
+    ``tmp_bytes`` caps the private ``/tmp`` (a tmpfs, i.e. memory). Output is capped separately
+    (``output_limit``).
+    """
+
+    max_processes: int | None = 256
+    memory_bytes: int | None = 4 * GiB
+    cpu_seconds: int | None = 600
+    file_size_bytes: int | None = 1 * GiB
+    open_files: int | None = 1024
+    tmp_bytes: int | None = 512 * MiB
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"Limits.{name} must be a positive int or None, got {value!r}")
+
+    def prlimit_args(self) -> list[str]:
+        """``prlimit`` options (soft = hard, so the command cannot raise them)."""
+        pairs = (
+            ("nproc", self.max_processes),
+            ("as", self.memory_bytes),
+            ("cpu", self.cpu_seconds),
+            ("fsize", self.file_size_bytes),
+            ("nofile", self.open_files),
+        )
+        return [f"--{name}={value}:{value}" for name, value in pairs if value is not None]
+
+
+@dataclass(frozen=True)
+class BwrapSupport:
+    """What bubblewrap can do here (probed once per process)."""
+
+    usable: bool
+    """A PID namespace works (namespace mode with the ``"host"`` profile)."""
+    path: str | None = None
+    new_session: bool = False
+    reason: str = ""
+    interrupted: bool = False
+    """The probe was killed by a signal: no verdict, so it is not cached."""
+    boundary: bool = False
+    """The ``"boundary"`` profile works: user-or-uid switch, IPC, UTS and network namespaces."""
+    boundary_reason: str = ""
+    user_namespace: bool = False
+    """Commands get their own user namespace (non-root worker); else a uid switch (root)."""
+    prlimit: str | None = None
+    setpriv: str | None = None
+
+
+_HOST_PROBE: tuple[str, ...] = ("--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/")
+_HOST_PROBE += ("--dev", "/dev", "--proc", "/proc")
+_bwrap_lock = threading.Lock()
+_bwrap_cache: BwrapSupport | None = None
+
+
+def bwrap_support() -> BwrapSupport:
+    """Probe bubblewrap once per process (thread-safe) and cache the answer."""
+    global _bwrap_cache
+    with _bwrap_lock:
+        if _bwrap_cache is not None:
+            return _bwrap_cache
+        support = _probe()
+        # A probe killed by a signal (a task being cancelled reaps its descendants) says nothing
+        # about this machine: answer for now, probe again next time.
+        if not support.interrupted:
+            _bwrap_cache = support
+        return support
+
+
+def _probe() -> BwrapSupport:
+    if not IS_LINUX:
+        return BwrapSupport(False, reason="PID namespaces need Linux")
+    path = shutil.which("bwrap")
+    if path is None:
+        return BwrapSupport(False, reason="bwrap is not installed")
+    works, error = _runs_ok([path, *_HOST_PROBE, "true"])
+    if not works:
+        return BwrapSupport(
+            False,
+            path,
+            reason=f"bwrap cannot create a PID namespace here ({error})",
+            interrupted=error.startswith("killed by signal"),
+        )
+    new_session, _ = _runs_ok([path, *_HOST_PROBE, "--new-session", "true"])
+    prlimit, setpriv = prlimit_path(), shutil.which("setpriv")
+    boundary, why, userns = _probe_boundary(path, setpriv)
+    return BwrapSupport(
+        True,
+        path,
+        new_session=new_session,
+        boundary=boundary,
+        boundary_reason=why,
+        user_namespace=userns,
+        prlimit=prlimit,
+        setpriv=setpriv,
+    )
+
+
+def _probe_boundary(path: str, setpriv: str | None) -> tuple[bool, str, bool]:
+    """Whether the boundary profile's namespaces work; and whether with a user namespace."""
+    namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--die-with-parent"]
+    view = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    if os.geteuid() != 0:
+        works, error = _runs_ok([path, *namespaces, *USERNS_ARGS, *view, "true"])
+        return works, "" if works else f"bwrap cannot create user/network namespaces here ({error})", works
+    if setpriv is None:
+        return False, "setpriv (util-linux) is missing: a root worker needs it to drop root", False
+    switch = [setpriv, *_setpriv_args(sandbox_uid()), "true"]
+    works, error = _runs_ok([path, *namespaces, *view, "--", *switch])
+    return (
+        works,
+        "" if works else f"bwrap cannot create network namespaces or drop root here ({error})",
+        False,
+    )
+
+
+def _runs_ok(argv: list[str]) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, str(exc)
+    if proc.returncode < 0:
+        return False, f"killed by signal {-proc.returncode}"
+    return proc.returncode == 0, proc.stderr.decode("utf-8", "replace").strip() or f"exit {proc.returncode}"
+
+
+@functools.cache
+def prlimit_path() -> str | None:
+    """``prlimit`` (util-linux), found once; process-group mode needs it without bubblewrap."""
+    return shutil.which("prlimit")
+
+
+def sandbox_uid() -> int:
+    """A fresh uid for one sandbox of a root worker (unused by anyone else, in practice)."""
+    return SANDBOX_UID_BASE + random.randrange(SANDBOX_UID_SPAN)
+
+
+def _setpriv_args(uid: int) -> list[str]:
+    return [
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
+    ]
+
+
+def unavailable_message(support: BwrapSupport, profile: str) -> str:
+    reason = support.reason if not support.usable else support.boundary_reason
+    return (
+        f"isolation='namespace' (profile={profile!r}) needs a working bubblewrap, but {reason}. Fix: "
+        "install it (`apt-get install bubblewrap`, or `make system-deps`) and, if the worker is not "
+        "root, allow unprivileged user namespaces (`sysctl kernel.unprivileged_userns_clone=1`; on "
+        "Ubuntu 24.04+ also `kernel.apparmor_restrict_unprivileged_userns=0`), or pass "
+        "isolation='process-group' (cleanup only, no boundary)."
+    )
+
+
+# -- command lines --------------------------------------------------------------------------
+
+
+def host_argv(support: BwrapSupport, workdir: str, python: str) -> list[str]:
+    """The ``"host"`` profile: the whole host read-only (the behaviour before the boundary)."""
+    assert support.path is not None
+    argv = [support.path, "--unshare-pid", "--die-with-parent"]
+    if support.new_session:
+        argv.append("--new-session")
+    # /tmp's tmpfs goes before the workdir bind, or a workdir under /tmp would be hidden.
+    argv += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    for path in _interpreter_paths(python, under_tmp_only=True):
+        argv += ["--ro-bind", path, path]
+    return [*argv, "--bind", workdir, workdir, "--chdir", workdir, "--"]
+
+
+@dataclass(frozen=True)
+class BoundaryProfile:
+    """Everything the boundary profile's command line depends on, fixed at sandbox creation."""
+
+    workdir: str
+    python: str
+    network: bool
+    read_only_paths: tuple[str, ...]
+    writable_paths: tuple[str, ...]
+    limits: Limits
+    uid: int | None
+    """The uid a root worker's commands run as (``None``: a user namespace instead)."""
+
+
+def boundary_argv(support: BwrapSupport, profile: BoundaryProfile) -> list[str]:
+    assert support.path is not None
+    argv = [support.path, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
+    argv += ["--hostname", "sandbox"]
+    if not profile.network:
+        argv.append("--unshare-net")
+    if support.user_namespace:
+        argv += USERNS_ARGS
+    if support.new_session:
+        argv.append("--new-session")
+    for path in SYSTEM_DIRS:
+        argv += _show(path, writable=False)
+    for path in HIDDEN_ETC:
+        argv += _hide(path)
+    argv += ["--dev", "/dev", "--proc", "/proc"]
+    if profile.limits.tmp_bytes is not None:
+        argv += ["--size", str(profile.limits.tmp_bytes)]
+    argv += ["--perms", "1777", "--tmpfs", "/tmp"]
+    shown = [*_interpreter_paths(profile.python), *profile.read_only_paths]
+    writable = [*profile.writable_paths, profile.workdir]
+    for path in _ancestors([*shown, *writable]):
+        # Folders bubblewrap creates on the way to a bind copy the host's mode (/root is 0700):
+        # make them traversable, or a command running as another uid cannot reach its workdir.
+        argv += ["--perms", "0755", "--dir", path]
+    for path in shown:
+        argv += _show(path, writable=False)
+    for path in writable:
+        argv += _show(path, writable=True)
+    argv += ["--chdir", profile.workdir, "--"]
+    if profile.uid is not None:
+        assert support.setpriv is not None
+        argv += [support.setpriv, *_setpriv_args(profile.uid)]
+    return argv + limits_prefix(support.prlimit, profile.limits)
+
+
+def limits_prefix(prlimit: str | None, limits: Limits) -> list[str]:
+    """``prlimit --...= --`` before the command, or nothing without prlimit (logged)."""
+    args = limits.prlimit_args()
+    if not args:
+        return []
+    if prlimit is None:
+        log.warning("LocalSandbox: prlimit (util-linux) is not installed; commands run without limits")
+        return []
+    return [prlimit, *args, "--"]
+
+
+def _show(path: str, *, writable: bool) -> list[str]:
+    if os.path.islink(path) and path in SYSTEM_DIRS:
+        return ["--symlink", os.readlink(path), path]
+    if not os.path.exists(path):
+        return []
+    return ["--bind" if writable else "--ro-bind", path, path]
+
+
+def _hide(path: str) -> list[str]:
+    if os.path.isdir(path) and not os.path.islink(path):
+        return ["--tmpfs", path]
+    if os.path.lexists(path):
+        return ["--ro-bind", "/dev/null", path]
+    return []
+
+
+def _ancestors(paths: Sequence[str]) -> list[str]:
+    """Folders above ``paths`` that the sandbox's root does not already have, shortest first."""
+    covered = ("/usr", "/etc", "/dev", "/proc")
+    found: set[str] = set()
+    for path in paths:
+        parent = os.path.dirname(path)
+        while parent not in ("/", "") and not parent.startswith(covered):
+            if parent == "/tmp":
+                break
+            found.add(parent)
+            parent = os.path.dirname(parent)
+    return sorted(found, key=lambda p: (p.count("/"), p))
+
+
+def _interpreter_paths(python: str, *, under_tmp_only: bool = False) -> list[str]:
+    """The installations ``python`` needs (its prefix, a venv's base): bound read-only, unless
+    the system folders already show them. ``under_tmp_only``: those the private /tmp would hide
+    (a venv or checkout under /tmp, as CI clones often are)."""
+    roots = {os.path.dirname(os.path.dirname(p)) for p in (os.path.abspath(python), os.path.realpath(python))}
+    candidates = set(roots)
+    if sys.executable and os.path.realpath(python) == os.path.realpath(sys.executable):
+        candidates |= {sys.prefix, sys.base_prefix}  # the task's own interpreter and its venv
+    if under_tmp_only:
+        kept = sorted(p for p in candidates if p == "/tmp" or p.startswith("/tmp/"))
+    else:
+        system = tuple(d + "/" for d in SYSTEM_DIRS)
+        kept = sorted(p for p in candidates if p not in ("/", *SYSTEM_DIRS) and not p.startswith(system))
+    return [p for p in kept if not any(p != q and p.startswith(q + "/") for q in kept)]

@@ -1,0 +1,248 @@
+"""The agent's side of a sandbox: ``run_shell``, ``run_python`` and file tools on any backend."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic_ai import ModelRetry
+from pydantic_ai.toolsets import FunctionToolset
+
+from cancellable_agents.cancellation import current_cancellation
+from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox.bwrap import Limits
+from cancellable_agents.toolsets.sandbox.local import (
+    DEFAULT_OUTPUT_LIMIT,
+    Isolation,
+    LocalSandbox,
+    Profile,
+    _finish_despite_cancel,
+)
+from cancellable_agents.toolsets.sandbox.protocol import (
+    CommandResult,
+    Sandbox,
+    SandboxFiles,
+    SandboxPathError,
+)
+
+__all__ = ["SandboxToolset"]
+
+T = TypeVar("T")
+
+#: What a signal that ended a command means, in words the model can act on.
+_SIGNAL_MEANING = {
+    int(signal.SIGXFSZ): "file size limit exceeded (a file grew past the sandbox's limit)",
+    int(signal.SIGXCPU): "CPU time limit exceeded",
+    int(signal.SIGKILL): "killed (SIGKILL): out of memory, or past the hard CPU time limit",
+    int(signal.SIGSEGV): "crashed (SIGSEGV); a memory limit makes allocations fail",
+}
+
+
+class SandboxToolset(FunctionToolset[Any]):
+    """Shell, Python and file tools for a pydantic-ai agent, run in any :class:`Sandbox` backend.
+
+    ``Agent(model, toolsets=[SandboxToolset()])``. Without ``sandbox`` a :class:`LocalSandbox`
+    (``isolation``, ``profile``, ``network``, ``limits``) is created on first use, attached to the
+    run's :func:`current_cancellation`, and destroyed when the toolset is exited; a sandbox passed
+    in belongs to the caller and is never destroyed here, but a backend that is not attached to
+    the run's scope yet is attached on first use (:func:`attach_sandbox`), so a kill stops its
+    commands. Commands run at most ``command_timeout`` seconds (a tool call may ask for less).
+    """
+
+    def __init__(
+        self,
+        sandbox: Sandbox | None = None,
+        *,
+        isolation: Isolation = "auto",
+        profile: Profile = "boundary",
+        network: bool = False,
+        limits: Limits | None = None,
+        command_timeout: float = 60,
+        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+        id: str | None = None,
+    ) -> None:
+        super().__init__(id=id)
+        self._sandbox = sandbox
+        self._owned = False
+        self._isolation = isolation
+        self._profile: Profile = profile
+        self._network = network
+        self._limits = limits
+        self._attachment: SandboxAttachment | None = None  # guarded by _lock
+        self.command_timeout = command_timeout
+        self.output_limit = output_limit
+        self._lock = threading.Lock()
+        self._entered = 0
+        self.add_function(self.run_shell, name="run_shell")
+        self.add_function(self.run_python, name="run_python")
+        if sandbox is None or isinstance(sandbox, SandboxFiles):
+            self.add_function(self.read_file, name="read_file")
+            self.add_function(self.write_file, name="write_file")
+            self.add_function(self.list_files, name="list_files")
+
+    @property
+    def sandbox(self) -> Sandbox | None:
+        """The sandbox in use (``None`` until a lazily created one is first needed)."""
+        return self._sandbox
+
+    def _get_sandbox(self) -> Sandbox:
+        with self._lock:
+            if self._sandbox is None:
+                self._sandbox = LocalSandbox(
+                    isolation=self._isolation,
+                    profile=self._profile,
+                    network=self._network,
+                    limits=self._limits,
+                    output_limit=self.output_limit,
+                    scope=current_cancellation(),
+                )
+                self._owned = True
+            return self._sandbox
+
+    def _attached(self, sandbox: Sandbox) -> SandboxAttachment | None:
+        """The attachment of a backend that does not attach itself, to the run's scope."""
+        scope = current_cancellation()
+        with self._lock:
+            if self._attachment is not None and self._attachment.scope is scope:
+                return self._attachment
+            if scope is None or getattr(sandbox, "scope", None) is scope:
+                return None
+            if self._attachment is not None:
+                self._attachment.detach()
+            self._attachment = attach_sandbox(sandbox, scope)
+            return self._attachment
+
+    async def __aenter__(self) -> SandboxToolset:
+        self._entered += 1
+        return self
+
+    async def __aexit__(self, *args: Any) -> bool | None:
+        self._entered = max(0, self._entered - 1)
+        if self._entered:
+            return None
+        with self._lock:
+            sandbox = self._sandbox if self._owned else None
+            if sandbox is not None:
+                self._sandbox, self._owned = None, False
+            attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            attachment.detach()  # the caller's backend: stays alive, no longer tied to this run
+        if sandbox is not None:
+            await _finish_despite_cancel(asyncio.to_thread(sandbox.destroy))
+        return None
+
+    def _timeout(self, requested: float | None) -> float:
+        if requested is None or requested <= 0:
+            return self.command_timeout
+        return min(requested, self.command_timeout)
+
+    async def _execute(
+        self, command: str | Sequence[str], timeout: float | None, stdin: str | None = None
+    ) -> dict[str, Any]:
+        sandbox = self._get_sandbox()
+        limit = self._timeout(timeout)
+        if isinstance(sandbox, LocalSandbox):
+            result = await sandbox.arun(command, timeout=limit, stdin=stdin)
+        else:
+            result = await _run_on_backend(self._attached(sandbox) or sandbox, command, limit, stdin)
+        return _for_model(result, limit)
+
+    async def run_shell(self, command: str, timeout: float | None = None) -> dict[str, Any]:
+        """Run a shell command (``/bin/sh -c``) in the sandbox's working directory.
+
+        Args:
+            command: The shell command line.
+            timeout: Seconds before the command is killed (capped by the toolset's limit).
+
+        Returns:
+            exit_code, stdout and stderr (and timed_out / truncated when that happened).
+        """
+        return await self._execute(command, timeout)
+
+    async def run_python(self, code: str, timeout: float | None = None) -> dict[str, Any]:
+        """Run a Python program in the sandbox's working directory.
+
+        Args:
+            code: The program's source code.
+            timeout: Seconds before the program is killed (capped by the toolset's limit).
+
+        Returns:
+            exit_code, stdout and stderr (and timed_out / truncated when that happened).
+        """
+        python = getattr(self._get_sandbox(), "python", "python3")
+        return await self._execute([python, "-"], timeout, stdin=code)
+
+    async def read_file(self, path: str) -> str:
+        """Read a text file from the sandbox's working directory.
+
+        Args:
+            path: Path relative to the working directory.
+        """
+        return await self._files(lambda files: files.read_file(path))
+
+    async def write_file(self, path: str, content: str) -> str:
+        """Write a text file in the sandbox's working directory (parent folders are created).
+
+        Args:
+            path: Path relative to the working directory.
+            content: The full new content of the file.
+        """
+        written = await self._files(lambda files: files.write_file(path, content))
+        return f"wrote {written} bytes to {path}"
+
+    async def list_files(self, path: str = ".") -> list[str]:
+        """List a folder of the sandbox's working directory; folders end with '/'.
+
+        Args:
+            path: Folder relative to the working directory.
+        """
+        return await self._files(lambda files: files.list_files(path))
+
+    async def _files(self, action: Callable[[SandboxFiles], T]) -> T:
+        sandbox = self._get_sandbox()
+        if not isinstance(sandbox, SandboxFiles):
+            raise ModelRetry("this sandbox has no file access; use run_shell instead")
+        try:
+            return await asyncio.to_thread(action, sandbox)
+        except SandboxPathError as exc:
+            raise ModelRetry(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise ModelRetry(f"no such file or folder: {exc.filename}") from exc
+        except (IsADirectoryError, NotADirectoryError) as exc:
+            raise ModelRetry(f"{exc.strerror}: {exc.filename}") from exc
+
+
+async def _run_on_backend(
+    sandbox: Sandbox | SandboxAttachment, command: str | Sequence[str], timeout: float, stdin: str | None
+) -> CommandResult:
+    """Run on any backend (through its attachment, when it has one) without blocking the loop;
+    stop the command on cancel."""
+    command_id = await asyncio.to_thread(sandbox.start, command, timeout=timeout, stdin=stdin)
+    try:
+        return await asyncio.to_thread(sandbox.wait, command_id, None)
+    except asyncio.CancelledError:
+        await _finish_despite_cancel(asyncio.to_thread(sandbox.stop, command_id))
+        raise
+
+
+def _for_model(result: CommandResult, timeout: float) -> dict[str, Any]:
+    answer: dict[str, Any] = {"exit_code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr}
+    if result.timed_out:
+        answer["timed_out"] = f"killed after {timeout:g}s"
+    elif result.stopped:
+        answer["stopped"] = "stopped by the sandbox (the task is being cancelled)"
+    elif (meaning := _SIGNAL_MEANING.get(_signal_of(result.exit_code))) is not None:
+        answer["killed_by"] = meaning
+    if result.stdout_truncated or result.stderr_truncated:
+        answer["truncated"] = True
+    return answer
+
+
+def _signal_of(exit_code: int) -> int:
+    """The signal that ended a command: ``-N`` (Popen) or ``128 + N`` (a shell, bubblewrap)."""
+    if exit_code < 0:
+        return -exit_code
+    return exit_code - 128 if 128 < exit_code < 160 else 0

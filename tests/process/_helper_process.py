@@ -1,0 +1,87 @@
+"""The helper process of :class:`tests.process.helper_backend.HelperSandbox`.
+
+Reads JSON requests (one a line) on stdin, answers on stdout. ``start`` runs the command in a new
+session, waits ``reply_delay`` and only then answers (and counts the command as *announced*: what
+``stop_all`` stops, as the protocol says). Each request runs on its own thread. When stdin closes
+(the task side went away or destroyed the sandbox) every command is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import IO, Any
+
+
+class _Helper:
+    def __init__(self, reply_delay: float) -> None:
+        self.reply_delay = reply_delay
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.announced: list[str] = []  # ids whose start was answered: what stop_all stops
+        self.stopped: set[str] = set()
+        self.out_lock = threading.Lock()
+
+    def reply(self, req: str, **fields: Any) -> None:
+        with self.out_lock:
+            sys.stdout.write(json.dumps({"req": req, **fields}) + "\n")
+            sys.stdout.flush()
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        op, req = msg["op"], msg["req"]
+        if op == "start":
+            command_id = uuid.uuid4().hex[:12]
+            self.procs[command_id] = subprocess.Popen(
+                msg["argv"], stdout=subprocess.PIPE, text=True, start_new_session=True
+            )
+            time.sleep(self.reply_delay)  # the command runs; the task has no id for it yet
+            self.announced.append(command_id)
+            self.reply(req, id=command_id)
+        elif op == "wait":
+            threading.Thread(target=self._wait, args=(req, msg["id"], msg.get("wait_s")), daemon=True).start()
+        elif op == "stop":
+            self._stop(msg["id"])
+            self.reply(req)
+        elif op == "stop_all":
+            for command_id in list(self.announced):
+                self._stop(command_id)
+            self.reply(req)
+
+    def _wait(self, req: str, command_id: str, wait_s: float | None) -> None:
+        proc = self.procs[command_id]
+        try:
+            out, _ = proc.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self.reply(req, timeout=True)
+            return
+        self.reply(req, exit_code=proc.returncode, stdout=out, stopped=command_id in self.stopped)
+
+    def _stop(self, command_id: str) -> None:
+        proc = self.procs.get(command_id)
+        if proc is None or proc.poll() is not None:
+            return
+        self.stopped.add(command_id)
+        for sig, grace in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 2.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(grace)
+                return
+
+
+def _serve(stdin: IO[str], reply_delay: float) -> None:
+    helper = _Helper(reply_delay)
+    for line in stdin:  # each request on its own thread: a slow start does not hold up a stop
+        threading.Thread(target=helper.handle, args=(json.loads(line),), daemon=True).start()
+    for command_id in list(helper.procs):  # the task side went away: nothing outlives it
+        helper._stop(command_id)
+
+
+if __name__ == "__main__":
+    _serve(sys.stdin, float(sys.argv[1]))

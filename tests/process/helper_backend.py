@@ -1,0 +1,103 @@
+"""A second, real :class:`Sandbox` backend for the tests: commands run by a separate helper process.
+
+The task side (:class:`HelperSandbox`) never forks a command itself: it sends JSON lines to a
+helper (``python helper_backend.py``) that starts each command in a new session and answers
+with its id. The task does not know the commands' pids, as with a container or a remote API.
+``reply_delay`` makes the helper answer ``start`` late, *after* the command is running: the
+window in which a cancel finds a running command that has no id on the task's side yet (and
+that the helper's ``stop_all``, like the protocol says, does not cover: only the attachment's
+race handling stops it).
+
+The helper itself is ``_helper_process.py`` (standard library only: it starts in milliseconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cancellable_agents.toolsets.sandbox import CommandResult, SandboxClosed
+
+HELPER = Path(__file__).with_name("_helper_process.py")
+
+
+class HelperSandbox:
+    """The task side: implements the :class:`Sandbox` protocol over the helper's pipe."""
+
+    def __init__(self, reply_delay: float = 0.0) -> None:
+        self.helper = subprocess.Popen(
+            [sys.executable, str(HELPER), str(reply_delay)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self._lock = threading.Lock()
+        self._replies: dict[str, dict[str, Any]] = {}  # guarded by _lock
+        self._arrived = threading.Condition(self._lock)
+        self._closed = False
+        self.started: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.helper.stdout is not None
+        for line in self.helper.stdout:
+            reply = json.loads(line)
+            with self._arrived:
+                self._replies[reply["req"]] = reply
+                self._arrived.notify_all()
+
+    def _call(self, op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
+        req = uuid.uuid4().hex
+        with self._lock:
+            if self._closed:
+                raise SandboxClosed("helper sandbox destroyed")
+            assert self.helper.stdin is not None
+            self.helper.stdin.write(json.dumps({"req": req, "op": op, **args}) + "\n")
+            self.helper.stdin.flush()
+            if not self._arrived.wait_for(lambda: req in self._replies, timeout):
+                raise TimeoutError(f"helper did not answer {op} within {timeout}s")
+            return self._replies.pop(req)
+
+    def start(
+        self, command: str | Sequence[str], *, timeout: float | None = None, stdin: str | bytes | None = None
+    ) -> str:
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        command_id = str(self._call("start", argv=argv, timeout_s=timeout)["id"])
+        self.started.append(command_id)
+        return command_id
+
+    def wait(self, command_id: str, timeout: float | None = None) -> CommandResult:
+        reply = self._call("wait", timeout=(timeout or 3600) + 5, id=command_id, wait_s=timeout)
+        if reply.get("timeout"):
+            raise TimeoutError(command_id)
+        return CommandResult(command_id, reply["exit_code"], reply["stdout"], "", stopped=reply["stopped"])
+
+    def stop(self, command_id: str) -> None:
+        with contextlib.suppress(SandboxClosed):
+            self._call("stop", id=command_id)
+
+    def stop_all(self) -> None:
+        with contextlib.suppress(SandboxClosed):
+            self._call("stop_all")
+
+    def destroy(self) -> None:
+        with contextlib.suppress(SandboxClosed, TimeoutError, OSError):
+            self._call("stop_all")
+        with self._lock:
+            self._closed = True
+        if self.helper.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.helper.stdin.close()
+        try:
+            self.helper.wait(5)
+        except subprocess.TimeoutExpired:
+            self.helper.kill()
+            self.helper.wait(5)

@@ -1,0 +1,145 @@
+"""Any backend plugs in: a second real backend (commands run by a separate helper process, pids
+unknown to the task) attached through :func:`attach_sandbox` is stopped by a kill, also when the
+kill lands while its ``start`` is still running; ``SandboxToolset`` takes it as it is."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psutil
+import pytest
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from cancellable_agents.agent_run import run_agent_in_scope
+from cancellable_agents.cancellation import TaskCancellation
+from cancellable_agents.causes import CancelCause
+from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.toolsets.sandbox import Sandbox, SandboxToolset, attach_sandbox
+from tests.process.helper_backend import HelperSandbox
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
+
+
+def sleepers(marker: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        info = proc.info
+        running = info["status"] != psutil.STATUS_ZOMBIE
+        if info["name"] == "sleep" and running and marker in " ".join(info["cmdline"] or []):
+            found.append(proc.pid)
+    return found
+
+
+def eventually(predicate: Callable[[], Any], timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.01)
+    return value
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    value = f"3{uuid.uuid4().int % 100:02d}.{uuid.uuid4().int % 10**8:08d}"
+    yield value
+    for pid in sleepers(value):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_helper_backend_is_a_sandbox() -> None:
+    backend = HelperSandbox()
+    try:
+        assert isinstance(backend, Sandbox)
+        result = backend.wait(backend.start("echo hi"))
+        assert (result.exit_code, result.stdout) == (0, "hi\n")
+    finally:
+        backend.destroy()
+
+
+def test_a_kill_stops_an_attached_backends_commands_and_destroys_it(marker: str) -> None:
+    scope = TaskCancellation("task", budget=4.0)
+    backend = HelperSandbox()
+    attachment = attach_sandbox(backend, scope, name="helper")
+    command_id = attachment.start(f"sleep {marker}")
+    eventually(lambda: sleepers(marker))
+    scope.cancel(CancelCause.USER)
+    assert scope.wait_released(5)
+    assert sleepers(marker) == []
+    [record] = scope.killed
+    assert record.command_id == command_id and record.sandbox == "helper"
+    assert record.pid is None and "pid" not in record.as_dict(), (
+        "the task does not know a remote command's pid"
+    )
+    assert backend.helper.wait(5) == 0, "the backend was not destroyed in teardown"
+    with pytest.raises(TaskCancelled):
+        attachment.start("echo after the kill")
+
+
+def test_a_kill_during_start_stops_the_command_start_was_starting(marker: str) -> None:
+    """The helper starts the command, then answers 1 s later; the cancel lands in between. The
+    helper's own ``stop_all`` does not know the command yet: only the attachment can stop it."""
+    scope = TaskCancellation("task", budget=4.0)
+    backend = HelperSandbox(reply_delay=1.0)
+    attachment = attach_sandbox(backend, scope, name="helper")
+    outcome: list[BaseException | str] = []
+
+    def start() -> None:
+        try:
+            outcome.append(attachment.start(f"sleep {marker}"))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    eventually(lambda: sleepers(marker))  # running, and start() has not returned
+    assert not outcome
+    cancelled_at = time.monotonic()
+    scope.cancel(CancelCause.USER)
+    assert scope.wait_released(6)
+    starter.join(5)
+    assert sleepers(marker) == [], "the command whose start raced the cancel is still running"
+    assert isinstance(outcome[0], TaskCancelled)
+    assert time.monotonic() - cancelled_at < scope.budget
+    assert [k.command_id for k in scope.killed] == backend.started
+
+
+def test_sandbox_toolset_takes_any_backend_and_a_kill_stops_its_command(marker: str) -> None:
+    scope = TaskCancellation("task", budget=4.0)
+    backend = HelperSandbox()
+    toolset = SandboxToolset(backend)
+    assert "read_file" not in toolset.tools, "no file tools for a backend without file access"
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if any(isinstance(p, ToolReturnPart) for m in messages for p in getattr(m, "parts", [])):
+            return ModelResponse(parts=[TextPart("done")])
+        return ModelResponse(parts=[ToolCallPart("run_shell", {"command": f"sleep {marker}"})])
+
+    agent = Agent(FunctionModel(model), toolsets=[toolset])
+    outcome: list[BaseException | Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(run_agent_in_scope(scope, agent, "go"))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    eventually(lambda: sleepers(marker))
+    scope.cancel(CancelCause.USER)
+    assert scope.wait_released(5)
+    runner.join(10)
+    assert isinstance(outcome[0], TaskCancelled)
+    assert sleepers(marker) == []
+    assert [k.command_id for k in scope.killed] == backend.started
