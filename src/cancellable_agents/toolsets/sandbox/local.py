@@ -34,11 +34,9 @@ This module imports no Airflow.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -51,10 +49,11 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Literal, TypeVar
+from typing import IO, Literal, TypeVar
 
 from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
+from cancellable_agents.core.workers import JobThread
 from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,
@@ -107,6 +106,8 @@ KILL_RESERVE = 0.3
 KILL_WAIT = 1.0
 #: How long output readers may take to drain once the tree is gone.
 READER_JOIN = 1.0
+#: Scheduling slack on top of the parts of a stop (see ``LocalSandbox._stop_bound``).
+STOP_SLACK = 2.0
 #: Finished commands whose results stay available to ``wait`` (oldest are forgotten first).
 KEEP_RESULTS = 256
 #: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
@@ -171,35 +172,17 @@ class _Spawner:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] | None = None
-        self._owner: int | None = None
+        self._thread: JobThread | None = None  # guarded by _lock
+        self._owner: int | None = None  # guarded by _lock: the pid the thread belongs to
 
     def call(self, fn: Callable[[], T]) -> T:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._ensure_thread().put((fn, future))
-        return future.result()
-
-    def _ensure_thread(self) -> queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]:
         with self._lock:
             # After a fork the thread is gone; the child gets its own.
-            if self._queue is None or self._owner != os.getpid():
-                self._queue = queue.SimpleQueue()
+            if self._thread is None or self._owner != os.getpid():
+                self._thread = JobThread("cancellable-agents-spawner")
                 self._owner = os.getpid()
-                threading.Thread(
-                    target=self._serve, args=(self._queue,), name="cancellable-agents-spawner", daemon=True
-                ).start()
-            return self._queue
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
-        while True:
-            fn, future = jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
+            thread = self._thread
+        return thread.submit(fn).result()
 
 
 _spawner = _Spawner()
@@ -546,7 +529,7 @@ class LocalSandbox:
 
     def _finish(self, cmd: _Command) -> None:
         if cmd.stop_reason is not None:
-            cmd.terminated.wait(self.stop_grace + KILL_WAIT + 2.0)
+            cmd.terminated.wait(self._stop_bound())
         else:
             self._kill_leftovers(cmd)
         cmd.popen.wait()  # only now: until here its pid, the group id, could not be recycled
@@ -686,7 +669,7 @@ class LocalSandbox:
         for worker in workers:
             worker.start()
         for worker in workers:
-            worker.join(self.stop_grace + KILL_WAIT + READER_JOIN + 2.0)
+            worker.join(self._stop_bound())
 
     def destroy(self) -> None:
         """Stop all commands and remove the workdir if this sandbox created it. Idempotent."""
@@ -701,11 +684,16 @@ class LocalSandbox:
             shutil.rmtree(self.workdir, ignore_errors=True)
         log.debug("sandbox %s destroyed", self.id)
 
+    def _stop_bound(self) -> float:
+        """The longest stopping one command can take: the SIGTERM grace, the SIGKILL wait, the
+        output drain, and slack for a busy machine. Every wait for a stop is bounded by it."""
+        return self.stop_grace + KILL_WAIT + READER_JOIN + STOP_SLACK
+
     def _terminate(self, cmd: _Command, reason: str) -> None:
         if self._claim(cmd, reason):
             self._stop_claimed(cmd)
         elif cmd.stop_reason is not None:  # someone else is stopping it: wait for them
-            cmd.done.wait(self.stop_grace + KILL_WAIT + READER_JOIN + 2.0)
+            cmd.done.wait(self._stop_bound())
 
     @staticmethod
     def _claim(cmd: _Command, reason: str) -> bool:
@@ -722,7 +710,7 @@ class LocalSandbox:
         finally:
             cmd.terminated.set()
             cmd.wake.set()
-        cmd.done.wait(KILL_WAIT + READER_JOIN + 1.0)
+        cmd.done.wait(self._stop_bound())
 
     def _signal_tree(self, cmd: _Command) -> None:
         tree = self._tree(cmd)
