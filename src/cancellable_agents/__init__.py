@@ -38,6 +38,8 @@ _EXPORTS = {
     "AgentOperator": "cancellable_agents.operators.agent",
     "LocalSandbox": "cancellable_agents.toolsets.sandbox",
     "SandboxToolset": "cancellable_agents.toolsets.sandbox",
+    "Limits": "cancellable_agents.toolsets.sandbox",
+    "attach_sandbox": "cancellable_agents.toolsets.sandbox",
     "SubagentToolset": "cancellable_agents.toolsets.subagents",
     "Subagent": "cancellable_agents.toolsets.subagents",
 }
