@@ -8,11 +8,16 @@ Where each idea lives (data flows down this list; nothing above imports what is 
   built only by ``TaskCancellation.cancelled_error``), ``workers`` (the one job-thread utility).
 - ``run/``: the pydantic-ai binding: runs an agent under a scope (tool tracking, tool threads,
   in-flight work stopped before teardown).
-- ``procs/`` and ``process_reaper``: ``/proc`` and signals, the descendant reaper.
-- ``toolsets/``: the sandbox and sub-agent toolsets.
+- ``durable/``: the continuity record (``durable=True``): journal, fingerprint, stores.
+- ``procs/``: ``/proc`` and signals, the descendant reaper.
+- ``toolsets/``: the sandbox (protocol, ``attach_sandbox``, the local backend and its bubblewrap
+  profiles) and the sub-agent toolset.
 - ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
-  shim), ``mixin`` (``CancellableAgentMixin``), ``retry`` (``CancellationAwareRetryPolicy``).
-- ``operators/``, ``decorators/``, ``hooks/``: what DAG authors use.
+  shim), ``mixin`` (``CancellableAgentMixin``), ``retry`` (``CancellationAwareRetryPolicy``),
+  ``supervisor`` (a lost supervisor is a kill), ``durable`` (the store and try of a task),
+  ``kill_report`` (what Airflow logs after our record).
+- ``operators/``, ``decorators/``, ``hooks/``: what DAG authors use; ``common_ai``: common.ai's
+  operators with these semantics (optional extra).
 
 The package imports lazily: the names below are loaded on first use.
 """

@@ -19,8 +19,8 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCall
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, LLMOperator, TaskCancelled
+from cancellable_agents.airflow.adapter import has_task_state_store
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.binding import has_task_state_store
 
 STEPS = 4
 

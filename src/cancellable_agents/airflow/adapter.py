@@ -98,6 +98,16 @@ def has_retry_policies() -> bool:
     return importlib.util.find_spec(RETRY_POLICY_MODULE) is not None
 
 
+@functools.cache
+def has_task_state_store() -> bool:
+    """Airflow 3.3+ gives every task instance a store that survives its retries (AIP-103)."""
+    try:
+        from airflow.sdk.execution_time.context import TaskStateStoreAccessor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def base_operator() -> type:
     from airflow.sdk.bases.operator import BaseOperator
 

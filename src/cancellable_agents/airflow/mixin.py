@@ -187,7 +187,7 @@ class CancellableAgentMixin:
                 setattr(self, name, value)
         _check_settings(self)
         if self.owns_durable and self.durable:
-            from cancellable_agents.durable.binding import check_durable
+            from cancellable_agents.airflow.durable import check_durable
 
             check_durable(self)
         if cancellation_retry_policy:
@@ -279,7 +279,7 @@ class CancellableAgentMixin:
         """``durable=True``: this run's continuity record (:mod:`cancellable_agents.durable`)."""
         if not (self.owns_durable and self.durable):
             return None
-        from cancellable_agents.durable.binding import journal_for
+        from cancellable_agents.airflow.durable import journal_for
 
         return journal_for(self, self.__dict__.get("_context"))
 

@@ -1,26 +1,16 @@
 """``durable=True`` on an operator: which store, which try, checked when the DAG is parsed.
 
-The only Airflow-aware part of :mod:`cancellable_agents.durable`.
+The Airflow side of :mod:`cancellable_agents.durable` (which is Airflow-free).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+from cancellable_agents.airflow.adapter import has_task_state_store
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable.journal import Journal
 from cancellable_agents.durable.stores import PathStore, TaskStateStore
-
-
-@functools.cache
-def has_task_state_store() -> bool:
-    """Airflow 3.3+ gives every task instance a store that survives its retries (AIP-103)."""
-    try:
-        from airflow.sdk.execution_time.context import TaskStateStoreAccessor  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def check_durable(operator: Any) -> None:
