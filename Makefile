@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit process e2e bench system-deps clean compat-airflow compat-common-ai
+.PHONY: demo test test-main compat-venvs stress lint typecheck unit process e2e bench system-deps clean compat-airflow compat-common-ai
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,11 +40,23 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# The whole suite on Airflow 3.3, then the supported floor (Airflow 3.1 + pydantic-ai 2.58, and a
-# 3.2 smoke) and common.ai's retry policies, each in its own venv.
+# The whole suite on Airflow 3.3 while the other venvs are built beside it (uv installs from its
+# cache: I/O, little CPU), then the supported floor (Airflow 3.1 + pydantic-ai 2.58, and a 3.2
+# smoke) and common.ai, each in its own venv. The stress test runs 30 s here; `make stress` runs
+# it for 5 minutes (or CANCELLABLE_AGENTS_STRESS_SECONDS).
 test: $(STAMP) system-deps lint typecheck
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main compat-venvs
 	$(MAKE) --no-print-directory compat-common-ai compat-airflow
+
+test-main: $(STAMP) system-deps
+	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-30} \
+	  $(VENV)/bin/pytest -q -p no:cacheprovider
+
+compat-venvs: .venv-common-ai/.installed $(foreach v,$(AIRFLOW_COMPAT),.venv-airflow-$(v)/.installed)
+
+stress: $(STAMP) system-deps
+	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-300} \
+	  $(VENV)/bin/pytest -q -p no:cacheprovider tests/stress
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit
