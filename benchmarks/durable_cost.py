@@ -21,7 +21,6 @@ import argparse
 import functools
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 from pydantic_ai.capabilities import AbstractCapability
 
 from benchmarks.overhead import STEPS, fifty_step_agent
+from benchmarks.paired import interleaved, markdown_table, median_difference
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import Journal, MemoryStore, PathStore
 from cancellable_agents.run.runner import run_agent_in_scope
@@ -78,12 +78,6 @@ def _run(agent: Any, store: Any | None, hook_only: bool = False) -> None:
     assert result.output == "done"
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _candidate(kind: str, agent: Any, tmp: str) -> Callable[[], None]:
     if kind == "hook":
         return functools.partial(_run, agent, None, True)
@@ -95,22 +89,12 @@ def measure(kind: str, pairs: int = 100, warmup: int = 5) -> dict[str, Any]:
     agent = fifty_step_agent("async")
     counted = _Counting(MemoryStore())
     with tempfile.TemporaryDirectory(prefix="durable-bench-") as tmp:
-        bare_s: list[float] = []
-        durable_s: list[float] = []
         bare = functools.partial(_run, agent, None)
-        for i in range(warmup + pairs):
-            other = _candidate(kind, agent, tmp)
-            if i % 2 == 0:
-                t_bare, t_other = _timed(bare), _timed(other)
-            else:
-                t_other, t_bare = _timed(other), _timed(bare)
-            if i >= warmup:
-                bare_s.append(t_bare)
-                durable_s.append(t_other)
+        bare_s, durable_s = interleaved(bare, lambda _: _candidate(kind, agent, tmp), pairs, warmup)
         if kind != "hook":
             counted = _Counting(MemoryStore() if kind == "memory" else PathStore(Path(tmp)))
             _run(agent, counted)
-    diff = statistics.median([d - b for d, b in zip(durable_s, bare_s, strict=True)])
+    diff = median_difference(durable_s, bare_s)
     sizes = counted.entry_bytes
     return {
         "store": kind,
@@ -137,18 +121,34 @@ _LABELS = {
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"| {STEPS}-step agent (pairs) | bare (ms) | compared (ms) | per run (ms) | per step (ms) "
-        "| bytes per step | step 2 / step 49 (bytes) | entries | store reads |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    header = [
+        f"{STEPS}-step agent (pairs)",
+        "bare (ms)",
+        "compared (ms)",
+        "per run (ms)",
+        "per step (ms)",
+        "bytes per step",
+        "step 2 / step 49 (bytes)",
+        "entries",
+        "store reads",
     ]
-    for r in rows:
-        lines.append(
-            f"| {_LABELS[r['store']]} ({r['pairs']}) | {r['bare_ms']:.2f} | {r['durable_ms']:.2f} "
-            f"| {r['overhead_ms']:.2f} | {r['per_step_ms']:.3f} | {r['bytes_per_step']} "
-            f"| {r['bytes_first_step']} / {r['bytes_last_step']} | {r['entries']} | {r['reads']} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        header,
+        (
+            [
+                f"{_LABELS[r['store']]} ({r['pairs']})",
+                f"{r['bare_ms']:.2f}",
+                f"{r['durable_ms']:.2f}",
+                f"{r['overhead_ms']:.2f}",
+                f"{r['per_step_ms']:.3f}",
+                str(r["bytes_per_step"]),
+                f"{r['bytes_first_step']} / {r['bytes_last_step']}",
+                str(r["entries"]),
+                str(r["reads"]),
+            ]
+            for r in rows
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

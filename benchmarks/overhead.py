@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -22,6 +21,8 @@ from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from benchmarks.paired import interleaved, markdown_table, median_difference, timed
 
 STEPS = 50
 Variant = Literal["async", "sync", "empty-capability"]
@@ -57,12 +58,6 @@ class _EmptyCapability(AbstractCapability[Any]):
     """Does nothing: measures pydantic-ai's own cost of a per-run capability."""
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _check(result: Any) -> None:
     assert result.output == "done"
 
@@ -84,18 +79,8 @@ def measure(variant: Variant, pairs: int = 200, warmup: int = 10) -> dict[str, A
     def bare() -> None:
         _check(agent.run_sync("go"))
 
-    bare_s: list[float] = []
-    other_s: list[float] = []
-    for i in range(warmup + pairs):
-        other = _candidate(variant, agent, i)
-        if i % 2 == 0:
-            t_bare, t_other = _timed(bare), _timed(other)
-        else:
-            t_other, t_bare = _timed(other), _timed(bare)
-        if i >= warmup:
-            bare_s.append(t_bare)
-            other_s.append(t_other)
-    diff = statistics.median([o - b for o, b in zip(other_s, bare_s, strict=True)])
+    bare_s, other_s = interleaved(bare, lambda i: _candidate(variant, agent, i), pairs, warmup)
+    diff = median_difference(other_s, bare_s)
     med_bare, med_other = statistics.median(bare_s), statistics.median(other_s)
     return {
         "variant": variant,
@@ -116,7 +101,7 @@ def measure_task_setup(reps: int = 50) -> dict[str, Any]:
     times = []
     for i in range(reps):
         op = LLMOperator(task_id=f"setup_{i}", prompt="x", model="test")
-        times.append(_timed(functools.partial(op.pre_execute, {})))
+        times.append(timed(functools.partial(op.pre_execute, {})))
         reaper = op.__dict__.get("_reaper")
         if reaper is not None:
             reaper.close()
@@ -131,14 +116,25 @@ _LABELS = {
 
 
 def overhead_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"| {STEPS}-step agent (pairs) | bare run_sync (ms) | compared run (ms) | ratio "
-        "| overhead per run (ms) | per step (µs) |",
-        "|---|---:|---:|---:|---:|---:|",
+    header = [
+        f"{STEPS}-step agent (pairs)",
+        "bare run_sync (ms)",
+        "compared run (ms)",
+        "ratio",
+        "overhead per run (ms)",
+        "per step (µs)",
     ]
-    for r in rows:
-        lines.append(
-            f"| {_LABELS[r['variant']]} ({r['pairs']}) | {r['bare_ms']:.2f} | {r['other_ms']:.2f} "
-            f"| {r['ratio']:.3f} | {r['overhead_ms']:.3f} | {r['overhead_per_step_us']:.1f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        header,
+        (
+            [
+                f"{_LABELS[r['variant']]} ({r['pairs']})",
+                f"{r['bare_ms']:.2f}",
+                f"{r['other_ms']:.2f}",
+                f"{r['ratio']:.3f}",
+                f"{r['overhead_ms']:.3f}",
+                f"{r['overhead_per_step_us']:.1f}",
+            ]
+            for r in rows
+        ),
+    )
