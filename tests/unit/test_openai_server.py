@@ -314,8 +314,7 @@ def test_module_process_serves_records_and_stops_on_sigterm() -> None:
             proc.wait()
 
 
-
-def test_steps_stall_at_streams_slowly_once_then_answers_a_repeat_at_once(server: ScriptedModelServer) -> None:
+def test_steps_stall_at_streams_slowly_once_and_a_repeat_at_once(server: ScriptedModelServer) -> None:
     """``stall_at=1``: the response after the first tool result streams text tokens before its call
     the first time; the same conversation at that step again (a resumed run's repeat) gets the call
     at once. pydantic-ai runs the call either way."""
