@@ -507,9 +507,15 @@ def test_durable_retry_resumes_after_worker_loss(
             f"{len(run.requests)} model requests over both tries (uninterrupted {UNINTERRUPTED})"
         )
         assert [r.outcome for r in run.requests].count("disconnected") == 1, run.requests
+        # Try 1 writes its end through its supervisor: none when the supervisor died first.
+        ended = "ended eviction" if MODES[mode].supervisor_survives else "died without a word"
+        assert len(run.entries_of(1, "end")) == (1 if MODES[mode].supervisor_survives else 0)
         log_2 = result.log_text(2)
-        assert "durable: resuming from try 1" in log_2 and "durable: run completed" in log_2
-        assert f"{RECORDED_BY_TRY_1} messages restored, 0 tool call(s) in flight run again" in log_2
+        assert (
+            f"durable: resuming from try 1 ({ended}): {RECORDED_BY_TRY_1} messages restored, "
+            "0 tool call(s) in flight run again"
+        ) in log_2, log_2
+        assert "durable: run completed" in log_2
         _try_1_wrote_nothing_after_the_takeover(result, run)
 
 
