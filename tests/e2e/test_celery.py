@@ -10,7 +10,10 @@ victim is killed, so the retry runs on the standby. All paths run at once.
 
 Per mode the tests assert what reached the task, the cause recorded (in the task log, or in the
 fallback record file when the supervisor died with the worker), that nothing the task started
-is left running, the final TI state, and the retry and its worker. The module is torn down
+is left running, the final TI state, and the retry and its worker. The worker-shutdown DAGs are
+``durable=True`` agents of four tool calls, killed mid-stream in the model request after the
+second: per mode the retry resumes (model requests counted on the local model server, every
+completed tool call run once, the continuity record as try 2 saw it). The module is torn down
 before the LocalExecutor stack (``e2e``) starts, so the two never compete for the 2 cores.
 """
 
@@ -41,7 +44,12 @@ from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.e2e.airflow_stack import Component
 from tests.e2e.celery_stack import REDIS_SERVER, CeleryStack, kill_tree, worker_of
 from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags
-from tests.e2e.dags.kill_paths import CELERY_WORKER_KILLS, celery_queue
+from tests.e2e.dags.kill_paths import (
+    CELERY_STALL_AFTER,
+    CELERY_STEPS,
+    CELERY_WORKER_KILLS,
+    celery_queue,
+)
 from tests.e2e.driver import (
     PATHS,
     TASK_ID,
@@ -74,6 +82,13 @@ STANDBY = "standby"
 WARM_HOLD_S = 3.0
 #: ``worker_soft_shutdown_timeout`` of the ``soft`` victim.
 SOFT_SHUTDOWN_S = 3.0
+
+
+#: Model requests of an uninterrupted durable worker-shutdown run (one per tool call, the answer).
+UNINTERRUPTED = CELERY_STEPS + 1
+#: Messages try 1 recorded before it was killed: the prompt, then a response (a tool call) and a
+#: request (its return) per completed call.
+RECORDED_BY_TRY_1 = 1 + 2 * CELERY_STALL_AFTER
 
 
 def victim(mode: str) -> str:
@@ -440,13 +455,83 @@ def test_node_loss_is_retried_after_the_heartbeat_timeout(
         _assert_retried_elsewhere(celery_e2e, result, victim("node_loss"))
 
 
-@pytest.mark.skip(reason="TODO(issue 17): needs durable=True; fill in once it lands")
+@dataclass
+class Durable:
+    """What a durable run left behind: the tools' lines, the model requests, the record try 2 saw."""
+
+    lines: list[dict[str, Any]]
+    requests: list[Any]
+    journal: dict[str, Any]
+
+    def lines_of(self, try_number: int) -> list[int]:
+        return [line["n"] for line in self.lines if line["try"] == try_number]
+
+    def entries_of(self, try_number: int, kind: str | None = None) -> list[dict[str, Any]]:
+        entries = self.journal.get("entries", [])
+        return [e for e in entries if e["try"] == try_number and kind in (None, e["kind"])]
+
+    def repeated_tool_calls(self) -> int:
+        return len(self.lines) - len({line["n"] for line in self.lines})
+
+
+def _durable(env: E2EEnv, result: PathResult) -> Durable:
+    base = f"{result.dag_id}.{result.run_id}"
+    lines_file, journal_file = env.state_dir / f"{base}.lines", env.state_dir / f"{base}.journal.json"
+    lines = [json.loads(x) for x in lines_file.read_text().splitlines()] if lines_file.exists() else []
+    journal = json.loads(journal_file.read_text()) if journal_file.exists() else {}
+    tag = f"[{result.dag_id}/{result.run_id}]"  # the prompt's; in every request of the run
+    requests = [r for r in env.model_server.requests if tag in json.dumps(r.messages)]
+    return Durable(lines, requests, journal)
+
+
 @pytest.mark.parametrize("mode", CELERY_WORKER_KILLS)
-def test_durable_retry_resumes_after_worker_loss(mode: str) -> None:
-    """With ``durable=True`` (issue 17): after each worker shutdown the retry resumes from the
-    journal: model requests counted on the local model server across both tries equal one run's,
-    0 repeated completed tool calls; after ``remap``/``sigkill_main`` the orphan appended nothing
-    once try 2 began (journal fencing). Needs ``durable=True`` twins of the ``e2e_celery_*`` DAGs."""
+def test_durable_retry_resumes_after_worker_loss(
+    celery_e2e: E2EEnv, outcomes: dict[str, PathResult], mode: str
+) -> None:
+    """After every worker shutdown try 2 resumes from the continuity record: the two completed
+    tool calls are not redone, the request in flight (at-least-once) is the only one repeated,
+    and the record try 2 found holds what try 1 wrote while it ran, all of it before try 2 took
+    it over: after node loss no code ran at kill time, so the record written while running is
+    what resumes; after ``remap``/``sigkill_main`` the orphan that once kept running appended
+    nothing once try 2 began (its entries end before try 2's takeover)."""
+    result = outcomes[f"celery_{mode}"]
+    run = _durable(celery_e2e, result)
+    with explained(celery_e2e, result):
+        assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2)
+        assert run.lines_of(1) == list(range(1, CELERY_STALL_AFTER + 1)), run.lines
+        assert run.lines_of(2) == list(range(CELERY_STALL_AFTER + 1, CELERY_STEPS + 1)), (
+            f"try 2 redid a completed tool call or skipped one: {run.lines}"
+        )
+        assert run.repeated_tool_calls() == 0 and not any(line["rerun"] for line in run.lines)
+        assert len(run.requests) <= UNINTERRUPTED + 1, (
+            f"{len(run.requests)} model requests over both tries (uninterrupted {UNINTERRUPTED})"
+        )
+        assert [r.outcome for r in run.requests].count("disconnected") == 1, run.requests
+        # Try 1 writes its end through its supervisor: none when the supervisor died first.
+        ended = "ended eviction" if MODES[mode].supervisor_survives else "died without a word"
+        assert len(run.entries_of(1, "end")) == (1 if MODES[mode].supervisor_survives else 0)
+        log_2 = result.log_text(2)
+        assert (
+            f"durable: resuming from try 1 ({ended}): {RECORDED_BY_TRY_1} messages restored, "
+            "0 tool call(s) in flight run again"
+        ) in log_2, log_2
+        assert "durable: run completed" in log_2
+        _try_1_wrote_nothing_after_the_takeover(result, run)
+
+
+def _try_1_wrote_nothing_after_the_takeover(result: PathResult, run: Durable) -> None:
+    """Fencing, from the record itself (as try 2's last tool call read it) and the tools' lines."""
+    owner = run.journal.get("owner") or {}
+    assert owner.get("try") == 2, f"try 2 does not own the record: {run.journal}"
+    entries = run.journal["entries"]
+    tries = [e["try"] for e in entries]
+    assert tries == sorted(tries), f"a try 1 entry follows try 2's: {entries}"
+    assert len(run.entries_of(1, "message")) == RECORDED_BY_TRY_1, entries
+    late = [e for e in run.entries_of(1) if e["at"] >= owner["at"]]
+    assert late == [], f"try 1 appended after try 2 took the record over at {owner['at']}: {late}"
+    started_2 = _wall(_try(result, 2)["start_date"])
+    assert started_2 is not None
+    assert all(line["at"] < started_2 for line in run.lines if line["try"] == 1), run.lines
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -455,7 +540,7 @@ def test_durable_retry_resumes_after_worker_loss(mode: str) -> None:
 def _report_line(env: E2EEnv, result: PathResult) -> str:
     """mode -> what reached the task -> cause -> try 1 / final state -> retry worker -> leftovers."""
     try:
-        record = (result.records(1) or [None])[0] or _fallback_record(env, result)
+        record = next(iter(result.records(1)), None) or _fallback_record(env, result)
         where = "log" if result.records(1) else ("fallback file" if record else "none")
         reached = "nothing ran (SIGKILLed)"
         if record is not None and result.click_wall is not None:
@@ -480,12 +565,21 @@ def _report_line(env: E2EEnv, result: PathResult) -> str:
                 f" {(_wall(_try(result, 2)['start_date']) or 0) - result.click_wall:.1f}s after the signal"
             )
         cause = f"{record['cause']}/{record['detail']}" if record else "none"
+        durable = ""
+        if result.dag_id.startswith("e2e_celery_"):
+            run = _durable(env, result)
+            durable = (
+                f"resumed after {len(run.lines_of(1))} of {CELERY_STEPS} tool calls "
+                f"({len(run.entries_of(1, 'message'))} messages); model requests both tries "
+                f"{len(run.requests)} (uninterrupted {UNINTERRUPTED}); repeated tool calls "
+                f"{run.repeated_tool_calls()}; "
+            )
         return (
             f"[celery] {result.path:<19} reached: {reached}; record in {where}; cause {cause}; "
             f"exit after kill {exit_ms}; supervisor saw it after {sup}; try 1 {first}; "
             f"final {result.final_ti.get('state')} try {result.final_ti.get('try_number')} "
             f"(seen {result.states_seen}); retry on {retry}; "
-            f"left running {result.survivors or 'nothing'}; notes {result.notes}"
+            f"{durable}left running {result.survivors or 'nothing'}; notes {result.notes}"
         )
     except Exception as exc:
         return f"[celery] {result.path}: no measurements ({exc!r}; error: {result.error!r})"

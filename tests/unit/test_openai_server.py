@@ -312,3 +312,28 @@ def test_module_process_serves_records_and_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_steps_stall_at_streams_slowly_once_and_a_repeat_at_once(server: ScriptedModelServer) -> None:
+    """``stall_at=1``: the response after the first tool result streams text tokens before its call
+    the first time; the same conversation at that step again (a resumed run's repeat) gets the call
+    at once. pydantic-ai runs the call either way."""
+    called: list[int] = []
+    agent = _agent(server, "steps?name=step&count=2&stall_at=1&tokens=3&delay=0.01&then=all+done")
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        """One step."""
+        called.append(n)
+        return f"step {n} ok"
+
+    async def consume(ctx: Any, events: AsyncIterable[AgentStreamEvent]) -> None:
+        async for _ in events:
+            pass
+
+    for _ in range(2):
+        assert agent.run_sync("go", event_stream_handler=consume).output == "all done"
+    assert called == [1, 2, 1, 2]
+    records = server.wait_for_finished(6, timeout=2) or []
+    # Per run: the call of step 1, the (stalled or not) call of step 2, the answer.
+    assert [r.tokens_sent for r in records] == [1, 4, 2, 1, 1, 2], records

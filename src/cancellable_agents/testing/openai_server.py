@@ -21,6 +21,9 @@ Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?
 * ``steps?name=TOOL&count=N&then=TEXT``: sequential tool calls: while the conversation holds fewer than
   ``N`` ``role: "tool"`` messages, answers with one call of ``TOOL`` with arguments ``{"n": k}`` (``k`` = tool
   messages so far + 1); afterwards answers ``TEXT``. ``N + 1`` requests in all for an uninterrupted run.
+  With ``stall_at=K`` the response after ``K`` tool messages first streams ``tokens`` text tokens ``delay``
+  apart (as ``slow``), but only the first time the server sees that conversation (its first user message)
+  at that step: a retry of the request (a resumed run repeating its in-flight step) is answered at once.
 * Every behaviour also takes ``delay_first=S``: sleep ``S`` seconds before sending anything (headers
   included), like a slow non-streaming model.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import re
 import select
@@ -84,7 +88,8 @@ BEHAVIOURS: dict[str, str] = {
     "slow": "slow?tokens=N&delay=S - N tokens 'tok0 tok1 ...', S seconds before each (defaults 50, 0.1)",
     "tool": "tool?name=TOOL&args=JSON&then=TEXT - calls TOOL once, then answers TEXT (default 'done')",
     "tools": "tools?names=A,B&args=JSON&then=TEXT - calls all tools in parallel, then answers TEXT",
-    "steps": "steps?name=TOOL&count=N&then=TEXT - calls TOOL(n=k) for k = 1..N, one per response, then TEXT",
+    "steps": "steps?name=TOOL&count=N&then=TEXT&stall_at=K - calls TOOL(n=k) for k = 1..N, one per "
+    "response, then TEXT; the first response after K tool results streams slowly (tokens, delay)",
 }
 """Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``."""
 
@@ -93,7 +98,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "slow": frozenset({"tokens", "delay", "delay_first"}),
     "tool": frozenset({"name", "args", "then", "delay_first"}),
     "tools": frozenset({"names", "args", "then", "delay_first"}),
-    "steps": frozenset({"name", "count", "then", "delay_first"}),
+    "steps": frozenset({"name", "count", "then", "stall_at", "tokens", "delay", "delay_first"}),
 }
 
 _T = TypeVar("_T")
@@ -120,6 +125,8 @@ class Script:
     tool_args: str = "{}"
     then: str = "done"
     count: int = 1
+    #: ``steps``: the step whose first response stalls (streams ``tokens`` slowly); ``None``: none.
+    stall_at: int | None = None
 
 
 def parse_model(model: str) -> Script:
@@ -143,6 +150,9 @@ def parse_model(model: str) -> Script:
             tool_names=_tool_names("tool", params),
             count=int(_number(params, "count", 1, integer=True)),
             then=params.get("then", "done"),
+            stall_at=int(_number(params, "stall_at", 0, integer=True)) if "stall_at" in params else None,
+            tokens=int(_number(params, "tokens", 50, integer=True)),
+            delay=_number(params, "delay", 0.1),
         )
     if name in ("tool", "tools"):
         return Script(
@@ -231,18 +241,20 @@ class _Reply:
         return len(self.tool_calls) if self.tool_calls else len(self.pieces)
 
 
-def _plan_reply(script: Script, messages: list[dict[str, Any]]) -> _Reply:
-    """Decide the answer for ``script`` given the conversation so far."""
+def _plan_reply(script: Script, messages: list[dict[str, Any]], *, repeated: bool = False) -> _Reply:
+    """Decide the answer for ``script`` given the conversation so far (``repeated``: the server
+    already saw this conversation at this step)."""
     if script.behaviour == "echo":
         return _Reply(pieces=_split_tokens("echo: " + _last_user_text(messages)))
     if script.behaviour == "slow":
-        pieces = tuple(f"tok{i}" if i == 0 else f" tok{i}" for i in range(script.tokens))
-        return _Reply(pieces=pieces, piece_delay=script.delay)
+        return _Reply(pieces=_slow_pieces(script.tokens), piece_delay=script.delay)
     if script.behaviour == "steps":
         done = sum(message.get("role") == "tool" for message in messages)
         if done >= script.count:
             return _Reply(pieces=_split_tokens(script.then))
         call = _ToolCall(f"call_{uuid.uuid4().hex[:24]}", script.tool_names[0], json.dumps({"n": done + 1}))
+        if done == script.stall_at and not repeated:
+            return _Reply(pieces=_slow_pieces(script.tokens), piece_delay=script.delay, tool_calls=(call,))
         return _Reply(tool_calls=(call,))
     if any(message.get("role") == "tool" for message in messages):
         return _Reply(pieces=_split_tokens(script.then))
@@ -250,6 +262,16 @@ def _plan_reply(script: Script, messages: list[dict[str, Any]]) -> _Reply:
         _ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, script.tool_args) for name in script.tool_names
     )
     return _Reply(tool_calls=calls)
+
+
+def _slow_pieces(tokens: int) -> tuple[str, ...]:
+    return tuple(f"tok{i}" if i == 0 else f" tok{i}" for i in range(tokens))
+
+
+def _step_key(model: str, messages: list[dict[str, Any]]) -> tuple[str, str, int]:
+    """A conversation at one step: its model, first user message and tool results so far."""
+    first_user = next((_message_text(m) for m in messages if m.get("role") == "user"), "")
+    return model, first_user, sum(m.get("role") == "tool" for m in messages)
 
 
 def _split_tokens(text: str) -> tuple[str, ...]:
@@ -380,6 +402,13 @@ class _RecordLog:
             self._records.append(record)
             self._cond.notify_all()
             return record
+
+    def repeats(self, record: RequestRecord) -> bool:
+        """Whether an earlier request was the same conversation at the same step (see ``stall_at``)."""
+        key = _step_key(record.model, record.messages)
+        with self._cond:
+            earlier = itertools.takewhile(lambda r: r is not record, self._records)
+            return any(_step_key(r.model, r.messages) == key for r in earlier)
 
     def add_tokens(self, record: RequestRecord, count: int) -> None:
         with self._cond:
@@ -550,7 +579,8 @@ class _Handler(BaseHTTPRequestHandler):
         completion = _Completion(model, sum(len(_message_text(m).split()) for m in messages))
         try:
             self._pause(script.delay_first)
-            reply = _plan_reply(script, messages)
+            repeated = script.stall_at is not None and self._log.repeats(record)
+            reply = _plan_reply(script, messages, repeated=repeated)
             if stream:
                 self._stream(record, completion, reply, include_usage=request["include_usage"])
             else:

@@ -10,6 +10,9 @@ What the test reads back besides the task log and the REST API, written to ``E2E
 ``<dag_id>.<run_id>.try<N>.json`` (the task's pid, its parent = the supervisor, its process group) and
 ``callbacks.jsonl`` (which callback fired for which try). The callbacks also log a
 ``E2E_CALLBACK`` line into the task log.
+
+The CeleryExecutor worker-shutdown DAGs (``e2e_celery_*``) are durable agents instead: see
+:func:`append_line`.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ import json
 import logging
 import os
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG, get_current_context, task
+from pydantic_ai import RunContext
 
 from cancellable_agents import AgentOperator, LocalSandbox
+from cancellable_agents.durable import current_resume
+from cancellable_agents.durable.journal import KEY_PREFIX
 
 log = logging.getLogger("e2e")
 
@@ -117,11 +124,13 @@ def _dag(dag_id: str, doc: str) -> DAG:
     )
 
 
-def _agent_operator(pre_execute: Any = begin_try, **kwargs: Any) -> AgentOperator:
+def _agent_operator(
+    pre_execute: Any = begin_try, prompt: str = PROMPT, model: str = MODEL, **kwargs: Any
+) -> AgentOperator:
     return AgentOperator(
         task_id="agent",
-        prompt=PROMPT,
-        model=MODEL,
+        prompt=prompt,
+        model=model,
         llm_conn_id=CONN_ID,
         stream=True,
         pre_execute=pre_execute,
@@ -166,8 +175,64 @@ with _dag("e2e_evict_in_comms", "Evicted while its main thread is inside a super
 
 #: CeleryExecutor worker shutdowns (``tests/e2e/test_celery.py``): each DAG's queue is served by
 #: exactly one worker when try 1 starts, the one its test kills; under the LocalExecutor the
-#: queue is ignored. TODO(issue 17): a ``durable=True`` twin of each, to assert the retry resumes.
+#: queue is ignored.
 CELERY_WORKER_KILLS = ("warm", "cold", "soft", "remap", "sigkill_main", "node_loss")
+
+#: The worker-shutdown DAGs are durable agents of CELERY_STEPS sequential ``append_line`` calls.
+#: The model request after call CELERY_STALL_AFTER streams 2000 tokens 50 ms apart the first time
+#: (try 1 is killed there, mid-stream); its repeat by a resumed try 2 is answered at once. An
+#: uninterrupted run makes CELERY_STEPS + 1 model requests; prompt and model are the same on every
+#: try (they are the run's fingerprint).
+CELERY_STEPS = 4
+CELERY_STALL_AFTER = 2
+CELERY_MODEL = (
+    f"openai:steps?name=append_line&count={CELERY_STEPS}&stall_at={CELERY_STALL_AFTER}"
+    "&tokens=2000&delay=0.05&then=all+lines+written"
+)
+CELERY_PROMPT = "[{{ dag.dag_id }}/{{ run_id }}] append four lines"
+
+
+def run_file(ti: Any, suffix: str) -> Path:
+    """``<dag_id>.<run_id>.<suffix>`` in ``E2E_STATE_DIR``."""
+    return STATE_DIR / f"{ti.dag_id}.{ti.run_id}.{suffix}"
+
+
+def append_line(ctx: RunContext[None], n: int) -> str:
+    """Append line ``n`` (with its try and time) to ``<dag_id>.<run_id>.lines``.
+
+    Call CELERY_STALL_AFTER answers with the try's tag ``[dag/run/tryN]`` (the drivers' handle on
+    try N's request), so the stalled request is the first to carry it. The last call also writes
+    what the continuity record holds at that moment to ``<dag_id>.<run_id>.journal.json``: which
+    try wrote each entry, and when, against when the record's owning try took it over.
+    """
+    context = get_current_context()
+    ti = context["ti"]
+    resume = current_resume()
+    line = {
+        "n": n,
+        "try": ti.try_number,
+        "rerun": bool(resume and resume.is_rerun(ctx.tool_call_id)),
+        "pid": os.getpid(),
+        "at": time.time(),
+    }
+    with run_file(ti, "lines").open("a") as out:
+        out.write(json.dumps(line) + "\n")
+    if n == CELERY_STEPS:
+        _snapshot_journal(context["task_state_store"], run_file(ti, "journal.json"))
+    if n == CELERY_STALL_AFTER:
+        return f"line {n} written [{ti.dag_id}/{ti.run_id}/try{ti.try_number}]"
+    return f"line {n} written"
+
+
+def _snapshot_journal(store: Any, path: Path) -> None:
+    key = f"{KEY_PREFIX}.0"  # the task's first (only) durable run
+    header = store.get(key) or {}
+    entries: list[dict[str, Any]] = []
+    while (entry := store.get(f"{key}.{header.get('generation')}.{len(entries)}")) is not None:
+        entries.append({k: entry.get(k) for k in ("i", "kind", "try", "at")})
+    snapshot = {"owner": header.get("owner"), "entries": entries}
+    path.with_suffix(".tmp").write_text(json.dumps(snapshot))
+    path.with_suffix(".tmp").replace(path)
 
 
 def celery_queue(mode: str) -> str:
@@ -181,4 +246,11 @@ for _mode in CELERY_WORKER_KILLS:
     ):
         # All paths run at once on 2 cores and the one-worker api-server stalls for seconds at
         # times: give the cause query more than the default 1 s (it overlaps the unwind).
-        _agent_operator(queue=celery_queue(_mode), classify_timeout=3.0)
+        _agent_operator(
+            queue=celery_queue(_mode),
+            classify_timeout=3.0,
+            prompt=CELERY_PROMPT,
+            model=CELERY_MODEL,
+            tools=[append_line],
+            durable=True,
+        )
