@@ -8,6 +8,7 @@ pids and callbacks into ``E2E_STATE_DIR``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -49,45 +50,69 @@ class E2EEnv:
 @pytest.fixture(scope="session")
 def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
     """Start the model server and Airflow; stop both (and anything marked) at the end."""
-    home = tmp_path_factory.mktemp("airflow_home")
-    state_dir = home / "e2e_state"
-    state_dir.mkdir()
-    marker = f"cancellable-agents-e2e-{uuid.uuid4().hex[:10]}"
-    with ScriptedModelServer() as model_server:
-        conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
-        stack = AirflowStack(
-            home,
-            DAGS_FOLDER,
-            {
-                "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
-                "E2E_STATE_DIR": str(state_dir),
-                "E2E_MARKER": marker,
-                # The connection form's *Test* button (POST /api/v2/connections/test).
-                "AIRFLOW__CORE__TEST_CONNECTION": "Enabled",
-            },
-        )
+    # The connection form's *Test* button (POST /api/v2/connections/test).
+    with e2e_world(tmp_path_factory, "airflow_home", {"AIRFLOW__CORE__TEST_CONNECTION": "Enabled"}) as world:
+        stack = AirflowStack(world.home, DAGS_FOLDER, world.env)
         started = time.monotonic()
         stack.migrate()
         migrated = time.monotonic()
-        try:
+        with stopped_after(stack, world.marker):
             stack.start()
             stack.wait_healthy()
             ready = time.monotonic()
             rest = stack.client()
             _await_dags(stack, rest)
             print(
-                f"\n[e2e] AIRFLOW_HOME={home}\n[e2e] db migrate {migrated - started:.1f}s, "
+                f"\n[e2e] AIRFLOW_HOME={world.home}\n[e2e] db migrate {migrated - started:.1f}s, "
                 f"components healthy {ready - migrated:.1f}s, DAGs parsed {time.monotonic() - ready:.1f}s"
             )
-            yield E2EEnv(stack, rest, model_server, state_dir, marker, ready - migrated)
+            yield E2EEnv(stack, rest, world.model_server, world.state_dir, world.marker, ready - migrated)
             rest.close()
-        finally:
-            stack.remember_processes()
-            stack.stop()
-            # The sandboxed trees run in their own sessions; anything left carries our marker.
-            kill_marked(marker)
-            leftovers = marked_processes(marker)
-            assert not leftovers, f"processes with marker {marker} survived the session: {leftovers}"
+
+
+@dataclass
+class E2EWorld:
+    """What every e2e stack gets: a fresh AIRFLOW_HOME, a state dir the tasks report into, a
+    process marker, the local model server, and the environment that points the tasks at them."""
+
+    home: Path
+    state_dir: Path
+    marker: str
+    model_server: ScriptedModelServer
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def e2e_world(
+    tmp_path_factory: pytest.TempPathFactory, name: str, extra_env: dict[str, str] | None = None
+) -> Iterator[E2EWorld]:
+    home = tmp_path_factory.mktemp(name)
+    state_dir = home / "e2e_state"
+    state_dir.mkdir()
+    marker = f"cancellable-agents-e2e-{uuid.uuid4().hex[:10]}"
+    with ScriptedModelServer() as model_server:
+        conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
+        env = {
+            "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
+            "E2E_STATE_DIR": str(state_dir),
+            "E2E_MARKER": marker,
+            **(extra_env or {}),
+        }
+        yield E2EWorld(home, state_dir, marker, model_server, env)
+
+
+@contextlib.contextmanager
+def stopped_after(stack: AirflowStack, marker: str) -> Iterator[None]:
+    """Stop ``stack`` however the block ends; then nothing carrying ``marker`` may be left."""
+    try:
+        yield
+    finally:
+        stack.remember_processes()
+        stack.stop()
+        # The sandboxed trees run in their own sessions; anything left carries our marker.
+        kill_marked(marker)
+        leftovers = marked_processes(marker)
+        assert not leftovers, f"processes with marker {marker} survived: {leftovers}"
 
 
 @dataclass

@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,10 +39,9 @@ from cancellable_agents.airflow.supervisor import (
     records_root,
 )
 from cancellable_agents.mixin import RECORD_PREFIX
-from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.e2e.airflow_stack import Component
 from tests.e2e.celery_stack import REDIS_SERVER, CeleryStack, kill_tree, worker_of
-from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags
+from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags, e2e_world, stopped_after
 from tests.e2e.dags.kill_paths import (
     CELERY_STALL_AFTER,
     CELERY_STEPS,
@@ -60,7 +58,7 @@ from tests.e2e.driver import (
     _ti_path,
     drive,
 )
-from tests.e2e.procs import ancestors, is_alive, kill_marked, marked_processes
+from tests.e2e.procs import ancestors, is_alive
 from tests.e2e.test_kill_paths import (
     BUDGET_MS,
     HEARTBEAT_S,
@@ -204,21 +202,11 @@ def celery_paths() -> dict[str, KillPath]:
 @pytest.fixture(scope="module")
 def celery_e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
     """Redis, Airflow with the CeleryExecutor, w1 + w2, one victim per mode and the standby."""
-    home = tmp_path_factory.mktemp("airflow_home_celery")
-    state_dir = home / "e2e_state"
-    state_dir.mkdir()
-    marker = f"cancellable-agents-e2e-{uuid.uuid4().hex[:10]}"
-    with ScriptedModelServer() as model_server:
-        conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
-        env = {
-            "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
-            "E2E_STATE_DIR": str(state_dir),
-            "E2E_MARKER": marker,
-        }
-        stack = CeleryStack(home, DAGS_FOLDER, env)
+    with e2e_world(tmp_path_factory, "airflow_home_celery") as world:
+        stack = CeleryStack(world.home, DAGS_FOLDER, world.env)
         started = time.monotonic()
         stack.migrate()
-        try:
+        with stopped_after(stack, world.marker):
             stack.start()
             workers: dict[str, tuple[list[str], dict[str, str]]] = {
                 "w1": (["default"], {}),
@@ -236,15 +224,11 @@ def celery_e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
                 stack.start_worker(name, queues, worker_env, concurrency=6 if name == STANDBY else 2)
             stack.wait_workers(list(workers))
             ready = time.monotonic() - started
-            print(f"\n[celery] AIRFLOW_HOME={home}; redis, Airflow, {len(workers)} workers: {ready:.1f}s")
-            yield E2EEnv(stack, rest, model_server, state_dir, marker, ready)
+            print(
+                f"\n[celery] AIRFLOW_HOME={world.home}; redis, Airflow, {len(workers)} workers: {ready:.1f}s"
+            )
+            yield E2EEnv(stack, rest, world.model_server, world.state_dir, world.marker, ready)
             rest.close()
-        finally:
-            stack.remember_processes()
-            stack.stop()
-            kill_marked(marker)
-            leftovers = marked_processes(marker)
-            assert not leftovers, f"processes with marker {marker} survived the module: {leftovers}"
 
 
 @pytest.fixture(scope="module")
