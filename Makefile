@@ -42,8 +42,9 @@ typecheck: $(STAMP)
 
 # CI runs two lanes side by side (2 cores; an Airflow stack spends most of its time waiting on
 # its own loops, so the lanes overlap its waits with the other lane's work):
-#   lane A: the end-to-end suites (LocalExecutor, then CeleryExecutor), then common.ai and the 3.2 smoke;
-#   lane B: unit, process and stress tests on Airflow 3.3, then the supported floor (3.1 + pydantic-ai 2.58).
+#   lane A: the end-to-end suites (LocalExecutor, then CeleryExecutor) and the stress test on
+#           Airflow 3.3, then common.ai and the 3.2 smoke;
+#   lane B: unit and process tests on Airflow 3.3, then the supported floor (3.1 + pydantic-ai 2.58).
 # Each lane's output is printed when it ends. The stress test runs 30 s here; `make stress` runs it
 # for 5 minutes (or CANCELLABLE_AGENTS_STRESS_SECONDS).
 test: $(STAMP) system-deps lint typecheck
@@ -51,6 +52,7 @@ test: $(STAMP) system-deps lint typecheck
 
 ci-lane-a: $(STAMP) system-deps
 	$(MAKE) --no-print-directory e2e
+	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-30} $(MAKE) --no-print-directory stress
 	$(MAKE) --no-print-directory compat-common-ai compat-airflow AIRFLOW_COMPAT_RUN=3.2
 
 ci-lane-b: $(STAMP) system-deps
@@ -58,8 +60,7 @@ ci-lane-b: $(STAMP) system-deps
 	$(MAKE) --no-print-directory compat-airflow AIRFLOW_COMPAT_RUN=3.1
 
 test-local: $(STAMP) system-deps
-	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-30} \
-	  $(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/process tests/stress
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/process
 
 stress: $(STAMP) system-deps
 	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-300} \

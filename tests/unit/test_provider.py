@@ -39,8 +39,8 @@ def test_the_providers_page_links_to_the_documentation() -> None:
     from airflow.providers_manager import ProvidersManager
 
     info = ProvidersManager().providers["airflow-provider-cancellable-agents"].data
-    # Airflow 3.2 keeps the space after the comma of "Project-URL: Documentation, <url>" (a
-    # browser ignores it in a link); 3.1 and 3.3 strip it.
+    # Airflow 3.1/3.2 keep the space after the comma of "Project-URL: Documentation, <url>" (a
+    # browser ignores it in a link); 3.3 strips it.
     assert str(info["documentation-url"]).strip().startswith("https://")
 
 
