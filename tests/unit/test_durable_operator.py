@@ -77,6 +77,9 @@ def _agent(requests: list[int], kill_at: int | None, op_box: list[Any]) -> Agent
     def step(n: int) -> str:
         if n == kill_at:
             op_box[0].on_kill()  # the SIGTERM lands while this tool runs (cause: unknown here)
+            # As a cooperative tool does: return only once the run was told to stop, so the
+            # kill lands in this step however slow the unwind thread is to start.
+            op_box[0].cancellation.wait(5)
         return f"step {n} ok"
 
     return agent
