@@ -224,6 +224,9 @@ def _cancel_on(
         scope = scope_of()
         if called == n and scope is not None:
             scope.cancel(verdict.cause, classify=lambda: verdict)
+            # A cooperative tool returns once the run was told to stop, so the kill lands in
+            # this step however slow the unwind thread is to start (a busy machine).
+            scope.wait(5)
 
     return hook
 
