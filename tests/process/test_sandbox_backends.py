@@ -114,6 +114,38 @@ def test_a_kill_during_start_stops_the_command_start_was_starting(marker: str) -
     assert [k.command_id for k in scope.killed] == backend.started
 
 
+class SlowStopSandbox(HelperSandbox):
+    """A backend whose ``stop`` takes a while to answer (a remote API under load)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop_entered = threading.Event()
+
+    def stop(self, command_id: str) -> None:
+        self.stop_entered.set()
+        time.sleep(0.5)  # the slow answer under test, not a synchronisation
+        super().stop(command_id)
+
+
+def test_a_stop_begun_by_the_tool_is_recorded_before_the_scope_is_released(marker: str) -> None:
+    """A cancelled tool call stops its own command (``SandboxToolset`` does) just as the task is
+    cancelled; the in-flight phase then finds nothing left to stop, and must still wait for that
+    stop, so the kill is in the record when the scope reports itself released."""
+    scope = TaskCancellation("task", budget=4.0)
+    backend = SlowStopSandbox()
+    attachment = attach_sandbox(backend, scope, name="helper")
+    command_id = attachment.start(f"sleep {marker}")
+    eventually(lambda: sleepers(marker))
+    stopper = threading.Thread(target=attachment.stop, args=(command_id,))
+    stopper.start()
+    assert backend.stop_entered.wait(5)
+    scope.cancel(CancelCause.USER)
+    assert scope.wait_released(5)
+    assert [k.command_id for k in scope.killed] == [command_id], "released before the kill was recorded"
+    stopper.join(5)
+    assert sleepers(marker) == []
+
+
 def test_sandbox_toolset_takes_any_backend_and_a_kill_stops_its_command(marker: str) -> None:
     scope = TaskCancellation("task", budget=4.0)
     backend = HelperSandbox()

@@ -38,6 +38,7 @@ class SandboxAttachment:
         self._records = not getattr(backend, "records_kills", False)
         self._cond = threading.Condition()
         self._starting = 0  # guarded by _cond: calls inside backend.start right now
+        self._stopping = 0  # guarded by _cond: stops whose kill record is not written yet
         self._running: dict[str, str] = {}  # guarded by _cond: id -> command text, until waited
         self._handles: list[ResourceHandle] = []
 
@@ -94,6 +95,15 @@ class SandboxAttachment:
         if late:
             log.warning("sandbox %s: a command's start did not return within the budget", self.name)
         self._stop_known()
+        self._wait_for_stops()
+
+    def _wait_for_stops(self) -> None:
+        """Wait (within the budget) for stops begun elsewhere, e.g. by a cancelled tool call, so
+        their kill records are in the scope before it reports itself released."""
+        deadline = time.monotonic() + self.scope.remaining()
+        with self._cond:
+            while self._stopping and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
 
     def destroy(self) -> None:
         """``Phase.TEARDOWN``: destroy the backend (once; later calls return at once)."""
@@ -118,9 +128,15 @@ class SandboxAttachment:
     def _stop(self, command_id: str, reason: str) -> None:
         with self._cond:
             text = self._running.pop(command_id, None)
-        self.backend.stop(command_id)
-        if text is not None and self._records:
-            self.scope.record_killed(_kill_record(self.name, command_id, text, reason))
+            self._stopping += 1
+        try:
+            self.backend.stop(command_id)
+            if text is not None and self._records:
+                self.scope.record_killed(_kill_record(self.name, command_id, text, reason))
+        finally:
+            with self._cond:
+                self._stopping -= 1
+                self._cond.notify_all()
 
 
 def _kill_record(sandbox: str, command_id: str, command: str, reason: str) -> KillRecord:
