@@ -135,6 +135,7 @@ class Chromium:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # its own group: close() ends all of Chromium's processes
+            env={**os.environ, "TMPDIR": str(profile)},  # its singleton socket dir goes with the profile
         )
         self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
         wait_until(self._ready, 30, "Chromium's DevTools endpoint", interval=0.1)

@@ -41,7 +41,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -87,6 +86,7 @@ from cancellable_agents.toolsets.sandbox.protocol import (
     SandboxPathError,
     SandboxUnavailable,
 )
+from cancellable_agents.toolsets.sandbox.workdirs import new_workdir
 
 __all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "Isolation", "LocalSandbox", "Profile"]
 
@@ -951,7 +951,7 @@ def _absolute(path: str | os.PathLike[str]) -> str:
 def _prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
     """The resolved workdir and whether we created it (and so may delete it)."""
     if workdir is None:
-        return Path(tempfile.mkdtemp(prefix="cancellable-agents-sandbox-")).resolve(), True
+        return new_workdir(), True
     path = Path(workdir).resolve()
     existed = path.exists()
     path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,88 @@
+"""A SIGKILLed task leaves its sandbox workdir behind; the next sandbox removes it, and only it.
+
+The owner is a real process that creates a :class:`LocalSandbox`, writes a file into it and is
+then SIGKILLed (nothing in it can clean up), or is left alive, or exits normally.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cancellable_agents.toolsets.sandbox import LocalSandbox
+from cancellable_agents.toolsets.sandbox.workdirs import WORKDIR_PREFIX, remove_orphaned_workdirs
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
+
+Owner = tuple[subprocess.Popen[str], Path]
+
+OWNER = (
+    "import sys\n"
+    "from cancellable_agents.toolsets.sandbox import LocalSandbox\n"
+    "sandbox = LocalSandbox(isolation='process-group')\n"
+    "(sandbox.workdir / 'build.log').write_bytes(b'x' * 100_000)\n"
+    "print(sandbox.workdir, flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.fixture
+def owner() -> Iterator[Owner]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    workdir = Path(proc.stdout.readline().strip())
+    assert (workdir / "build.log").exists()
+    yield proc, workdir
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+def test_the_next_sandbox_removes_the_workdir_of_a_sigkilled_task(owner: Owner) -> None:
+    proc, workdir = owner
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert workdir.exists(), "a SIGKILLed process cannot clean up: the premise of this test"
+    sandbox = LocalSandbox(isolation="process-group")
+    try:
+        assert not workdir.exists(), "the dead task's workdir outlived the next sandbox's start"
+        assert sandbox.workdir.exists()
+    finally:
+        sandbox.destroy()
+
+
+def test_a_live_tasks_workdir_is_kept_and_a_normal_exit_removes_its_own(owner: Owner) -> None:
+    proc, workdir = owner
+    LocalSandbox(isolation="process-group").destroy()
+    assert (workdir / "build.log").exists(), "a running task's workdir was removed"
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(10) == 0
+    assert not workdir.exists()
+
+
+def test_directories_whose_owner_cannot_be_checked_are_left_alone(tmp_path: Path) -> None:
+    dead_pid = _a_dead_pid()
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    own_dead = tmp_path / f"{WORKDIR_PREFIX}{namespace}.{dead_pid}.1-abc"
+    foreign = tmp_path / f"{WORKDIR_PREFIX}{namespace + 1}.{dead_pid}.1-abc"  # another pid namespace
+    unnamed = tmp_path / f"{WORKDIR_PREFIX}q1w2e3"  # an older version's, or someone's own
+    recycled = tmp_path / f"{WORKDIR_PREFIX}{namespace}.{os.getpid()}.1-abc"  # our pid, not our start
+    for folder in (own_dead, foreign, unnamed, recycled):
+        folder.mkdir()
+    assert sorted(remove_orphaned_workdirs(tmp_path)) == sorted([own_dead, recycled])
+    assert foreign.exists() and unnamed.exists()
+
+
+def _a_dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(10)
+    return proc.pid
