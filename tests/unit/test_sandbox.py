@@ -256,6 +256,29 @@ def test_arun_does_not_block_the_loop_and_stops_the_command_when_cancelled(
 
 
 @pytest.mark.process
+def test_arun_cancelled_again_and_again_still_stops_the_command_first(marker: str) -> None:
+    """An anyio cancel scope re-delivers its cancel at every await: the stop is still awaited
+    to the end (here, through a 0.5 s grace for a command that ignores SIGTERM)."""
+    sandbox = LocalSandbox(isolation="process-group", stop_grace=0.5)
+
+    async def main() -> None:
+        run = asyncio.create_task(sandbox.arun(f"trap '' TERM; sleep {marker}"))
+        while not sleepers(marker):
+            await asyncio.sleep(0.01)
+        run.cancel()
+        while not run.done():
+            await asyncio.sleep(0)
+            run.cancel()
+        assert run.cancelled()
+        assert survivors(marker) == [], "arun ended before the command it was stopping"
+
+    try:
+        asyncio.run(main())
+    finally:
+        sandbox.destroy()
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "pid"])
 def test_reap_zombie_collects_exactly_that_exited_child(
     pidfd: bool, marker: str, monkeypatch: pytest.MonkeyPatch

@@ -969,8 +969,29 @@ def _feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
     threading.Thread(target=feed, name=f"sandbox-stdin-{proc.pid}", daemon=True).start()
 
 
+#: Longest a stop or teardown is awaited after a cancel outside any task scope.
+_FINISH_BOUND = 5.0
+
+
 async def _finish_despite_cancel(awaitable: Awaitable[T]) -> None:
-    """Wait for ``awaitable`` even if this task is cancelled again meanwhile (it keeps going)."""
+    """Wait for ``awaitable`` (a stop, a teardown) even if this task is cancelled meanwhile, and
+    again and again, as an anyio cancel scope does: for at most the scope's remaining budget
+    after the first such cancel. Returning early would leave the stop running unwatched (its
+    kill record late, "Task was destroyed but it is pending!" in the task log). A cancel that
+    came in is absorbed, as before: the caller is already unwinding."""
+    loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(awaitable)
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.shield(task)
+    deadline: float | None = None
+    while not task.done():
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            log.warning("a sandbox stop or teardown did not finish within the budget; left running")
+            return
+        try:
+            await asyncio.wait({task}, timeout=left)
+        except asyncio.CancelledError:
+            if deadline is None:
+                scope = current_cancellation()
+                deadline = loop.time() + (scope.remaining() if scope is not None else _FINISH_BOUND)
+    if not task.cancelled():
+        task.result()
