@@ -43,6 +43,7 @@ class HelperSandbox:
         self._replies: dict[str, dict[str, Any]] = {}  # guarded by _lock
         self._arrived = threading.Condition(self._lock)
         self._closed = False
+        self._gone = False  # guarded by _lock: the helper's stdout closed, no reply comes any more
         self.started: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -53,6 +54,11 @@ class HelperSandbox:
             with self._arrived:
                 self._replies[reply["req"]] = reply
                 self._arrived.notify_all()
+        # The helper exited (destroyed, or killed) with calls pending, e.g. the wait a cancelled
+        # tool left behind: they fail now instead of waiting out their timeout.
+        with self._arrived:
+            self._gone = True
+            self._arrived.notify_all()
 
     def _call(self, op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
         req = uuid.uuid4().hex
@@ -62,8 +68,10 @@ class HelperSandbox:
             assert self.helper.stdin is not None
             self.helper.stdin.write(json.dumps({"req": req, "op": op, **args}) + "\n")
             self.helper.stdin.flush()
-            if not self._arrived.wait_for(lambda: req in self._replies, timeout):
+            if not self._arrived.wait_for(lambda: req in self._replies or self._gone, timeout):
                 raise TimeoutError(f"helper did not answer {op} within {timeout}s")
+            if req not in self._replies:
+                raise SandboxClosed(f"the helper exited before it answered {op}")
             return self._replies.pop(req)
 
     def start(

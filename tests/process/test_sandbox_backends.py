@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -23,7 +25,13 @@ from cancellable_agents.agent_run import run_agent_in_scope
 from cancellable_agents.cancellation import TaskCancellation
 from cancellable_agents.causes import CancelCause
 from cancellable_agents.exceptions import TaskCancelled
-from cancellable_agents.toolsets.sandbox import Sandbox, SandboxToolset, attach_sandbox
+from cancellable_agents.toolsets.sandbox import (
+    CommandResult,
+    Sandbox,
+    SandboxClosed,
+    SandboxToolset,
+    attach_sandbox,
+)
 from tests.process.helper_backend import HelperSandbox
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
@@ -63,6 +71,30 @@ def test_the_helper_backend_is_a_sandbox() -> None:
         assert isinstance(backend, Sandbox)
         result = backend.wait(backend.start("echo hi"))
         assert (result.exit_code, result.stdout) == (0, "hi\n")
+    finally:
+        backend.destroy()
+
+
+def test_a_call_pending_when_the_helper_exits_fails_at_once(marker: str) -> None:
+    """As a remote backend's call fails when its connection closes: a ``wait`` still pending when
+    the helper went away must not block for its hour-long timeout."""
+    backend = HelperSandbox()
+    try:
+        command_id = backend.start(f"sleep {marker}")
+        outcome: list[BaseException | CommandResult] = []
+
+        def wait() -> None:
+            try:
+                outcome.append(backend.wait(command_id))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        eventually(lambda: sleepers(marker))
+        backend.helper.kill()  # the helper dies without answering
+        waiter.join(10)
+        assert outcome and isinstance(outcome[0], SandboxClosed), outcome
     finally:
         backend.destroy()
 
@@ -175,3 +207,60 @@ def test_sandbox_toolset_takes_any_backend_and_a_kill_stops_its_command(marker: 
     assert isinstance(outcome[0], TaskCancelled)
     assert sleepers(marker) == []
     assert [k.command_id for k in scope.killed] == backend.started
+
+
+STALLED_WAIT_TASK = '''
+import threading
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelResponse, ToolCallPart
+from pydantic_ai.models.function import FunctionModel
+from cancellable_agents.agent_run import run_agent_in_scope
+from cancellable_agents.cancellation import TaskCancellation
+from cancellable_agents.causes import CancelCause
+from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.toolsets.sandbox import SandboxToolset
+
+class StalledWait:
+    """A backend whose wait never answers, not even once the command was stopped."""
+    def __init__(self):
+        self.waiting = threading.Event()
+    def start(self, command, *, timeout=None, stdin=None):
+        return "c1"
+    def wait(self, command_id, timeout=None):
+        self.waiting.set()
+        threading.Event().wait()
+    def stop(self, command_id): pass
+    def stop_all(self): pass
+    def destroy(self): pass
+
+backend = StalledWait()
+scope = TaskCancellation("task", budget=2.0)
+kill = lambda: backend.waiting.wait(60) and scope.cancel(CancelCause.USER)
+threading.Thread(target=kill, daemon=True).start()
+call = ModelResponse(parts=[ToolCallPart("run_shell", {"command": "x"})])
+model = FunctionModel(lambda messages, info: call)
+try:
+    run_agent_in_scope(scope, Agent(model, toolsets=[SandboxToolset(backend)]), "go")
+except TaskCancelled:
+    print("cancelled", flush=True)
+'''
+
+
+def test_a_backend_wait_that_never_answers_does_not_keep_the_task_process_alive() -> None:
+    """A cancelled tool stops its command and leaves; a backend whose ``wait`` does not answer
+    even then (a stalled connection, a helper that went away) keeps that call blocked. It must not
+    hold the task process at exit past Airflow's grace, as a thread of asyncio's default executor
+    would: those are joined at interpreter exit (seen as a test session that hung after its last
+    test)."""
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_WAIT_TASK], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "cancelled\n"
+        try:
+            assert proc.wait(5) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the task process hung at exit on the backend's unanswered wait") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

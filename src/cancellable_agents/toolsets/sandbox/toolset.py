@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -12,6 +14,7 @@ from pydantic_ai import ModelRetry
 from pydantic_ai.toolsets import FunctionToolset
 
 from cancellable_agents.cancellation import current_cancellation
+from cancellable_agents.core.workers import JobThread
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import Limits
 from cancellable_agents.toolsets.sandbox.local import (
@@ -220,12 +223,24 @@ async def _run_on_backend(
 ) -> CommandResult:
     """Run on any backend (through its attachment, when it has one) without blocking the loop;
     stop the command on cancel."""
-    command_id = await asyncio.to_thread(sandbox.start, command, timeout=timeout, stdin=stdin)
+    command_id = await _on_daemon_thread(
+        functools.partial(sandbox.start, command, timeout=timeout, stdin=stdin)
+    )
     try:
-        return await asyncio.to_thread(sandbox.wait, command_id, None)
+        return await _on_daemon_thread(functools.partial(sandbox.wait, command_id, None))
     except asyncio.CancelledError:
-        await _finish_despite_cancel(asyncio.to_thread(sandbox.stop, command_id))
+        await _finish_despite_cancel(_on_daemon_thread(functools.partial(sandbox.stop, command_id)))
         raise
+
+
+async def _on_daemon_thread(call: Callable[[], T]) -> T:
+    """``asyncio.to_thread`` on a daemon thread. A cancelled tool leaves its backend's ``wait``
+    behind; if the backend never answers it (a stalled connection), a thread of asyncio's
+    default executor would hold the task process at exit (they are joined then) until SIGKILL."""
+    worker = JobThread("cancellable-agents-sandbox-call")
+    future = worker.submit(functools.partial(contextvars.copy_context().run, call))
+    worker.stop()  # the thread ends once this call returns
+    return await asyncio.wrap_future(future)
 
 
 def _for_model(result: CommandResult, timeout: float) -> dict[str, Any]:
