@@ -35,16 +35,19 @@ def _events(scope: TaskCancellation) -> list[str]:
 
 
 def test_cancel_returns_at_once_and_is_idempotent() -> None:
-    scope = TaskCancellation()
-    release_started = threading.Event()
-    scope.register(lambda: (release_started.set(), time.sleep(0.2)), name="slow")
-    started = time.perf_counter()
+    scope = TaskCancellation(budget=4.0)
+    returned = threading.Event()
+    seen: list[bool] = []
+    # The release waits for cancel() to return; it sees that only if cancel handed it to a helper
+    # thread (a cancel running it itself would be waiting for it). Not a time bound on cancel:
+    # starting that thread takes 50 ms on a busy 2-core machine.
+    scope.register(lambda: seen.append(returned.wait(3)), name="waits-for-cancel")
     assert scope.cancel(CancelCause.USER) is True
-    assert time.perf_counter() - started < 0.05, "cancel must hand the work to a helper thread"
-    assert release_started.wait(2)
+    returned.set()
     for _ in range(20):
         assert scope.cancel(CancelCause.EVICTION) is False
     assert scope.wait_released(5)
+    assert seen == [True], "cancel must hand the work to a helper thread"
     assert scope.cause is CancelCause.USER, "the first decision wins"
     assert _events(scope).count("kill_received") == 1
     assert _events(scope).count("cancel_repeated") == 20
@@ -94,14 +97,18 @@ def test_in_flight_resources_are_released_concurrently() -> None:
 
 def test_budget_bounds_the_wait_for_a_stuck_resource() -> None:
     scope = TaskCancellation(budget=0.3)
-    never = threading.Event()
+    never, torn_down = threading.Event(), threading.Event()
     scope.register(never.wait, name="stuck")
-    scope.register(lambda: None, name="after", phase=Phase.TEARDOWN)
+    scope.register(torn_down.set, name="after", phase=Phase.TEARDOWN)
     started = time.monotonic()
     scope.cancel(CancelCause.USER)
     assert scope.wait_released(3)
     assert time.monotonic() - started < 1.0
-    assert scope.stragglers == ["resource 'stuck'"]
+    assert torn_down.wait(2), "the teardown still runs once the in-flight phase spent the budget"
+    # With no budget left the teardown is not waited for: on a busy machine it may still be
+    # running when looked at, and is named too.
+    assert scope.stragglers[0] == "resource 'stuck'"
+    assert set(scope.stragglers) <= {"resource 'stuck'", "resource 'after'"}
     never.set()
 
 
