@@ -320,3 +320,46 @@ def test_cancelled_error_carries_usage_and_timeline() -> None:
     assert info.value.usage is not None and info.value.usage.requests == 1
     events = [e.event for e in info.value.timeline]
     assert events.index("kill_received") < events.index("token_cancelled") < events.index("run_unwound")
+
+
+class TornDown(FunctionToolset[Any]):
+    """A toolset that says when it is torn down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.torn_down = threading.Event()
+
+    async def __aexit__(self, *args: Any) -> bool | None:
+        self.torn_down.set()
+        return await super().__aexit__(*args)
+
+
+def test_the_token_cancel_is_in_the_timeline_before_what_the_run_did_about_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run reacts to its token on its own loop at once; the unwind thread that cancelled the
+    token may get the CPU back only after the run tore its toolsets down (seen under load on the
+    3.1 floor). The timeline must still show the cause first."""
+    toolset = TornDown()
+    started = threading.Event()
+
+    @toolset.tool_plain
+    async def wait_forever() -> str:
+        started.set()
+        await asyncio.sleep(60)
+        return "never"
+
+    cancel = type(TaskCancellation().token).cancel
+
+    def cancel_then_lose_the_cpu(token: Any) -> None:
+        cancel(token)
+        assert toolset.torn_down.wait(5)  # the unwind thread runs again only once the run reacted
+
+    monkeypatch.setattr(type(TaskCancellation().token), "cancel", cancel_then_lose_the_cpu)
+    scope = TaskCancellation()
+    _cancel_when(started, scope)
+    with pytest.raises(TaskCancelled):
+        run_agent_in_scope(scope, Agent(FunctionModel(CallOnce()), toolsets=[toolset]), "go")
+    assert scope.wait_released(5)
+    events = [e.event for e in scope.timeline]
+    assert events.index("token_cancelled") < events.index("toolset_teardown"), events

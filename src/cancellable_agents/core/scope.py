@@ -486,11 +486,14 @@ class TaskCancellation:
             self._release_done.notify_all()
 
     def _cancel_token(self) -> None:
+        # Recorded first: the run reacts on its own loop at once, and may record its toolset
+        # teardown before this thread runs again (a busy machine); the cause comes first.
+        self.record("token_cancelled")
         try:
             self.token.cancel()
         except Exception as exc:  # a run whose loop cannot be reached must not stop the unwind
             log.warning("%s: could not cancel the pydantic-ai run: %s", self.name, exc)
-        self.record("token_cancelled")
+            self.record("token_cancel_failed", error=repr(exc))
 
     # -- reporting -----------------------------------------------------------------------
 
