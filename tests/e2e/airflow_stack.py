@@ -35,6 +35,15 @@ AIRFLOW = [sys.executable, "-m", "airflow"]
 ADMIN_USER = "admin"
 #: Components that must report healthy before a test may trigger anything.
 HEALTHY_COMPONENTS = ("metadatabase", "scheduler", "dag_processor")
+#: How long the scheduler and the dag-processor wait for SQLite's write lock (sqlite3's default
+#: is 5 s). An audit-log commit on the api-server's event loop can still meet a task's write
+#: whose commit that loop must schedule (a task state store PUT, a heartbeat: see RestClient):
+#: then the api-server stands still, lock held, until its own 5 s wait gives up, and a scheduler
+#: write that waited as long exits the scheduler. Measured: SQLite's lock held 8 s just after runs
+#: were queued ended the scheduler at once; with 20 s it lived through three of them. The
+#: api-server keeps the default: a longer wait would make its stall that much longer. Below the
+#: 30 s after which /health calls a scheduler without a heartbeat unhealthy.
+SCHEDULER_DB_WAIT_S = 20
 
 
 def free_port() -> int:
@@ -180,8 +189,10 @@ class AirflowStack:
     def start(self) -> None:
         """Start the three components, each leading its own process group."""
         self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
-        self._spawn("scheduler", ["scheduler", "--skip-serve-logs"])
-        self._spawn("dag-processor", ["dag-processor"])
+        db = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        patient = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{db}?timeout={SCHEDULER_DB_WAIT_S}"}
+        self._spawn("scheduler", ["scheduler", "--skip-serve-logs"], env=patient)
+        self._spawn("dag-processor", ["dag-processor"], env=patient)
 
     def _spawn(
         self, name: str, args: list[str], *, argv: list[str] | None = None, env: dict[str, str] | None = None
