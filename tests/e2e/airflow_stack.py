@@ -5,8 +5,8 @@ auth manager with a known admin password), starts each component in its own proc
 its output in ``AIRFLOW_HOME/components/NAME.log``, waits for ``/api/v2/monitor/health`` to say
 everything is healthy, and stops exactly the processes it started (by process group and by the
 pids it saw under them). ``RestClient`` talks to the public REST API with a JWT obtained the way
-the UI does (``POST /auth/token``) and retries idempotent calls when SQLite's single writer makes
-the server answer 5xx.
+the UI does (``POST /auth/token``), sends one write at a time, and retries idempotent calls when
+SQLite's single writer makes the server answer 5xx.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,15 @@ AIRFLOW = [sys.executable, "-m", "airflow"]
 ADMIN_USER = "admin"
 #: Components that must report healthy before a test may trigger anything.
 HEALTHY_COMPONENTS = ("metadatabase", "scheduler", "dag_processor")
+#: How long the scheduler and the dag-processor wait for SQLite's write lock (sqlite3's default
+#: is 5 s). An audit-log commit on the api-server's event loop can still meet a task's write
+#: whose commit that loop must schedule (a task state store PUT, a heartbeat: see RestClient):
+#: then the api-server stands still, lock held, until its own 5 s wait gives up, and a scheduler
+#: write that waited as long exits the scheduler. Measured: SQLite's lock held 8 s just after runs
+#: were queued ended the scheduler at once; with 20 s it lived through three of them. The
+#: api-server keeps the default: a longer wait would make its stall that much longer. Below the
+#: 30 s after which /health calls a scheduler without a heartbeat unhealthy.
+SCHEDULER_DB_WAIT_S = 20
 
 
 def free_port() -> int:
@@ -179,8 +189,10 @@ class AirflowStack:
     def start(self) -> None:
         """Start the three components, each leading its own process group."""
         self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
-        self._spawn("scheduler", ["scheduler", "--skip-serve-logs"])
-        self._spawn("dag-processor", ["dag-processor"])
+        db = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        patient = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{db}?timeout={SCHEDULER_DB_WAIT_S}"}
+        self._spawn("scheduler", ["scheduler", "--skip-serve-logs"], env=patient)
+        self._spawn("dag-processor", ["dag-processor"], env=patient)
 
     def _spawn(
         self, name: str, args: list[str], *, argv: list[str] | None = None, env: dict[str, str] | None = None
@@ -249,12 +261,28 @@ class AirflowStack:
         return RestClient(self.url, ADMIN_USER, self.password)
 
 
+#: Methods that write nothing, so the REST API logs no audit row for them.
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
 class RestClient:
-    """The public REST API with a UI-style JWT; idempotent calls are retried on 5xx/connection errors."""
+    """The public REST API with a UI-style JWT; idempotent calls are retried on 5xx/connection errors.
+
+    Writes (POST, PATCH, PUT, DELETE) go one at a time, however many test threads send them.
+    Airflow's REST API writes its audit-log row (``action_logging``) from an ``async`` dependency:
+    a blocking SQLite commit on the api-server's event loop. When a second write arrives while the
+    first one's transaction is open, that commit waits for SQLite's lock on the loop thread, and
+    the first request's own commit, which the loop must schedule, cannot run: the whole api-server
+    stands still for SQLite's 5 s busy timeout per queued write, the writes end in 500 "database
+    is locked", and a scheduler write that waited as long exits the scheduler. Six concurrent
+    triggers stalled it in 6 of 12 rounds (5 to 25 s; the scheduler died), none of 12 when sent
+    one at a time (each takes ~10 ms).
+    """
 
     def __init__(self, url: str, username: str, password: str) -> None:
         self.url = url
         self._http = httpx.Client(base_url=url, timeout=30)
+        self._writes = threading.Lock()
         token = self._login(username, password)
         self._http.headers["Authorization"] = f"Bearer {token}"
 
@@ -282,8 +310,15 @@ class RestClient:
         raise AssertionError("unreachable")
 
     def request(self, method: str, path: str, *, retry: bool = True, **kwargs: Any) -> httpx.Response:
-        """One REST call; ``retry`` only for calls that are safe to repeat."""
-        call = lambda: self._http.request(method, path, **kwargs)  # noqa: E731
+        """One REST call; ``retry`` only for calls that are safe to repeat. A write waits for the
+        write in flight, if any, to be answered (see the class docstring)."""
+
+        def call() -> httpx.Response:
+            if method.upper() in READS:
+                return self._http.request(method, path, **kwargs)
+            with self._writes:
+                return self._http.request(method, path, **kwargs)
+
         return self._retry(call) if retry else call()
 
     def json(self, method: str, path: str, *, expect: Iterable[int] = (200,), **kwargs: Any) -> Any:

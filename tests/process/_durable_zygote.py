@@ -84,6 +84,7 @@ def run_try(try_number: int, store_url: str, lines: Path, block_in: int, release
             result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)
     except TaskCancelled as exc:
         journal.cancelled(exc)
+        journal.write_end()
         emit("cancelled", cause=exc.cause.value, detail=exc.detail)
         return
     journal.completed(result)

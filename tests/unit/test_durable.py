@@ -94,6 +94,7 @@ class Task:
                 result = run_agent_in_scope(scope, self.agent(), self.prompt, journal=journal, **kwargs)
             except TaskCancelled as exc:
                 journal.cancelled(exc)
+                journal.write_end()
                 return exc, journal, scope
         journal.completed(result)
         return result, journal, scope

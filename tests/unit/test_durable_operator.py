@@ -125,3 +125,45 @@ def test_a_killed_try_is_resumed_by_the_next_and_the_record_reports_usage(
     assert facts["resumed_from_try"] == 1
     assert facts["usage_total"]["requests"] == len(first) + len(second)
     assert not list(tmp_path.rglob("*.json")), "success deletes the record"
+
+
+@pytest.mark.skipif(not has_task_state_store(), reason="Airflow's task state store is 3.3+")
+def test_the_kill_record_is_logged_before_the_store_is_asked_to_write_the_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Through Airflow's task state store the end entry is API calls, seconds long on a busy API
+    server (Celery e2e: 3.7 s; SIGKILL comes at 5 s): the cause must be in the log before them."""
+
+    class Accessor:
+        """``context["task_state_store"]``; notes, when the end is written, whether the record is in."""
+
+        def __init__(self) -> None:
+            self.values: dict[str, Any] = {}
+            self.record_logged_before_end: list[bool] = []
+
+        def get(self, key: str) -> Any:
+            return self.values.get(key)
+
+        def set(self, key: str, value: Any) -> None:
+            if isinstance(value, dict) and value.get("kind") == "end":
+                logged = any("cancellable_agents.record " in r.getMessage() for r in caplog.records)
+                self.record_logged_before_end.append(logged)
+            self.values[key] = json.loads(json.dumps(value))
+
+        def delete(self, key: str) -> None:
+            self.values.pop(key, None)
+
+    requests: list[int] = []
+    box: list[Any] = []
+    store = Accessor()
+    op = AgentOperator(
+        task_id="agent",
+        agent=_agent(requests, 2, box),
+        prompt="four steps",
+        durable=True,
+        classify_timeout=0.2,
+    )
+    box.append(op)
+    with caplog.at_level(logging.INFO), pytest.raises(TaskCancelled):
+        op.execute({"ti": TI(1), "task_state_store": store})
+    assert store.record_logged_before_end == [True]

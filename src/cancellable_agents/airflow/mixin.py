@@ -263,9 +263,11 @@ class CancellableAgentMixin:
         try:
             result = run_agent_in_scope(scope, agent, user_prompt, journal=journal, **run_kwargs)
         except TaskCancelled as exc:
-            if journal is not None:  # after the unwind, on the main thread: the cause into the record
+            if journal is not None:  # after the unwind, on the main thread: its facts into the record
                 journal.cancelled(exc)
             self._log_record(exc)
+            if journal is not None:  # then the store, which may be slow: the record is in already
+                journal.write_end()
             raise
         except BaseException:
             if journal is not None:

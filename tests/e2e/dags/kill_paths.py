@@ -47,9 +47,13 @@ PROMPT = "[{{ dag.dag_id }}/{{ run_id }}/try{{ ti.try_number }}] write a very lo
 #: Three processes (one escapes into its own session) that sleep until something kills them.
 TREE_PROGRAM = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.fork()\ntime.sleep(300)\n"
 
-#: Long enough for a first try to start streaming on a loaded 2-core machine (imports alone can
-#: take seconds there), short enough to keep the suite quick.
-EXECUTION_TIMEOUT_S = 15
+#: Long enough for a first try to be streaming well before its run's deadline (13 s after the scope
+#: began with 15 s) on a loaded 2-core machine, short enough to keep the suite quick. The scope
+#: exists from pre_execute on, and execute first imports the model's SDK (openai: 1.2 s on an idle
+#: box) and builds the agent: scope to run start took 8-14 s in a Celery run beside another lane
+#: (load 6-8), and the 15 s this was ended one run 0.8 s into its stream, before the test saw it
+#: streaming.
+EXECUTION_TIMEOUT_S = 25
 
 DEFAULTS: dict[str, Any] = {
     "retries": 1,
