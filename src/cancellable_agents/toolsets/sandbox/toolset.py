@@ -209,7 +209,7 @@ class SandboxToolset(FunctionToolset[Any]):
         if not isinstance(sandbox, SandboxFiles):
             raise ModelRetry("this sandbox has no file access; use run_shell instead")
         try:
-            return await asyncio.to_thread(action, sandbox)
+            return await _on_daemon_thread(functools.partial(action, sandbox))
         except SandboxPathError as exc:
             raise ModelRetry(str(exc)) from exc
         except FileNotFoundError as exc:
@@ -234,9 +234,10 @@ async def _run_on_backend(
 
 
 async def _on_daemon_thread(call: Callable[[], T]) -> T:
-    """``asyncio.to_thread`` on a daemon thread. A cancelled tool leaves its backend's ``wait``
-    behind; if the backend never answers it (a stalled connection), a thread of asyncio's
-    default executor would hold the task process at exit (they are joined then) until SIGKILL."""
+    """``asyncio.to_thread`` on a daemon thread, for every call into a backend. A cancelled tool
+    leaves its backend call behind; if the backend never answers it (a stalled connection), a
+    thread of asyncio's default executor would hold the task process at exit (they are joined
+    then) until SIGKILL."""
     worker = JobThread("cancellable-agents-sandbox-call")
     future = worker.submit(functools.partial(contextvars.copy_context().run, call))
     worker.stop()  # the thread ends once this call returns
