@@ -114,6 +114,10 @@ def execute_like_task_sdk(
     return result
 
 
+#: Longest the main thread stays in C while it waits for a signal (the provider's own poll: 50 ms).
+SIGNAL_SLICE = 0.05
+
+
 class SignalLatch:
     """A flag a signal handler sets and the main thread waits for: a pipe, not a lock.
 
@@ -140,10 +144,13 @@ class SignalLatch:
         """Wait until set or ``timeout`` seconds; return whether set.
 
         A handler that runs before the ``select`` has written to the pipe, one that interrupts
-        it makes it readable once ``select`` is retried (PEP 475): no wake-up is missed.
+        it makes it readable once ``select`` is retried (PEP 475). In slices: the kernel may
+        deliver the SIGTERM to another thread, which interrupts no ``select`` here, and Python
+        runs the handler only once the main thread is back in bytecode (seen: 10 s late).
         """
-        if not self._set:
-            select.select([self._read], [], [], timeout)
+        deadline = time.monotonic() + timeout
+        while not self._set and (left := deadline - time.monotonic()) > 0:
+            select.select([self._read], [], [], min(left, SIGNAL_SLICE))
         return self._set
 
     def clear(self) -> None:
