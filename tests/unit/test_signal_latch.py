@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from benchmarks.taskproc import SignalLatch
 
 
