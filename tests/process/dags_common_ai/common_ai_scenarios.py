@@ -183,17 +183,37 @@ def run_script() -> str:
 def fetch_orders() -> str:
     """A completed step: the durable retry must replay it, not run it again."""
     emit("tool_ran", tool="fetch_orders")
+    time.sleep(0.3)  # still on its thread when summarize_orders starts: the kill must wait for its record
     return "42 orders"
 
 
 async def summarize_orders() -> str:
-    """In flight when try 1 is killed; finishes at once on the retry."""
-    emit("tool_started", scenario="durable", tool="summarize_orders")
+    """In flight when try 1 is killed (announced once ``fetch_orders``' result is journaled); finishes
+    at once on the retry."""
     if not os.environ.get("SUMMARIZE_RETRIED"):
         os.environ["SUMMARIZE_RETRIED"] = "1"  # the retry runs in this same process (dag.test)
+        await _until_tool_steps_recorded(1)
+        emit("tool_started", scenario="durable", tool="summarize_orders")
         await asyncio.sleep(300)
+    emit("tool_started", scenario="durable", tool="summarize_orders")
     emit("tool_ran", tool="summarize_orders")
     return "summary"
+
+
+async def _until_tool_steps_recorded(count: int, timeout: float = 30.0) -> None:
+    """Until common.ai's journal holds ``count`` tool results of this run (or ``timeout`` passed).
+
+    ``fetch_orders`` runs on a thread beside this tool; its result is journaled only when the
+    event loop takes it back. A kill before that makes it an in-flight step (run again on the
+    retry, by design), so the test's "completed tool call" is only completed once recorded.
+    """
+    from airflow.providers.common.ai.durable.capability import _ACTIVE_RUN  # no public view of it
+
+    active = _ACTIVE_RUN.get()
+    assert active is not None, "not inside a durable run"
+    deadline = time.monotonic() + timeout
+    while active.durable_run.journal.stats.recorded["tool"] < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # polled: common.ai's journal has no event to await
 
 
 def _marker(scenario: str) -> str:
