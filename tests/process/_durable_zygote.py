@@ -6,11 +6,13 @@ running one durable run against the local model server (real HTTP), journaled in
 an ``ObjectStoragePath`` (``PathStore``): the parent SIGKILLs it, really, at the moment it chooses.
 
 Protocol: one JSON command per stdin line, ``{"try": N, "store": URL, "lines": PATH, "stop_after": K,
-"block_in": S, "release": PATH, "wait": true}``; events
+"block_in": S, "release": PATH, "wait": true, "parallel": false}``; events
 as JSON lines on the fd in ``EVENTS_FD``: ``started`` (pid), ``recorded`` (the child appended its
 K-th entry and now waits to be killed), ``tool_running`` (step S wrote its line and blocks until
 the file ``release`` exists, if given), ``completed``, ``cancelled`` (cause, detail) and ``exited``
 (status as ``os.waitstatus_to_exitcode``; only for ``wait``: the others run beside the next try).
+``parallel``: one model response calls ``fetch`` and ``slow`` at once; ``slow`` (try 1 only) emits
+``tool_running`` and blocks; ``tool_result_recorded`` says a parallel call's result was appended.
 Single-threaded between forks, so forking is safe.
 """
 
@@ -51,25 +53,47 @@ class KilledAtBoundary(PathStore):
         super().set(key, value)
         if key.count(".") < 4:  # the header
             return
+        if value["kind"] == "tool_result":
+            emit("tool_result_recorded", tool=value["tool"])
         type(self).entries += 1
         if type(self).entries == type(self).stop_after:
             emit("recorded", key=key, kind=value["kind"], entries=value["i"] + 1)
             time.sleep(300)
 
 
-def run_try(try_number: int, store_url: str, lines: Path, block_in: int, release: str | None) -> None:
-    model = OpenAIChatModel(
-        f"steps?name=step&count={STEPS}&then=all+done",
-        provider=OpenAIProvider(base_url=os.environ["BASE_URL"], api_key="x"),
+def run_try(
+    try_number: int, store_url: str, lines: Path, block_in: int, release: str | None, parallel: bool = False
+) -> None:
+    behaviour = (
+        "tools?names=fetch,slow&then=all+done" if parallel else f"steps?name=step&count={STEPS}&then=all+done"
     )
+    model = OpenAIChatModel(behaviour, provider=OpenAIProvider(base_url=os.environ["BASE_URL"], api_key="x"))
     agent: Agent[None, str] = Agent(model, system_prompt="do the steps in order")
 
-    @agent.tool
-    def step(ctx: RunContext[None], n: int) -> str:
+    def ran(name: str | int, ctx: RunContext[None]) -> None:
         resume = current_resume()
         rerun = bool(resume and resume.is_rerun(ctx.tool_call_id))
         with lines.open("a") as out:
-            out.write(json.dumps({"n": n, "try": try_number, "rerun": rerun}) + "\n")
+            out.write(json.dumps({"n": name, "try": try_number, "rerun": rerun}) + "\n")
+
+    if parallel:
+
+        @agent.tool
+        async def fetch(ctx: RunContext[None]) -> str:
+            ran("fetch", ctx)
+            return "42 orders"
+
+        @agent.tool
+        def slow(ctx: RunContext[None]) -> str:
+            ran("slow", ctx)
+            if try_number == 1:
+                emit("tool_running", n="slow")
+                time.sleep(60)  # SIGKILLed here
+            return "slow ok"
+
+    @agent.tool
+    def step(ctx: RunContext[None], n: int) -> str:
+        ran(n, ctx)
         if n == block_in:
             emit("tool_running", n=n)
             deadline = time.monotonic() + 60
@@ -131,6 +155,7 @@ def main() -> None:
                     Path(command["lines"]),
                     command.get("block_in", 0),
                     command.get("release"),
+                    command.get("parallel", False),
                 )
             except BaseException as exc:
                 emit("failed", error=repr(exc))

@@ -120,9 +120,12 @@ def zygote(_zygote: Zygote, model_server: ScriptedModelServer, request: pytest.F
     return _zygote
 
 
-def _finish(zygote: Zygote, try_number: int) -> dict[str, Any]:
-    zygote.run_try(try_number)
-    done = zygote.expect("completed", "failed")
+def _finish(zygote: Zygote, try_number: int, **command: Any) -> dict[str, Any]:
+    zygote.run_try(try_number, **command)
+    while (done := zygote.expect("completed", "failed", "tool_result_recorded"))[
+        "event"
+    ] == "tool_result_recorded":
+        pass
     assert done["event"] == "completed" and done["output"] == "all done", f"{done}\n{zygote.tail()}"
     assert zygote.expect("exited")["code"] == 0
     return done
@@ -168,6 +171,21 @@ def test_sigkill_during_a_tool_reruns_exactly_that_tool_once(
     assert model_server.request_count == STEPS + 1, "try 2 made only the requests try 1 had not made"
     t0 = zygote.seen[0]["t"]
     print("\n" + " ".join(f"{e['event']}@{e['t'] - t0:.2f}" for e in zygote.seen))
+
+
+def test_sigkill_beside_a_returned_parallel_call_reruns_only_the_call_in_flight(
+    zygote: Zygote, model_server: ScriptedModelServer
+) -> None:
+    """One model response calls ``fetch`` and ``slow`` at once; try 1 is SIGKILLed once ``fetch``
+    returned (its result appended on its own) while ``slow`` still runs."""
+    pid = zygote.run_try(1, parallel=True)
+    seen = {zygote.expect("tool_running", "tool_result_recorded")["event"] for _ in range(2)}
+    assert seen == {"tool_running", "tool_result_recorded"}, zygote.tail()
+    zygote.kill(pid)
+    _finish(zygote, 2, parallel=True)
+    runs = sorted((r["n"], r["try"], r["rerun"]) for r in zygote.steps_run())
+    assert runs == [("fetch", 1, False), ("slow", 1, False), ("slow", 2, True)], runs
+    assert model_server.request_count == 2, "try 2 asked only for the answer"
 
 
 def test_an_older_try_still_running_is_fenced_off_the_record(

@@ -354,3 +354,99 @@ def test_a_resumed_run_with_a_sandbox_is_told_its_workspace_is_gone() -> None:
         assert run(MemoryStore(dict(killed)), 2, sandbox).resume is not None
         told = ["sandbox workspace of the previous try is gone" in i for i in instructions]
         assert told == [sandbox], (sandbox, instructions)
+
+
+@dataclass
+class ParallelTask:
+    """One model response with two tool calls, ``fetch`` (returns at once) and ``slow`` (cancels the
+    try once ``fetch``'s result is in the store), then the answer."""
+
+    store: MemoryStore
+    calls: list[tuple[str, int, bool]] = field(default_factory=list)
+    requests: int = 0
+
+    def model(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        self.requests += 1
+        if not any(isinstance(m, ModelResponse) for m in messages):
+            return ModelResponse(
+                parts=[ToolCallPart("fetch", {}, "call-f"), ToolCallPart("slow", {}, "call-s")]
+            )
+        return ModelResponse(parts=[TextPart("all done")])
+
+    def run(self, try_number: int, cancel_in_slow: bool) -> tuple[Any, Journal]:
+        from cancellable_agents.core.scope import current_cancellation
+
+        agent: Agent[None, str] = Agent(FunctionModel(self.model))
+
+        @agent.tool
+        async def fetch(ctx: RunContext[None]) -> dict[str, int]:
+            self.calls.append(("fetch", try_number, _rerun(ctx)))
+            return {"orders": 42}
+
+        @agent.tool
+        def slow(ctx: RunContext[None]) -> str:
+            self.calls.append(("slow", try_number, _rerun(ctx)))
+            scope = current_cancellation()
+            if cancel_in_slow and scope is not None:
+                assert _wait_for(lambda: _tool_results(self.store) == 1), "fetch's result was never recorded"
+                scope.cancel(
+                    CancelCause.EVICTION, classify=lambda: CauseVerdict(CancelCause.EVICTION, "drain")
+                )
+                scope.wait(5)
+            return "slow ok"
+
+        scope = TaskCancellation(f"try{try_number}")
+        journal = Journal(self.store, try_number=try_number, scope=scope)
+        with scope.activate():
+            try:
+                result = run_agent_in_scope(scope, agent, "fetch and be slow", journal=journal)
+            except TaskCancelled as exc:
+                journal.cancelled(exc)
+                journal.write_end()
+                return exc, journal
+        journal.completed(result)
+        return result, journal
+
+
+def _rerun(ctx: RunContext[None]) -> bool:
+    resume = current_resume()
+    return bool(resume and resume.is_rerun(ctx.tool_call_id))
+
+
+def _tool_results(store: MemoryStore) -> int:
+    return sum(1 for k in list(store.data) if k.count(".") >= 4 and '"tool_result"' in store.data[k])
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    done = threading.Event()
+    deadline = threading.Timer(timeout, done.set)
+    deadline.start()
+    try:
+        while not condition():
+            if done.wait(0.005):  # polled: the run's loop appends on its own thread, with no event
+                return condition()
+        return True
+    finally:
+        deadline.cancel()
+
+
+def test_a_parallel_call_that_returned_is_not_run_again_when_its_sibling_was_in_flight() -> None:
+    task = ParallelTask(MemoryStore())
+    exc, _ = task.run(1, cancel_in_slow=True)
+    assert isinstance(exc, TaskCancelled)
+    assert _tool_results(task.store) == 1, "fetch's result was appended while slow still ran"
+    result, journal = task.run(2, cancel_in_slow=False)
+    assert result.output == "all done"
+    assert journal.resume is not None
+    assert journal.resume.replayed_tool_calls == {"call-f"} and journal.resume.rerun_tool_calls == {"call-s"}
+    assert sorted(task.calls) == [("fetch", 1, False), ("slow", 1, False), ("slow", 2, True)]
+    assert task.requests == 2, "try 2 asked only for the answer"
+    returns = [m for m in result.all_messages() if not isinstance(m, ModelResponse)][-1]
+    assert [getattr(p, "content", None) for p in returns.parts] == [{"orders": 42}, "slow ok"]
+    assert task.store.data == {}
+
+
+def test_a_lone_tool_call_adds_no_entry_of_its_own() -> None:
+    store = Snapshots()
+    Task().run(store, 1)
+    assert not any('"tool_result"' in value for snapshot in store.taken for value in snapshot.values())

@@ -4,16 +4,19 @@ The record lives in a key-value store that survives the task's retries (Airflow 
 store, or files under an ``ObjectStoragePath``). It is written while the run goes, never at kill
 time (a SIGKILL leaves no time): after every graph step the messages that step completed (the
 model's response; the tool returns) are appended as one entry each, before the next step starts.
-An entry holds one message, so the cost of a step does not grow with the history.
+An entry holds one message, so the cost of a step does not grow with the history. Of a model
+response with several tool calls (parallel calls), each call's result is also appended as it
+arrives, while its siblings still run: a kill then reruns only the calls that had not returned.
 
 Layout (``<p>`` = ``cancellable_agents.durable.<run>``, one per ``run_agent_sync`` call of a task):
 
 - ``<p>``: the header, written once per try: format, fingerprint of the run's inputs (prompt,
   system prompt, instructions, model, tool names), a generation id, the owning try (number and a
   token that fences older tries off), and the usage of every earlier try.
-- ``<p>.<generation>.<i>``: entry ``i``: a message (``kind: message``) or how a try ended
-  (``kind: end``: cause, what the user did, usage), its try number, and a hash chained over the
-  previous entry, so an edited, missing or reordered entry is detected.
+- ``<p>.<generation>.<i>``: entry ``i``: a message (``kind: message``), one parallel call's result
+  (``kind: tool_result``), or how a try ended (``kind: end``: cause, what the user did, usage), its
+  try number, and a hash chained over the previous entry, so an edited, missing or reordered
+  entry is detected.
 
 The next try resumes from the record when the previous one was evicted, timed out, ended for an
 unknown reason, or died without a word; a user's stop (Clear) starts fresh unless
@@ -44,8 +47,10 @@ from pydantic_ai.messages import (
     ModelRequest,
     ModelResponse,
     ToolCallPart,
+    ToolReturn,
 )
 from pydantic_ai.usage import RunUsage
+from pydantic_core import to_jsonable_python
 
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
@@ -86,13 +91,16 @@ class ResumeInfo:
     """How this run continues an earlier try, for tools that must know they are a re-run.
 
     ``rerun_tool_calls``: ids of the tool calls that were in flight when the earlier try
-    stopped; they run again (at-least-once). Every other completed tool call is not redone.
+    stopped; they run again (at-least-once). ``replayed_tool_calls``: calls of that same model
+    response that had returned (parallel siblings); their recorded results are used, they do
+    not run. Every other completed tool call is in the restored messages and is not redone.
     """
 
     try_number: int
     from_try: int
     messages: int
     rerun_tool_calls: frozenset[str] = frozenset()
+    replayed_tool_calls: frozenset[str] = frozenset()
 
     def is_rerun(self, tool_call_id: str | None) -> bool:
         """Whether the tool call ``tool_call_id`` (``ctx.tool_call_id``) already ran in an earlier try."""
@@ -287,6 +295,20 @@ class _Loaded:
     def _message_entries(self) -> list[dict[str, Any]]:
         return [e for e in self.entries if e["kind"] == "message"]
 
+    def returned_in_flight(self) -> dict[str, Any]:
+        """Results recorded for tool calls of the last message (a model response whose step did
+        not complete), by tool call id: the siblings that returned before the try stopped."""
+        last = self.messages[-1] if self.messages else None
+        if not isinstance(last, ModelResponse):
+            return {}
+        calls = {p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart)}
+        after = self.entries[max(i for i, e in enumerate(self.entries) if e["kind"] == "message") :]
+        return {
+            e["tool_call_id"]: e["result"]
+            for e in after
+            if e["kind"] == "tool_result" and e.get("tool_call_id") in calls
+        }
+
 
 def _load(store: Store, key: str, fp: str) -> _Loaded | None:
     """The record under ``key``, checked; ``None`` if there is none. Raises :class:`RecordProblem`."""
@@ -321,7 +343,7 @@ def _read_entries(store: Store, base: str) -> list[dict[str, Any]]:
         body = {k: v for k, v in entry.items() if k != "h"}
         if body.get("i") != i or body.get("prev") != prev or _chain(prev, body) != entry["h"]:
             raise RecordProblem(f"step {i} does not match its checksum (edited, reordered or corrupted)")
-        if body.get("kind") not in ("message", "end") or not isinstance(body.get("try"), int):
+        if body.get("kind") not in ("message", "tool_result", "end") or not isinstance(body.get("try"), int):
             raise RecordProblem(f"step {i} does not parse")
         entries.append(entry)
         prev = entry["h"]
@@ -382,6 +404,9 @@ class Journal:
     _off: str | None = None
     _resume_token: contextvars.Token[ResumeInfo | None] | None = None
     _end: dict[str, Any] | None = None
+    #: Results of the resumed response's calls that had returned, by tool call id; each is
+    #: handed back once, instead of running the call (the run's loop only).
+    _replay: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -441,17 +466,20 @@ class Journal:
             return None
         if end is None and previous != self.try_number:
             self._warn_if_alive(loaded, previous)
-        rerun: frozenset[str] = frozenset()
+        calls: frozenset[str] = frozenset()
         last = loaded.messages[-1]
         if isinstance(last, ModelResponse):
-            rerun = frozenset(p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart))
-        self.resume = ResumeInfo(self.try_number, previous, len(loaded.messages), rerun)
+            calls = frozenset(p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart))
+        self._replay = loaded.returned_in_flight()
+        replayed = frozenset(self._replay)
+        self.resume = ResumeInfo(self.try_number, previous, len(loaded.messages), calls - replayed, replayed)
         log.warning(
-            "durable: resuming from try %s (%s): %d messages restored, %d tool call(s) in flight run again",
+            "durable: resuming from try %s (%s): %d messages restored, %d tool call(s) in flight run again%s",
             previous,
             f"ended {end.get('cause')}" if end else "died without a word",
             len(loaded.messages),
-            len(rerun),
+            len(calls - replayed),
+            f", {len(replayed)} that had returned are not" if replayed else "",
         )
         return loaded
 
@@ -532,6 +560,39 @@ class Journal:
             self._disable(f"appending a step failed ({exc!r}); later steps are not recorded")
             return
         self._written = len(messages) + (1 if pending else 0)
+
+    def replayed_result(self, call: ToolCallPart) -> tuple[bool, Any]:
+        """``(True, result)`` if ``call`` returned in an earlier try (its result is handed back
+        once, the call does not run again); ``(False, None)`` otherwise."""
+        if call.tool_call_id not in self._replay:
+            return False, None
+        return True, self._replay.pop(call.tool_call_id)
+
+    def tool_returned(self, messages: Sequence[ModelMessage], call: ToolCallPart, result: Any) -> None:
+        """A tool call returned: if siblings of its model response may still be running, append
+        its result now (called on the run's loop). A lone call's result is appended with its step.
+
+        A result that is a ``ToolReturn`` or does not convert to JSON is not appended: the call
+        runs again if the try stops before its step completes.
+        """
+        if self._off is not None or _calls_beside(messages, call) == 0 or isinstance(result, ToolReturn):
+            return
+        try:
+            value = to_jsonable_python(result)
+        except Exception:
+            return
+        try:
+            if self._still_owner():
+                self._append(
+                    {
+                        "kind": "tool_result",
+                        "tool_call_id": call.tool_call_id,
+                        "tool": call.tool_name,
+                        "result": value,
+                    }
+                )
+        except Exception as exc:
+            self._disable(f"appending a tool result failed ({exc!r}); later steps are not recorded")
 
     def _still_owner(self) -> bool:
         """Fencing: the header must still name this try's token, checked before every append."""
@@ -667,6 +728,16 @@ class Journal:
             self.scope.attach(durable=self._facts(this_try))
 
 
+def _calls_beside(messages: Sequence[ModelMessage], call: ToolCallPart) -> int:
+    """How many other tool calls the model response that made ``call`` holds."""
+    for message in reversed(messages):
+        if isinstance(message, ModelResponse):
+            ids = [p.tool_call_id for p in message.parts if isinstance(p, ToolCallPart)]
+            if call.tool_call_id in ids:
+                return len(ids) - 1
+    return 0
+
+
 def _load_or_problem(store: Store, key: str, fp: str) -> _Loaded | None:
     """:func:`_load`, failing closed: a bad record is a fresh start with one warning naming why."""
     try:
@@ -721,4 +792,16 @@ class JournalCapability(AbstractCapability[Any]):
 
     async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
         self._journal.step(ctx.messages, result)
+        return result
+
+    async def wrap_tool_execute(
+        self, ctx: Any, *, call: ToolCallPart, tool_def: Any, args: Any, handler: Any
+    ) -> Any:
+        """A call that returned in an earlier try gets its recorded result; any other runs, and a
+        parallel call's result is appended as soon as it returns."""
+        replayed, result = self._journal.replayed_result(call)
+        if replayed:
+            return result
+        result = await handler(args)
+        self._journal.tool_returned(ctx.messages, call, result)
         return result
