@@ -479,7 +479,7 @@ class Journal:
             f"ended {end.get('cause')}" if end else "died without a word",
             len(loaded.messages),
             len(calls - replayed),
-            f", {len(replayed)} that had returned are not" if replayed else "",
+            f", {len(replayed)} that had returned get their recorded result" if replayed else "",
         )
         return loaded
 
