@@ -5,7 +5,7 @@ Usage: ``_sandbox_task.py MODE MARKER`` where MODE is
 - ``namespace`` / ``process-group``: a :class:`LocalSandbox` attached to the task's scope runs a
   process tree (incl. ``setsid`` and double-forked children) of ``sleep MARKER``;
 - ``reaper``: no sandbox; an async tool of a pydantic-ai agent run (``run_agent_in_scope``)
-  starts ``bash -c 'setsid sleep MARKER & sleep MARKER'`` with asyncio, while a
+  starts ``bash -c '(sleep 1; exec setsid sleep MARKER) & sleep MARKER'`` with asyncio, while a
   :class:`DescendantReaper` watches the task process;
 - ``reaper-baseline``: a ``sleep MARKER.1`` started *before* the reaper must survive its reap,
   a double-forked ``setsid sleep MARKER.2`` started during the run must not;
@@ -205,7 +205,9 @@ def reaper_task(marker: str) -> None:
 
     async def spawn_tree() -> str:
         """Start a process tree and wait for it."""
-        proc = await asyncio.create_subprocess_exec("bash", "-c", f"setsid sleep {marker} & sleep {marker}")
+        # The subshell is a bash for 1 s (the reaper sees it so), then becomes the setsid'd sleep.
+        script = f"(sleep 1; exec setsid sleep {marker}) & sleep {marker}"
+        proc = await asyncio.create_subprocess_exec("bash", "-c", script)
         while len(sleepers(marker)) < 2:
             await asyncio.sleep(0.01)
         ready(sleepers=sleepers(marker), bash=proc.pid)

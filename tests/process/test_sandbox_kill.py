@@ -241,8 +241,10 @@ def test_sigterm_to_the_task_pid_reaps_what_an_async_tool_started_without_a_sand
     assert survivors(marker) == []
     assert record["outcome"] == "cancelled: unknown"
     assert record["zombies"] == [], "orphans reparented to the subreaper must be reaped"
-    killed = {k["pid"] for k in record["summary"]["killed"]}
-    assert set(ready["sleepers"]) <= killed, record["summary"]["killed"]
+    killed = {k["pid"]: k["command"] for k in record["summary"]["killed"]}
+    assert set(ready["sleepers"]) <= set(killed), record["summary"]["killed"]
+    # Named as they were when killed: the setsid'd one was seen as a bash for its first second.
+    assert all(killed[pid] == f"sleep {marker}" for pid in ready["sleepers"]), killed
 
 
 def test_reaper_spares_what_existed_before_the_run_and_is_idempotent(

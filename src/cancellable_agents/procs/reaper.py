@@ -209,6 +209,8 @@ class DescendantReaper:
             return []
         if grace is None:
             grace = max(0.0, min(self.term_grace, scope.remaining() - self.kill_reserve))
+        # Read now, not when first seen: a process first seen as a shell's fork may have exec'd since.
+        commands = {key: command_line(key.pid) or seen.command for key, seen in targets.items()}
         signals = terminate(targets, grace, kill_wait=max(0.2, min(1.0, scope.remaining())))
         records = []
         for key, seen in targets.items():
@@ -220,7 +222,7 @@ class DescendantReaper:
                 pid=key.pid,
                 signal=signals[key.pid],
                 exit_code=exit_code,
-                command=seen.command,
+                command=commands[key],
                 at=round(time.time(), 3),
             )
             scope.record_killed(record)
