@@ -3,6 +3,7 @@ journaled into a :class:`MemoryStore`, resumed from every step boundary in turn.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import threading
@@ -359,7 +360,7 @@ def test_a_resumed_run_with_a_sandbox_is_told_its_workspace_is_gone() -> None:
 @dataclass
 class ParallelTask:
     """One model response with two tool calls, ``fetch`` (returns at once) and ``slow`` (cancels the
-    try once ``fetch``'s result is in the store), then the answer."""
+    try once ``fetch``'s result is in the store, and is cancelled itself), then the answer."""
 
     store: MemoryStore
     calls: list[tuple[str, int, bool]] = field(default_factory=list)
@@ -384,15 +385,17 @@ class ParallelTask:
             return {"orders": 42}
 
         @agent.tool
-        def slow(ctx: RunContext[None]) -> str:
+        async def slow(ctx: RunContext[None]) -> str:
             self.calls.append(("slow", try_number, _rerun(ctx)))
             scope = current_cancellation()
             if cancel_in_slow and scope is not None:
-                assert _wait_for(lambda: _tool_results(self.store) == 1), "fetch's result was never recorded"
+                async with asyncio.timeout(5):
+                    while _tool_results(self.store) < 1:  # fetch runs beside this call, on this loop
+                        await asyncio.sleep(0.005)
                 scope.cancel(
                     CancelCause.EVICTION, classify=lambda: CauseVerdict(CancelCause.EVICTION, "drain")
                 )
-                scope.wait(5)
+                await asyncio.sleep(30)  # the cancel lands here: this call never returns in try 1
             return "slow ok"
 
         scope = TaskCancellation(f"try{try_number}")
@@ -415,19 +418,6 @@ def _rerun(ctx: RunContext[None]) -> bool:
 
 def _tool_results(store: MemoryStore) -> int:
     return sum(1 for k in list(store.data) if k.count(".") >= 4 and '"tool_result"' in store.data[k])
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
-    done = threading.Event()
-    deadline = threading.Timer(timeout, done.set)
-    deadline.start()
-    try:
-        while not condition():
-            if done.wait(0.005):  # polled: the run's loop appends on its own thread, with no event
-                return condition()
-        return True
-    finally:
-        deadline.cancel()
 
 
 def test_a_parallel_call_that_returned_is_not_run_again_when_its_sibling_was_in_flight() -> None:
