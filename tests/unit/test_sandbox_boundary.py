@@ -202,3 +202,53 @@ def test_files_the_task_writes_stay_changeable_by_the_command() -> None:
         assert (result.exit_code, result.stdout) == (0, "x\ny\n"), result.stderr
     finally:
         box.destroy()
+
+
+def _bwrap_that_is_killed(tmp_path: Path, times: int) -> Path:
+    """A ``bwrap`` first on PATH that SIGTERMs itself at the boundary probe, ``times`` times, then
+    is the real one: what a run's descendant reaper does to a probe it finds running."""
+    real = shutil.which("bwrap")
+    assert real is not None
+    count = tmp_path / "killed"
+    wrapper = tmp_path / "bin" / "bwrap"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" --unshare-net "*)\n'
+        f"  n=$(cat {count} 2>/dev/null || echo 0)\n"
+        f'  if [ "$n" -lt {times} ]; then echo $((n + 1)) > {count}; kill -TERM $$; fi;;\n'
+        "esac\n"
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return count
+
+
+def test_a_probe_killed_by_a_signal_is_probed_again_not_taken_as_the_machine_s_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cancellable_agents.toolsets.sandbox import bwrap
+
+    killed = _bwrap_that_is_killed(tmp_path, times=1)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(bwrap, "_bwrap_cache", None)
+    support = bwrap_support()
+    assert killed.read_text().strip() == "1", "the first boundary probe was killed"
+    assert support.boundary and not support.interrupted, support
+    assert bwrap_support() is support, "the second answer is cached"
+
+
+def test_a_probe_killed_every_time_is_answered_for_now_and_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cancellable_agents.toolsets.sandbox import bwrap
+
+    killed = _bwrap_that_is_killed(tmp_path, times=3)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(bwrap, "_bwrap_cache", None)
+    first = bwrap_support()
+    assert first.interrupted and not first.boundary and "killed by signal 15" in first.boundary_reason
+    assert bwrap.__dict__["_bwrap_cache"] is None
+    assert "cut short by a signal" in bwrap.unavailable_message(first, "boundary")
+    assert bwrap_support().boundary, "the third probe was not killed: probed again, and it works"
+    assert killed.read_text().strip() == "3"

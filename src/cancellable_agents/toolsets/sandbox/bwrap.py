@@ -130,9 +130,11 @@ def bwrap_support() -> BwrapSupport:
     with _bwrap_lock:
         if _bwrap_cache is not None:
             return _bwrap_cache
-        support = _probe()
         # A probe killed by a signal (a task being cancelled reaps its descendants) says nothing
-        # about this machine: answer for now, probe again next time.
+        # about this machine: probe once more; if that is cut short too, answer without caching.
+        support = _probe()
+        if support.interrupted:
+            support = _probe()
         if not support.interrupted:
             _bwrap_cache = support
         return support
@@ -150,21 +152,26 @@ def _probe() -> BwrapSupport:
             False,
             path,
             reason=f"bwrap cannot create a PID namespace here ({error})",
-            interrupted=error.startswith("killed by signal"),
+            interrupted=_interrupted(error),
         )
-    new_session, _ = _runs_ok([path, *_HOST_PROBE, "--new-session", "true"])
+    new_session, session_error = _runs_ok([path, *_HOST_PROBE, "--new-session", "true"])
     prlimit, setpriv = prlimit_path(), shutil.which("setpriv")
     boundary, why, userns = _probe_boundary(path, setpriv)
     return BwrapSupport(
         True,
         path,
         new_session=new_session,
+        interrupted=(not new_session and _interrupted(session_error)) or (not boundary and _interrupted(why)),
         boundary=boundary,
         boundary_reason=why,
         user_namespace=userns,
         prlimit=prlimit,
         setpriv=setpriv,
     )
+
+
+def _interrupted(error: str) -> bool:
+    return "killed by signal" in error
 
 
 def _probe_boundary(path: str, setpriv: str | None) -> tuple[bool, str, bool]:
@@ -219,6 +226,10 @@ def _setpriv_args(uid: int) -> list[str]:
 
 def unavailable_message(support: BwrapSupport, profile: str) -> str:
     reason = support.reason if not support.usable else support.boundary_reason
+    if support.interrupted:
+        reason += (
+            " - the probe was cut short by a signal (was the task being stopped?); it runs again next time"
+        )
     return (
         f"isolation='namespace' (profile={profile!r}) needs a working bubblewrap, but {reason}. Fix: "
         "install it (`apt-get install bubblewrap`, or `make system-deps`) and, if the worker is not "
