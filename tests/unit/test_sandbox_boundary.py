@@ -252,3 +252,16 @@ def test_a_probe_killed_every_time_is_answered_for_now_and_not_cached(
     assert "cut short by a signal" in bwrap.unavailable_message(first, "boundary")
     assert bwrap_support().boundary, "the third probe was not killed: probed again, and it works"
     assert killed.read_text().strip() == "3"
+
+
+def test_a_probe_run_while_the_task_is_cancelled_is_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel's reaper may have killed the probe, or collected it so that it read as a success."""
+    from cancellable_agents.toolsets.sandbox import bwrap
+
+    monkeypatch.setattr(bwrap, "_bwrap_cache", None)
+    scope = TaskCancellation("task")
+    with scope.activate():
+        scope.cancel()
+        assert bwrap_support().interrupted
+    assert bwrap.__dict__["_bwrap_cache"] is None
+    assert bwrap_support().boundary and bwrap.__dict__["_bwrap_cache"] is not None

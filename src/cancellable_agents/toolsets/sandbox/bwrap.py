@@ -27,8 +27,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.procs.proc import IS_LINUX
 
 __all__ = ["HIDDEN_ETC", "BwrapSupport", "Limits", "bwrap_support", "sandbox_uid"]
@@ -108,7 +109,8 @@ class BwrapSupport:
     new_session: bool = False
     reason: str = ""
     interrupted: bool = False
-    """The probe was killed by a signal: no verdict, so it is not cached."""
+    """A probe was killed by a signal, or ran while the task was cancelled: no verdict, so it
+    is not cached (the next sandbox probes again)."""
     boundary: bool = False
     """The ``"boundary"`` profile works: user-or-uid switch, IPC, UTS and network namespaces."""
     boundary_reason: str = ""
@@ -130,14 +132,22 @@ def bwrap_support() -> BwrapSupport:
     with _bwrap_lock:
         if _bwrap_cache is not None:
             return _bwrap_cache
-        # A probe killed by a signal (a task being cancelled reaps its descendants) says nothing
-        # about this machine: probe once more; if that is cut short too, answer without caching.
+        # A cancel reaps the task's descendants, probes included, and a probe whose zombie the
+        # reaper collected before its Popen did reads as exit 0: a probe cut short by a signal, or
+        # run while the task was cancelled, says nothing about this machine and is not cached.
+        scope = current_cancellation()
         support = _probe()
-        if support.interrupted:
-            support = _probe()
+        if support.interrupted and not _cancelled(scope):
+            support = _probe()  # something else signalled it: once more
+        if _cancelled(scope):
+            support = replace(support, interrupted=True)
         if not support.interrupted:
             _bwrap_cache = support
         return support
+
+
+def _cancelled(scope: TaskCancellation | None) -> bool:
+    return scope is not None and scope.cancelled
 
 
 def _probe() -> BwrapSupport:
