@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -204,7 +205,16 @@ def test_files_the_task_writes_stay_changeable_by_the_command() -> None:
         box.destroy()
 
 
-def _bwrap_that_is_killed(tmp_path: Path, times: int) -> Path:
+@pytest.fixture
+def unprobed(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The bwrap module with its cached answer forgotten for this test (restored after)."""
+    from cancellable_agents.toolsets.sandbox import bwrap
+
+    monkeypatch.setattr(bwrap, "_bwrap_cache", None)
+    return bwrap
+
+
+def _bwrap_that_is_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, times: int) -> Path:
     """A ``bwrap`` first on PATH that SIGTERMs itself at the boundary probe, ``times`` times, then
     is the real one: what a run's descendant reaper does to a probe it finds running."""
     real = shutil.which("bwrap")
@@ -221,17 +231,14 @@ def _bwrap_that_is_killed(tmp_path: Path, times: int) -> Path:
         f'exec {real} "$@"\n'
     )
     wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
     return count
 
 
 def test_a_probe_killed_by_a_signal_is_probed_again_not_taken_as_the_machine_s_answer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unprobed: Any
 ) -> None:
-    from cancellable_agents.toolsets.sandbox import bwrap
-
-    killed = _bwrap_that_is_killed(tmp_path, times=1)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(bwrap, "_bwrap_cache", None)
+    killed = _bwrap_that_is_killed(tmp_path, monkeypatch, times=1)
     support = bwrap_support()
     assert killed.read_text().strip() == "1", "the first boundary probe was killed"
     assert support.boundary and not support.interrupted, support
@@ -239,29 +246,22 @@ def test_a_probe_killed_by_a_signal_is_probed_again_not_taken_as_the_machine_s_a
 
 
 def test_a_probe_killed_every_time_is_answered_for_now_and_not_cached(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unprobed: Any
 ) -> None:
-    from cancellable_agents.toolsets.sandbox import bwrap
-
-    killed = _bwrap_that_is_killed(tmp_path, times=3)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(bwrap, "_bwrap_cache", None)
+    killed = _bwrap_that_is_killed(tmp_path, monkeypatch, times=3)
     first = bwrap_support()
     assert first.interrupted and not first.boundary and "killed by signal 15" in first.boundary_reason
-    assert bwrap.__dict__["_bwrap_cache"] is None
-    assert "cut short by a signal" in bwrap.unavailable_message(first, "boundary")
+    assert unprobed._bwrap_cache is None
+    assert "cut short by a signal" in unprobed.unavailable_message(first, "boundary")
     assert bwrap_support().boundary, "the third probe was not killed: probed again, and it works"
     assert killed.read_text().strip() == "3"
 
 
-def test_a_probe_run_while_the_task_is_cancelled_is_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_probe_run_while_the_task_is_cancelled_is_not_cached(unprobed: Any) -> None:
     """The cancel's reaper may have killed the probe, or collected it so that it read as a success."""
-    from cancellable_agents.toolsets.sandbox import bwrap
-
-    monkeypatch.setattr(bwrap, "_bwrap_cache", None)
     scope = TaskCancellation("task")
     with scope.activate():
         scope.cancel()
         assert bwrap_support().interrupted
-    assert bwrap.__dict__["_bwrap_cache"] is None
-    assert bwrap_support().boundary and bwrap.__dict__["_bwrap_cache"] is not None
+    assert unprobed._bwrap_cache is None
+    assert bwrap_support().boundary and unprobed._bwrap_cache is not None
