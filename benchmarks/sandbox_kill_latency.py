@@ -38,9 +38,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.process_reaper import all_pids, command_line, read_proc
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.procs.proc import all_pids, command_line, read_proc
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
 
 TREE = "setsid sleep {m} & (sleep {m} &) ; sleep {m}"

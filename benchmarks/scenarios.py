@@ -144,10 +144,10 @@ def warm_up() -> None:
 
     from pydantic_ai import Agent
 
-    from cancellable_agents.agent_run import run_agent_in_scope
-    from cancellable_agents.cancellation import TaskCancellation
-    from cancellable_agents.exceptions import TaskCancelled
+    from cancellable_agents.core.exceptions import TaskCancelled
+    from cancellable_agents.core.scope import TaskCancellation
     from cancellable_agents.hooks.model import ModelHook, build_model
+    from cancellable_agents.run.runner import run_agent_in_scope
     from cancellable_agents.toolsets.subagents import Subagent, SubagentToolset
 
     with contextlib.suppress(ImportError):

@@ -38,7 +38,7 @@ from cancellable_agents.airflow.supervisor import (
     fallback_record_path,
     records_root,
 )
-from cancellable_agents.mixin import RECORD_PREFIX
+from cancellable_agents.core.report import RECORD_PREFIX
 from tests.e2e.airflow_stack import Component
 from tests.e2e.celery_stack import REDIS_SERVER, CeleryStack, kill_tree, worker_of
 from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags, e2e_world, stopped_after

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.mixin import CancellableAgentMixin
+from cancellable_agents.airflow.mixin import CancellableAgentMixin
 from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv, KilledRuns
 from tests.e2e.dags.kill_paths import EXECUTION_TIMEOUT_S
 from tests.e2e.driver import PathResult, diagnostics

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from cancellable_agents import LocalSandbox, TaskCancellation
 from cancellable_agents.airflow.supervisor import SupervisorWatch
-from cancellable_agents.cancellation import Outcome
-from cancellable_agents.process_reaper import DescendantReaper
+from cancellable_agents.core.scope import Outcome
+from cancellable_agents.procs.reaper import DescendantReaper
 
 TREE = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.fork()\ntime.sleep(300)\n"
 

@@ -41,11 +41,12 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from cancellable_agents.agent_run import run_agent_in_scope
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.exceptions import TaskCancelled
-from cancellable_agents.process_reaper import DescendantReaper, become_subreaper, children_of, read_proc
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.procs.proc import become_subreaper, children_of, read_proc
+from cancellable_agents.procs.reaper import DescendantReaper
+from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
 from cancellable_agents.toolsets.sandbox.toolset import _for_model
 

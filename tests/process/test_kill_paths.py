@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.mixin import RECORD_PREFIX
+from cancellable_agents.core.report import RECORD_PREFIX
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 pytestmark = pytest.mark.process

@@ -21,10 +21,10 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from cancellable_agents.agent_run import run_agent_in_scope
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.toolsets.sandbox import (
     CommandResult,
     Sandbox,
@@ -214,10 +214,10 @@ import threading
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 from pydantic_ai.models.function import FunctionModel
-from cancellable_agents.agent_run import run_agent_in_scope
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.run.runner import run_agent_in_scope
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.toolsets.sandbox import SandboxToolset
 
 class StalledWait:

@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.causes import CancelCause
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]

@@ -28,8 +28,8 @@ from cancellable_agents.airflow.supervisor import (
     supervisor_pid,
     watch_supervisor,
 )
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.mixin import RECORD_PREFIX
+from cancellable_agents.core.report import RECORD_PREFIX
+from cancellable_agents.core.scope import TaskCancellation
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.procs import is_alive, kill_marked, marked_processes
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks.taskproc import install_sigterm_handler
 
-from cancellable_agents.mixin import CancellableAgentMixin
+from cancellable_agents.airflow.mixin import CancellableAgentMixin
 
 
 class _Base:

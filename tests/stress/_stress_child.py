@@ -45,8 +45,8 @@ from pydantic_ai.toolsets import FunctionToolset
 import cancellable_agents.airflow.mixin as mixin
 from cancellable_agents import AgentOperator, TaskCancelled, current_cancellation
 from cancellable_agents.airflow.adapter import verdict_for_state
-from cancellable_agents.cancellation import Outcome
-from cancellable_agents.causes import CancelCause, CauseVerdict
+from cancellable_agents.core.causes import CancelCause, CauseVerdict
+from cancellable_agents.core.scope import Outcome
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.toolsets.sandbox import SandboxToolset
 from cancellable_agents.toolsets.subagents import run_subagent

@@ -15,10 +15,10 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCall
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents.agent_run import current_run_tracker, run_agent_in_scope
-from cancellable_agents.cancellation import TaskCancellation, current_cancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation, current_cancellation
+from cancellable_agents.run.runner import current_run_tracker, run_agent_in_scope
 
 
 class CallOnce:

@@ -39,10 +39,10 @@ def _assert_explains_the_fallback(exc: ImportError) -> None:
 
 def test_importing_the_retry_module_names_airflow_3_3_and_what_still_works() -> None:
     with pytest.raises(ImportError) as first:
-        importlib.import_module("cancellable_agents.retry")
+        importlib.import_module("cancellable_agents.airflow.retry")
     _assert_explains_the_fallback(first.value)
     with pytest.raises(ImportError) as again:  # not cached as a half-imported module
-        importlib.import_module("cancellable_agents.retry")
+        importlib.import_module("cancellable_agents.airflow.retry")
     _assert_explains_the_fallback(again.value)
 
 

@@ -10,14 +10,10 @@ from datetime import datetime, timezone
 import pytest
 import time_machine
 
-from cancellable_agents.cancellation import (
-    Outcome,
-    Phase,
-    TaskCancellation,
-    TimelineEvent,
-    current_cancellation,
-)
-from cancellable_agents.causes import CancelCause, CauseVerdict
+from cancellable_agents.core.causes import CancelCause, CauseVerdict
+from cancellable_agents.core.record import TimelineEvent
+from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
+from cancellable_agents.core.unwind import Phase
 
 
 class FakeClock:
@@ -290,7 +286,7 @@ def test_cooperative_wait_wakes_only_after_the_run_was_told() -> None:
 
 
 def test_raise_if_cancelled() -> None:
-    from cancellable_agents.exceptions import TaskCancelled
+    from cancellable_agents.core.exceptions import TaskCancelled
 
     scope = TaskCancellation()
     scope.raise_if_cancelled()

@@ -17,9 +17,9 @@ from pydantic_ai import Agent
 from pydantic_ai.models.test import TestModel
 
 from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, TaskCancelled
-from cancellable_agents.cancellation import Outcome
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.mixin import RECORD_PREFIX
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.report import RECORD_PREFIX
+from cancellable_agents.core.scope import Outcome
 from tests.airflow_versions import airflow_task_timeout, requires_retry_policies
 
 
@@ -144,7 +144,7 @@ def test_cancellation_settings_are_operator_arguments() -> None:
 
 
 def test_bad_budget_is_refused_and_a_too_long_one_warned(caplog: pytest.LogCaptureFixture) -> None:
-    from cancellable_agents.exceptions import ConfigurationError
+    from cancellable_agents.core.exceptions import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="cancellation_budget must be a positive"):
         Echo(task_id="t", cancellation_budget=-1)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cancellable_agents.exceptions import ConfigurationError
+from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.get_provider_info import (
     NAMES_SHARED_WITH_COMMON_AI,
     common_ai_installed,

@@ -17,7 +17,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import CancellableAgentMixin, TaskCancelled
-from cancellable_agents.causes import UserAction
+from cancellable_agents.core.causes import UserAction
 from cancellable_agents.core.report import (
     RECORD_PREFIX,
     SUMMARY_PREFIX,
@@ -183,7 +183,7 @@ def test_a_task_killed_mid_run_writes_the_line_the_record_and_a_short_traceback(
 
 def test_the_noise_table_names_what_airflow_logs_after_each_user_stop() -> None:
     from cancellable_agents.airflow.kill_report import airflow_logs_next
-    from cancellable_agents.causes import CancelCause
+    from cancellable_agents.core.causes import CancelCause
 
     def texts(cause: CancelCause, action: UserAction | None) -> list[str]:
         return [line.text for line in airflow_logs_next(cause, action)]
@@ -201,7 +201,7 @@ def test_the_retry_outlook_follows_the_cause_and_the_servers_word() -> None:
     from types import SimpleNamespace
 
     from cancellable_agents.airflow.kill_report import retry_outlook
-    from cancellable_agents.causes import CancelCause
+    from cancellable_agents.core.causes import CancelCause
 
     class Op(CancellableAgentMixin, BaseOperator):
         def execute(self, context: Any) -> None:

@@ -23,8 +23,8 @@ from airflow.sdk.exceptions import AirflowTaskTimeout
 from pydantic_ai.exceptions import RunCancelled
 
 from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled, UserAction
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.retry import cancellation_cause, wrap_retry_policy
+from cancellable_agents.airflow.retry import cancellation_cause, wrap_retry_policy
+from cancellable_agents.core.scope import TaskCancellation
 
 
 class MustNotBeAsked(RetryPolicy):

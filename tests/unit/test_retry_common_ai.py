@@ -33,7 +33,7 @@ from airflow.sdk.exceptions import AirflowTaskTimeout
 from pydantic_ai.exceptions import RunCancelled
 
 from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled, UserAction
-from cancellable_agents.cancellation import TaskCancellation
+from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 CONN_ID = "common_ai_model"

@@ -31,11 +31,11 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from cancellable_agents.agent_run import run_agent_in_scope
-from cancellable_agents.cancellation import TaskCancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.exceptions import TaskCancelled
-from cancellable_agents.process_reaper import ProcKey, read_proc, reap_zombie
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.procs.proc import ProcKey, read_proc, reap_zombie
+from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.toolsets.sandbox import (
     CommandResult,
     LocalSandbox,

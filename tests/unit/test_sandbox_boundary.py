@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.cancellation import TaskCancellation
+from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
 from cancellable_agents.toolsets.sandbox.bwrap import BoundaryProfile, boundary_argv
 from cancellable_agents.toolsets.sandbox.toolset import _for_model

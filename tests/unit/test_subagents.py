@@ -31,11 +31,11 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents.agent_run import run_agent_in_scope
-from cancellable_agents.cancellation import Outcome, TaskCancellation, current_cancellation
-from cancellable_agents.causes import CancelCause
-from cancellable_agents.exceptions import TaskCancelled
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
 from cancellable_agents.hooks.model import build_model
+from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.toolsets.subagents import (
     Subagent,
@@ -619,8 +619,8 @@ def test_a_sub_agent_without_a_model_runs_on_its_parents() -> None:
     from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
     from pydantic_ai.models.function import FunctionModel
 
-    from cancellable_agents.agent_run import run_agent_in_scope
-    from cancellable_agents.cancellation import TaskCancellation
+    from cancellable_agents.core.scope import TaskCancellation
+    from cancellable_agents.run.runner import run_agent_in_scope
     from cancellable_agents.toolsets.subagents import SubagentToolset
 
     seen: list[str] = []

@@ -31,10 +31,10 @@ from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outl
 from cancellable_agents.airflow.supervisor import notice_exit_at_once, watch_supervisor
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
-from cancellable_agents.core.report import RECORD_PREFIX as RECORD_PREFIX  # its old home
 from cancellable_agents.core.report import KillReport, hide_unwind_chain, render_record, summary_line
 from cancellable_agents.core.scope import DEFAULT_BUDGET, Outcome, TaskCancellation
-from cancellable_agents.process_reaper import DescendantReaper, read_proc
+from cancellable_agents.procs.proc import read_proc
+from cancellable_agents.procs.reaper import DescendantReaper
 from cancellable_agents.run.runner import run_agent_in_scope
 
 log = logging.getLogger(__name__)

@@ -104,7 +104,7 @@ class DescendantReaper:
         if not IS_LINUX:
             log.debug("DescendantReaper needs Linux (/proc, PR_SET_CHILD_SUBREAPER); not started")
             return None
-        from cancellable_agents.cancellation import Phase
+        from cancellable_agents.core.unwind import Phase
 
         subreaper = become_subreaper()
         baseline = {pid: info.start for pid, info in walk_descendants(os.getpid()).items()}

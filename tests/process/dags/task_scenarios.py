@@ -25,7 +25,7 @@ from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
 from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, current_cancellation
-from cancellable_agents.cancellation import Phase
+from cancellable_agents.core.unwind import Phase
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.toolsets.subagents import Subagent, SubagentToolset
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from pydantic_ai import ModelRetry
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents.cancellation import current_cancellation
+from cancellable_agents.core.scope import current_cancellation
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import Limits
