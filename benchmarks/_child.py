@@ -27,6 +27,7 @@ from benchmarks.taskproc import (
     install_sigterm_handler,
     marker_processes,
 )
+from cancellable_agents.airflow.task_scope import cancellation_of
 
 channel = Channel()
 seen = SignalLatch()
@@ -71,14 +72,14 @@ def run_rep(command: dict[str, Any]) -> bool:
 
 def _timeout_trigger(task: Any, armed: list[float]) -> float:
     """When the implementation's timeout fires: our run's own deadline, else Airflow's SIGALRM."""
-    scope = task.__dict__.get("_task_cancellation")
+    scope = cancellation_of(task)
     if scope is not None:
         return float(scope.created_at + scenarios.TIMEOUT_SECONDS - task.timeout_margin)
     return armed[0] + scenarios.TIMEOUT_SECONDS
 
 
 def _cause(task: Any) -> str | None:
-    scope = task.__dict__.get("_task_cancellation")
+    scope = cancellation_of(task)
     return scope.cause.value if scope is not None and scope.cause is not None else None
 
 

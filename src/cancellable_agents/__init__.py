@@ -41,7 +41,7 @@ _EXPORTS = {
     "ConfigurationError": "cancellable_agents.core.exceptions",
     "TaskCancelled": "cancellable_agents.core.exceptions",
     "CancellableAgentMixin": "cancellable_agents.airflow.mixin",
-    "cancellation_of": "cancellable_agents.airflow.mixin",
+    "cancellation_of": "cancellable_agents.airflow.task_scope",
     "CancellationAwareRetryPolicy": "cancellable_agents.airflow.retry",
     "LLMOperator": "cancellable_agents.operators.llm",
     "AgentOperator": "cancellable_agents.operators.agent",

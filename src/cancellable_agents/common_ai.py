@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "`pip install 'airflow-provider-cancellable-agents[common-ai]'`"
     ) from exc
 
-from cancellable_agents.airflow.mixin import CancellableAgentMixin, _give_own_init
+from cancellable_agents.airflow.mixin import CancellableAgentMixin
 
 __all__ = ["AgentOperator", "LLMOperator", "cancellable"]
 
@@ -59,7 +59,7 @@ class _PollingTaskInstance:
         if self._last_poll is not None:
             scope.wait(max(0.0, self._last_poll + self._interval - time.monotonic()))
         if scope.cancelled:
-            raise self._operator._task_cancelled("killed while waiting for human review")
+            raise self._operator.cancelled_error("killed while waiting for human review")
         self._last_poll = time.monotonic()
         return self._ti.xcom_pull(*args, **kwargs)
 
@@ -74,19 +74,14 @@ class CommonAIKillSemantics(CancellableAgentMixin):
     """
 
     owns_durable = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # BaseOperator's metaclass wraps only an ``__init__`` the class defines itself, and
-        # common.ai's wrapped ``__init__`` then expects the outermost one to be wrapped too.
-        if "__init__" not in cls.__dict__:
-            _give_own_init(cls)
+    # common.ai's wrapped ``__init__`` expects the outermost one to be wrapped too.
+    own_init_in_every_subclass = True
 
     def _complete_run(self, context: Any, result: Any, **kwargs: Any) -> Any:
         """AgentOperator's post-run step (XCom pushes, journal and usage-budget cleanup), refused
         once killed: the result is discarded, and the retry still finds the durable journal."""
         if self.cancellation.cancelled:
-            raise self._task_cancelled("killed after the result arrived; the result is discarded")
+            raise self.cancelled_error("killed after the result arrived; the result is discarded")
         return super()._complete_run(context, result, **kwargs)  # type: ignore[misc]
 
     def _poll_loop(self, *, ti: Any, **kwargs: Any) -> Any:

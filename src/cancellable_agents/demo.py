@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from cancellable_agents.core.report import RECORD_PREFIX
+from cancellable_agents.core.report import parse_records
 from cancellable_agents.demo_dags import kill_me_demo
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -95,11 +95,8 @@ def _wait_for_marker(timeout: float) -> set[int]:
 
 
 def _find_record(text: str) -> dict[str, Any] | None:
-    start = text.rfind(RECORD_PREFIX)
-    if start < 0:
-        return None
-    record, _ = json.JSONDecoder().raw_decode(text, start + len(RECORD_PREFIX))
-    return record
+    records = parse_records(text)
+    return records[-1] if records else None
 
 
 def _print_record(record: dict[str, Any], exited_ms: float, survivors: set[int]) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cancellable_agents.core.report import RECORD_PREFIX
+from cancellable_agents.core.report import parse_record
 from cancellable_agents.testing.openai_server import RequestRecord
 from tests.e2e.airflow_stack import tail, wait_until
 from tests.e2e.procs import ancestors, cmdline, is_alive, marked_processes
@@ -70,11 +70,7 @@ class PathResult:
 
     def records(self, try_number: int) -> list[dict[str, Any]]:
         """The ``cancellable_agents.record`` JSON objects in that try's log."""
-        return [
-            json.loads(event[len(RECORD_PREFIX) :])
-            for event in self._events(try_number)
-            if event.startswith(RECORD_PREFIX)
-        ]
+        return [record for event in self._events(try_number) if (record := parse_record(event)) is not None]
 
     def log_callbacks(self, try_number: int) -> list[str]:
         """Names of the callbacks that logged into that try's log, in order."""

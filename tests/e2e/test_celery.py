@@ -38,7 +38,7 @@ from cancellable_agents.airflow.supervisor import (
     fallback_record_path,
     records_root,
 )
-from cancellable_agents.core.report import RECORD_PREFIX
+from cancellable_agents.core.report import RECORD_PREFIX, parse_record
 from tests.e2e.airflow_stack import Component
 from tests.e2e.celery_stack import REDIS_SERVER, CeleryStack, kill_tree, worker_of
 from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags, e2e_world, stopped_after
@@ -255,7 +255,7 @@ def _fallback_record(env: E2EEnv, result: PathResult, try_number: int = 1) -> di
     path = fallback_record_path(task, records_root(str(env.stack.home)))
     if not path.exists():
         return None
-    return json.loads(path.read_text()[len(RECORD_PREFIX) :])
+    return parse_record(path.read_text())
 
 
 def _retry_worker(env: E2EEnv, result: PathResult) -> str | None:

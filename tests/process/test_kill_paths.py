@@ -8,12 +8,11 @@ closing note; budgets are asserted only where they are the contract (the 5 s gra
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
-from cancellable_agents.core.report import RECORD_PREFIX
+from cancellable_agents.core.report import parse_records
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 pytestmark = pytest.mark.process
@@ -35,14 +34,7 @@ def _failed_with_task_cancelled(task: Any) -> dict[str, Any]:
 def _logged_records(task: Any) -> list[dict[str, Any]]:
     """The ``cancellable_agents.record {json}`` records of the task's log (read once it exited);
     each is one JSON object that may span several lines."""
-    text = task.tail(2000)
-    decoder = json.JSONDecoder()
-    records = []
-    start = text.find(RECORD_PREFIX)
-    while start >= 0:
-        records.append(decoder.raw_decode(text, start + len(RECORD_PREFIX))[0])
-        start = text.find(RECORD_PREFIX, start + len(RECORD_PREFIX))
-    return records
+    return parse_records(task.tail(2000))
 
 
 def _report(name: str, sent: float, failed: dict[str, Any]) -> float:

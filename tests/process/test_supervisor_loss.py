@@ -28,7 +28,7 @@ from cancellable_agents.airflow.supervisor import (
     supervisor_pid,
     watch_supervisor,
 )
-from cancellable_agents.core.report import RECORD_PREFIX
+from cancellable_agents.core.report import parse_record
 from cancellable_agents.core.scope import TaskCancellation
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.procs import is_alive, kill_marked, marked_processes
@@ -58,8 +58,8 @@ def test_task_stops_itself_when_its_supervisor_is_sigkilled(tmp_path: Path) -> N
         wait_until(lambda: not is_alive(ready["pid"]), 6.0, "the orphaned task to exit")
         exited_s = time.time() - killed_at
         line = (tmp_path / "record.json").read_text()
-        assert line.startswith(RECORD_PREFIX)
-        record = json.loads(line[len(RECORD_PREFIX) :])
+        record = parse_record(line)
+        assert record is not None, line
         assert (record["cause"], record["detail"], record["outcome"]) == (
             "eviction",
             SUPERVISOR_LOST,

@@ -45,6 +45,7 @@ from pydantic_ai.toolsets import FunctionToolset
 import cancellable_agents.airflow.mixin as mixin
 from cancellable_agents import AgentOperator, TaskCancelled, current_cancellation
 from cancellable_agents.airflow.adapter import verdict_for_state
+from cancellable_agents.airflow.task_scope import cancellation_of
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.scope import Outcome
 from cancellable_agents.hooks.model import build_model
@@ -259,7 +260,7 @@ class Run:
         self.task.on_kill = on_kill
 
     def scope(self) -> Any:
-        return self.task.__dict__.get("_task_cancellation")
+        return cancellation_of(self.task)
 
     def on_signal(self) -> None:
         if not self.signals:

@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.core.report import RECORD_PREFIX, parse_records
 from tests.airflow_versions import has_retry_policies
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_DAGS = ROOT / "example_dags"
 RESULT_PREFIX = "EXAMPLE_DAG_RESULT "
-RECORD_PREFIX = "cancellable_agents.record "
 
 EXPECTED_DAGS = {
     "example_cancellable_llm",
@@ -212,16 +212,11 @@ class _Child:
         """The record after ``RECORD_PREFIX``: one JSON object that spans several lines."""
         deadline = time.monotonic() + timeout
         self.wait_for_line(RECORD_PREFIX, timeout)
-        while True:
-            text = "".join(self.lines)
-            start = text.index(RECORD_PREFIX) + len(RECORD_PREFIX)
-            try:
-                record, _ = json.JSONDecoder().raw_decode(text, start)
-                return record
-            except json.JSONDecodeError:
-                if time.monotonic() > deadline:
-                    raise
+        while not (records := parse_records("".join(self.lines))):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no whole record within {timeout}s:\n{''.join(self.lines[-80:])}")
             time.sleep(0.05)  # the record's later lines are still being read
+        return records[0]
 
     def close(self) -> None:
         if self.proc.poll() is None:

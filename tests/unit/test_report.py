@@ -26,6 +26,7 @@ from cancellable_agents.core.report import (
     RetryOutlook,
     hide_unwind_chain,
     parse_record,
+    parse_records,
     render_record,
     summary_line,
 )
@@ -95,6 +96,24 @@ def test_the_record_puts_cause_and_outcome_first_and_one_event_per_line() -> Non
 
 def test_parse_record_ignores_other_events() -> None:
     assert parse_record("cancelled: user marked it failed") is None
+
+
+def test_parse_records_finds_every_whole_record_in_a_log() -> None:
+    rendered = render_record(KillReport(SUMMARY).full_record())
+    one_line = RECORD_PREFIX + json.dumps({"cause": "eviction"})
+    log = "\n".join(
+        [
+            "INFO starting",
+            f"the docs say: lines that start {RECORD_PREFIX}hold the record",  # the prefix in prose
+            rendered,
+            "WARNING Task killed!",
+            one_line,
+            RECORD_PREFIX + '{"cause": "us',  # a record still being written
+        ]
+    )
+    records = parse_records(log)
+    assert [r["cause"] for r in records] == ["user", "eviction"]
+    assert records[0]["timeline"] == SUMMARY["timeline"], "a record over several lines is read whole"
 
 
 # -- the shown traceback ------------------------------------------------------------------

@@ -58,7 +58,7 @@ def _cancelled(cause: CancelCause, root: CancelCause | None = None) -> TaskCance
 
 DEFAULT_TABLE = [
     (CancelCause.USER, RetryAction.FAIL, "stopped by a user — not retrying"),
-    (CancelCause.EVICTION, RetryAction.RETRY, "evicted (worker shutdown) — retrying"),
+    (CancelCause.EVICTION, RetryAction.RETRY, "the worker is shutting down (eviction) — retrying"),
     (CancelCause.TIMEOUT, RetryAction.DEFAULT, "timed out — task's retry settings apply"),
     (CancelCause.UNKNOWN, RetryAction.DEFAULT, "cause unknown — task's retry settings apply"),
 ]
@@ -88,7 +88,7 @@ def test_a_clear_retries_by_default_and_can_be_overridden() -> None:
     cleared = TaskCancelled("killed", cause=CancelCause.USER, detail="cleared", action=UserAction.CLEARED)
     decision = CancellationAwareRetryPolicy(inner=MustNotBeAsked()).evaluate(cleared, 1, 3)
     assert decision.action is RetryAction.RETRY
-    assert decision.reason == "cancelled: cleared by a user — retrying"
+    assert decision.reason == "cancelled: user cleared it — retrying"
     marked = TaskCancelled(
         "killed", cause=CancelCause.USER, detail="marked failed", action=UserAction.MARKED_FAILED
     )

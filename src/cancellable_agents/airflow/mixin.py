@@ -14,7 +14,6 @@ import functools
 import gc
 import logging
 import sys
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -29,20 +28,17 @@ from cancellable_agents.airflow.adapter import (
 )
 from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outlook
 from cancellable_agents.airflow.supervisor import notice_exit_at_once, watch_supervisor
+from cancellable_agents.airflow.task_scope import scope_for
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.report import KillReport, hide_unwind_chain, render_record, summary_line
 from cancellable_agents.core.scope import DEFAULT_BUDGET, Outcome, TaskCancellation
+from cancellable_agents.core.usage import usage_dict
 from cancellable_agents.procs.proc import read_proc
 from cancellable_agents.procs.reaper import DescendantReaper
 from cancellable_agents.run.runner import run_agent_in_scope
 
 log = logging.getLogger(__name__)
-
-#: The scope is created lazily and operators are deep-copied, so its lock cannot live on them.
-#: Re-entrant: ``on_kill`` runs as a signal handler on the main thread and needs the scope, also
-#: when the signal lands while the main thread is creating it (a plain Lock deadlocks there).
-_scope_creation = threading.RLock()
 
 
 def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,7 +75,7 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
         # agents or open clients only to tear them down again.
         scope.record("execute_refused", reason="cancelled before execute started")
         scope.settle(Outcome.CANCELLED)
-        raise operator._task_cancelled("killed before execute started; no work was done")
+        raise operator.cancelled_error("killed before execute started; no work was done")
     try:
         # Active for all of execute, so tools and sandboxes find the scope outside a run too.
         with scope.activate():
@@ -92,7 +88,7 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
             # Whatever broke after the kill (a tool whose process the unwind killed, a closed
             # client) is the kill's consequence: the outcome is cancelled, with the error chained.
             scope.settle(Outcome.CANCELLED)
-            raise operator._task_cancelled(f"killed; then execute failed with {exc!r}") from exc
+            raise operator.cancelled_error(f"killed; then execute failed with {exc!r}") from exc
         scope.settle(Outcome.FAILED)
         operator._finish_reaper()  # a failed task leaves nothing running behind it
         raise
@@ -102,22 +98,13 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
             operator._finish_reaper()  # a failed task leaves nothing running behind it
         raise
     if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
-        raise operator._task_cancelled("killed before execute returned; its result is discarded")
+        raise operator.cancelled_error("killed before execute returned; its result is discarded")
     operator._close_reaper()
     return result
 
 
 #: The mixin's ``durable=True`` settings (see ``owns_durable``).
 _DURABLE_SETTINGS = ("durable", "durable_path", "resume_after_clear", "usage_limits_span_tries")
-
-
-def cancellation_of(task: Any) -> TaskCancellation | None:
-    """The scope of ``task`` (an operator with the mixin) if it has one yet, else ``None``.
-
-    Never creates one: a retry policy or a callback asking after the fact must not invent a
-    scope that no kill could have reached.
-    """
-    return getattr(task, "__dict__", {}).get("_task_cancellation")
 
 
 class CancellableAgentMixin:
@@ -160,6 +147,10 @@ class CancellableAgentMixin:
     #: Whether ``durable=`` and friends are this provider's. ``False`` where the operator class
     #: has a ``durable`` of its own (common.ai's): then they are passed on to it, untouched.
     owns_durable: ClassVar[bool] = True
+    #: Give every subclass an ``__init__`` of its own, so BaseOperator's metaclass wraps it.
+    #: ``True`` where a base operator wraps its own ``__init__`` and expects the outermost one
+    #: to be wrapped too (common.ai's); by default only a class whose ``__init__`` is the mixin's.
+    own_init_in_every_subclass: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -196,7 +187,9 @@ class CancellableAgentMixin:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _check_bases(cls)
-        if cls.__init__ is CancellableAgentMixin.__init__:
+        if "__init__" not in cls.__dict__ and (
+            cls.__init__ is CancellableAgentMixin.__init__ or cls.own_init_in_every_subclass
+        ):
             _give_own_init(cls)
         # Also an execute inherited from a plain operator (``class X(Mixin, PythonOperator)``).
         execute = cls.__dict__.get("execute", getattr(cls, "execute", None))
@@ -208,18 +201,7 @@ class CancellableAgentMixin:
     @property
     def cancellation(self) -> TaskCancellation:
         """This task instance's scope, created on first use and never replaced."""
-        scope = self.__dict__.get("_task_cancellation")
-        if scope is not None:
-            return scope
-        with _scope_creation:
-            scope = self.__dict__.get("_task_cancellation")
-            if scope is None:
-                name = getattr(self, "task_id", type(self).__name__)
-                fresh = TaskCancellation(name, budget=self.cancellation_budget)
-                # A kill handled while ``fresh`` was being built created (and cancelled) the
-                # scope already: keep that one, or the kill would be lost.
-                scope = self.__dict__.setdefault("_task_cancellation", fresh)
-        return scope
+        return scope_for(self, self.cancellation_budget)
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
         # The first call that sees the task instance, before any pre_execute hook: remember
@@ -345,7 +327,10 @@ class CancellableAgentMixin:
 
     # -- the record ----------------------------------------------------------------------
 
-    def _task_cancelled(self, message: str) -> TaskCancelled:
+    def cancelled_error(self, message: str) -> TaskCancelled:
+        """The :class:`TaskCancelled` to raise for this killed task (cause, transcript, usage,
+        timeline), with the kill record logged first (once per task instance). For subclasses
+        whose own waits notice the kill (``raise self.cancelled_error("killed while ...")``)."""
         exc = self.cancellation.cancelled_error(message)
         self._log_record(exc)
         return exc
@@ -360,7 +345,7 @@ class CancellableAgentMixin:
         scope.wait_released(scope.remaining())
         self._finish_reaper()
         record = scope.summary()
-        record["usage"] = _usage_dict(exc.usage if exc else None)
+        record["usage"] = usage_dict(exc.usage if exc else None)
         record["messages"] = len(exc.messages) if exc else 0
         cause, action = scope.cause, scope.user_action
         report = KillReport(
@@ -444,13 +429,3 @@ def _still_running(killed: list[dict[str, Any]]) -> int:
     """How many of the processes the unwind signalled still run code (zombies count as gone)."""
     pids = {k["pid"] for k in killed if isinstance(k.get("pid"), int)}
     return sum(1 for pid in pids if (info := read_proc(pid)) is not None and not info.exited)
-
-
-def _usage_dict(usage: Any) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    return {
-        "requests": getattr(usage, "requests", None),
-        "input_tokens": getattr(usage, "input_tokens", None),
-        "output_tokens": getattr(usage, "output_tokens", None),
-    }

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import is_execution_timeout
-from cancellable_agents.airflow.mixin import cancellation_of
+from cancellable_agents.airflow.task_scope import cancellation_of
 from cancellable_agents.core.causes import CancelCause, UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
 
@@ -30,13 +30,6 @@ except ImportError as exc:  # pragma: no cover - exercised only on Airflow < 3.3
 if TYPE_CHECKING:
     from airflow.sdk.definitions.context import Context
 
-_CAUSE_WORDS = {
-    CancelCause.USER: "stopped by a user",  # marked failed or success
-    CancelCause.EVICTION: "evicted (worker shutdown)",
-    CancelCause.TIMEOUT: "timed out",
-    CancelCause.PARENT: "its parent was cancelled",
-    CancelCause.UNKNOWN: "cause unknown",
-}
 _ACTION_WORDS = {
     RetryAction.FAIL: "not retrying",
     RetryAction.RETRY: "retrying",
@@ -99,10 +92,10 @@ class CancellationAwareRetryPolicy(RetryPolicy):
         """The decision for a cancellation with ``cause`` (a parent cancel counts as its root)."""
         if cause is CancelCause.USER and user_action is UserAction.CLEARED:
             action = self.on_cleared
-            reason = f"cancelled: cleared by a user — {_ACTION_WORDS[action]}"
+            reason = f"cancelled: {UserAction.CLEARED.words} — {_ACTION_WORDS[action]}"
             return RetryDecision(action=action, reason=reason)
         action = self.actions.get(cause, self.actions[CancelCause.UNKNOWN])
-        reason = f"cancelled: {_CAUSE_WORDS[cause]} — {_ACTION_WORDS[action]}"
+        reason = f"cancelled: {cause.words} — {_ACTION_WORDS[action]}"
         delay = self.eviction_delay if cause is CancelCause.EVICTION else None
         return RetryDecision(action=action, retry_delay=delay, reason=reason)
 

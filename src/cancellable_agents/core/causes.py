@@ -29,6 +29,11 @@ class CancelCause(str, enum.Enum):
     UNKNOWN = "unknown"
     """The cause could not be decided in time. Never a guess."""
 
+    @property
+    def words(self) -> str:
+        """The cause as the task log and the retry decision say it."""
+        return _CAUSE_WORDS[self]
+
 
 class UserAction(str, enum.Enum):
     """What a user did to stop a try (the ``USER`` cause's kinds); the retry policy acts on it."""
@@ -37,6 +42,26 @@ class UserAction(str, enum.Enum):
     MARKED_SUCCESS = "marked success"
     MARKED_SKIPPED = "marked skipped"
     CLEARED = "cleared"
+
+    @property
+    def words(self) -> str:
+        """What the user did, as the task log and the retry decision say it."""
+        return _ACTION_WORDS[self]
+
+
+_CAUSE_WORDS = {
+    CancelCause.USER: "stopped by a user",
+    CancelCause.EVICTION: "the worker is shutting down (eviction)",
+    CancelCause.TIMEOUT: "timed out",
+    CancelCause.PARENT: "its parent was cancelled",
+    CancelCause.UNKNOWN: "cause unknown",
+}
+_ACTION_WORDS = {
+    UserAction.MARKED_FAILED: "user marked it failed",
+    UserAction.MARKED_SUCCESS: "user marked it success",
+    UserAction.MARKED_SKIPPED: "user marked it skipped",
+    UserAction.CLEARED: "user cleared it",
+}
 
 
 @dataclass(frozen=True)

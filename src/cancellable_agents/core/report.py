@@ -35,20 +35,6 @@ _LONG = 40
 #: Keys whose list items are put one per line (the rest of the record stays compact).
 _LISTED_KEYS = ("airflow_logs_next", "killed", "timeline", "children")
 
-_CAUSE_WORDS = {
-    CancelCause.EVICTION: "the worker is shutting down (eviction)",
-    CancelCause.TIMEOUT: "timed out",
-    CancelCause.PARENT: "its parent was cancelled",
-    CancelCause.UNKNOWN: "cause unknown",
-    CancelCause.USER: "stopped by a user",
-}
-_ACTION_WORDS = {
-    UserAction.MARKED_FAILED: "user marked it failed",
-    UserAction.MARKED_SUCCESS: "user marked it success",
-    UserAction.MARKED_SKIPPED: "user marked it skipped",
-    UserAction.CLEARED: "user cleared it",
-}
-
 
 class RetryOutlook(str, enum.Enum):
     """What happens after this try, as far as the task can tell when it writes its record."""
@@ -132,11 +118,35 @@ def render_record(record: Mapping[str, Any]) -> str:
 
 
 def parse_record(event: str) -> dict[str, Any] | None:
-    """The record in a log event written by :func:`render_record`, or ``None`` if it holds none."""
+    """The record in a log event written by :func:`render_record` (or one line of a record file),
+    or ``None`` if the event is not a record."""
     if not event.startswith(RECORD_PREFIX):
         return None
-    parsed: dict[str, Any] = json.loads(event[len(RECORD_PREFIX) :])
-    return parsed
+    records = parse_records(event)
+    return records[0] if records else None
+
+
+def parse_records(text: str) -> list[dict[str, Any]]:
+    """Every record in ``text`` (a task log, a process's output), in order.
+
+    The one parser of the record: each is the JSON object after a :data:`RECORD_PREFIX`, on one
+    line or rendered over several; a prefix without a whole object after it (a record still
+    being written, the prefix quoted in prose) is skipped.
+    """
+    decoder = json.JSONDecoder()
+    records: list[dict[str, Any]] = []
+    start = text.find(RECORD_PREFIX)
+    while start >= 0:
+        body = start + len(RECORD_PREFIX)
+        try:
+            record, end = decoder.raw_decode(text, body)
+        except json.JSONDecodeError:
+            end = body
+        else:
+            if isinstance(record, dict):
+                records.append(record)
+        start = text.find(RECORD_PREFIX, end)
+    return records
 
 
 def _render(record: Mapping[str, Any]) -> Iterator[str]:
@@ -169,12 +179,12 @@ def _dumps(value: Any) -> str:
 
 def _cause_words(record: Mapping[str, Any], action: UserAction | None) -> str:
     if action is not None:
-        return _ACTION_WORDS[action]
+        return action.words
     try:
         cause = CancelCause(record.get("cause"))
     except ValueError:
         return "cause not decided"
-    words = _CAUSE_WORDS[cause]
+    words = cause.words
     detail = record.get("detail")
     if cause in (CancelCause.UNKNOWN, CancelCause.TIMEOUT) and detail:
         return f"{words} ({detail})"

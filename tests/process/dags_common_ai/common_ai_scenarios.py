@@ -24,6 +24,8 @@ from airflow.sdk import DAG, chain
 from pydantic_ai.capabilities import ProcessEventStream
 from pydantic_ai.toolsets import FunctionToolset
 
+from cancellable_agents.airflow.task_scope import cancellation_of
+
 IMPL = os.environ.get("IMPL", "ours")
 #: One task per scenario, run one after the other in one ``dag.test()`` (one process start).
 SCENARIOS = os.environ.get("SCENARIO", "stream").split(",")
@@ -69,7 +71,7 @@ def on_failure(context: Any) -> None:
     raised = time.monotonic()
     exc = context.get("exception")
     task = context["task"]
-    scope = getattr(task, "__dict__", {}).get("_task_cancellation")
+    scope = cancellation_of(task)
     emit(
         "task_failed",
         scenario=task.task_id,
