@@ -93,8 +93,8 @@ bench: $(STAMP) system-deps
 # The floor (first version) runs the full subset; later ones a smoke, to keep the run short.
 AIRFLOW_COMPAT := 3.1 3.2
 COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tests/unit/test_provider.py \
-                  tests/unit/test_example_dags.py tests/unit/test_agent_run.py tests/unit/test_subagents.py \
-                  tests/unit/test_cancellation.py tests/unit/test_durable.py tests/unit/test_durable_operator.py \
+                  tests/unit/test_example_dags.py tests/unit/test_runner.py tests/unit/test_subagents.py \
+                  tests/unit/test_scope.py tests/unit/test_durable.py tests/unit/test_durable_operator.py \
                   tests/process
 COMPAT_SMOKE   := tests/unit/test_airflow_compat.py tests/unit/test_provider.py \
                   tests/process/test_kill_paths.py::test_streaming_request_is_closed \

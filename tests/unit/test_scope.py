@@ -96,10 +96,8 @@ def test_budget_bounds_the_wait_for_a_stuck_resource() -> None:
     never, torn_down = threading.Event(), threading.Event()
     scope.register(never.wait, name="stuck")
     scope.register(torn_down.set, name="after", phase=Phase.TEARDOWN)
-    started = time.monotonic()
     scope.cancel(CancelCause.USER)
-    assert scope.wait_released(3)
-    assert time.monotonic() - started < 1.0
+    assert scope.wait_released(3), "released although the stuck resource never returns"
     assert torn_down.wait(2), "the teardown still runs once the in-flight phase spent the budget"
     # With no budget left the teardown is not waited for: on a busy machine it may still be
     # running when looked at, and is named too.
@@ -222,14 +220,12 @@ def test_classifier_decides_the_cause_off_thread() -> None:
 def test_classifier_that_hangs_yields_unknown_in_time() -> None:
     scope = TaskCancellation()
     hang = threading.Event()
-    started = time.monotonic()
     scope.cancel(
         CancelCause.UNKNOWN,
         classify=lambda: (hang.wait(30), CauseVerdict(CancelCause.USER))[1],
         classify_timeout=0.2,
     )
-    assert scope.wait_cause(2) is CancelCause.UNKNOWN
-    assert time.monotonic() - started < 1.0
+    assert scope.wait_cause(2) is CancelCause.UNKNOWN, "decided long before the hung classifier returns"
     assert "not known within" in scope.cause_detail
     hang.set()
 

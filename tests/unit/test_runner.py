@@ -172,9 +172,12 @@ def test_cooperative_sync_tool_sees_the_scope_and_stops() -> None:
     begun = time.monotonic()
     with pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, agent, "go")
-    assert time.monotonic() - begun < 2
+    assert time.monotonic() - begun < scope.budget
     assert noticed == [True]
     assert scope.stragglers == []
+
+
+TOOL_WAIT = 5.0
 
 
 def test_a_signal_caught_on_a_tool_thread_still_reaches_the_idle_run() -> None:
@@ -192,7 +195,7 @@ def test_a_signal_caught_on_a_tool_thread_still_reaches_the_idle_run() -> None:
     @agent.tool_plain
     def wait_for_cancel() -> str:
         signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # delivered to this thread
-        current_cancellation().wait(5)  # type: ignore[union-attr]
+        current_cancellation().wait(TOOL_WAIT)  # type: ignore[union-attr]
         return "the kill never arrived"
 
     previous = signal.signal(signal.SIGUSR1, on_signal)
@@ -201,7 +204,7 @@ def test_a_signal_caught_on_a_tool_thread_still_reaches_the_idle_run() -> None:
         with pytest.raises(TaskCancelled):
             run_agent_in_scope(scope, agent, "go")
         assert handled.is_set()
-        assert time.monotonic() - begun < 2
+        assert time.monotonic() - begun < TOOL_WAIT, "the kill reached the run before the tool gave up"
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
