@@ -4,30 +4,7 @@ The server speaks real HTTP/1.1 on ``127.0.0.1`` (an ephemeral port unless one i
 ``POST /v1/chat/completions`` in both plain-JSON and SSE streaming form, in the shape the ``openai`` client
 and pydantic-ai's ``OpenAIChatModel`` accept. What it answers is chosen by the request's ``model`` string.
 
-Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?`` is parsed with
-``urllib.parse.parse_qs``, so values are percent-decoded and ``+`` means a space. Build the string with
-``urllib.parse.urlencode`` to be safe; unencoded values also work as long as they contain no ``&``, ``+``,
-``%`` or ``#`` (so ``tool?name=add&args={"a":1,"b":2}`` is fine as written). Unknown parameters are rejected.
-
-* ``echo``: answers ``echo: <text of the last user message>`` at once.
-* ``slow?tokens=N&delay=S``: answers ``tok0 tok1 ... tok<N-1>``, sleeping ``S`` seconds before each token
-  (streaming: one chunk per token; non-streaming: sleeps ``N*S`` in total, then answers).
-  Defaults: ``tokens=50``, ``delay=0.1``.
-* ``tool?name=TOOL&args=JSON&then=TEXT``: until the conversation holds a ``role: "tool"`` message, answers
-  with one call of ``TOOL`` with arguments ``JSON`` (default ``{}``); afterwards answers ``TEXT``
-  (default ``done``).
-* ``tools?names=A,B&args=JSON&then=TEXT``: like ``tool`` but calls all named tools in one response
-  (parallel tool calls), each with the same arguments.
-* ``steps?name=TOOL&count=N&then=TEXT``: sequential tool calls: while the conversation holds fewer than
-  ``N`` ``role: "tool"`` messages, answers with one call of ``TOOL`` with arguments ``{"n": k}`` (``k`` = tool
-  messages so far + 1); afterwards answers ``TEXT``. ``N + 1`` requests in all for an uninterrupted run.
-  With ``stall_at=K`` the response after ``K`` tool messages first streams ``tokens`` text tokens ``delay``
-  apart (as ``slow``), but only the first time the server sees that conversation (its first user message)
-  at that step: a retry of the request (a resumed run repeating its in-flight step) is answered at once.
-* Every behaviour also takes ``delay_first=S``: sleep ``S`` seconds before sending anything (headers
-  included), like a slow non-streaming model.
-
-Unknown names or bad parameters get a ``400`` OpenAI-style error listing the supported behaviours.
+What it answers (the model-string grammar) is in :mod:`cancellable_agents.testing.scripts`.
 
 Disconnect detection is the point of this server: whenever it waits (``delay_first``, between tokens, or
 the non-streaming ``N*S`` wait) it polls the client socket every ``POLL_INTERVAL`` seconds, and a peeked
@@ -47,9 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import json
-import re
 import select
 import signal
 import socket
@@ -57,14 +32,27 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType, TracebackType
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
+
+from cancellable_agents.testing.records import RecordLog, RequestRecord, first_record
+from cancellable_agents.testing.scripts import (
+    BEHAVIOURS,
+    Completion,
+    Reply,
+    Script,
+    ScriptError,
+    ToolCall,
+    error_json,
+    message_text,
+    parse_model,
+    plan_reply,
+    supported,
+)
 
 __all__ = [
     "BEHAVIOURS",
@@ -81,374 +69,8 @@ __all__ = [
 POLL_INTERVAL = 0.02
 """Seconds between client-socket polls while the server waits; bounds disconnect-detection latency."""
 
-Outcome = Literal["completed", "disconnected", "error"]
-
-BEHAVIOURS: dict[str, str] = {
-    "echo": "echo - answers 'echo: <last user message>'",
-    "slow": "slow?tokens=N&delay=S - N tokens 'tok0 tok1 ...', S seconds before each (defaults 50, 0.1)",
-    "tool": "tool?name=TOOL&args=JSON&then=TEXT - calls TOOL once, then answers TEXT (default 'done')",
-    "tools": "tools?names=A,B&args=JSON&then=TEXT - calls all tools in parallel, then answers TEXT",
-    "steps": "steps?name=TOOL&count=N&then=TEXT&stall_at=K - calls TOOL(n=k) for k = 1..N, one per "
-    "response, then TEXT; the first response after K tool results streams slowly (tokens, delay)",
-}
-"""Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``."""
-
-_PARAMS: dict[str, frozenset[str]] = {
-    "echo": frozenset({"delay_first"}),
-    "slow": frozenset({"tokens", "delay", "delay_first"}),
-    "tool": frozenset({"name", "args", "then", "delay_first"}),
-    "tools": frozenset({"names", "args", "then", "delay_first"}),
-    "steps": frozenset({"name", "count", "then", "stall_at", "tokens", "delay", "delay_first"}),
-}
 
 _T = TypeVar("_T")
-
-
-# --------------------------------------------------------------------------------------------------------
-# Model-string grammar
-# --------------------------------------------------------------------------------------------------------
-
-
-class ScriptError(ValueError):
-    """The ``model`` string names no supported behaviour or carries invalid parameters."""
-
-
-@dataclass(frozen=True)
-class Script:
-    """A parsed model string: which behaviour to play and with which parameters."""
-
-    behaviour: str
-    tokens: int = 50
-    delay: float = 0.1
-    delay_first: float = 0.0
-    tool_names: tuple[str, ...] = ()
-    tool_args: str = "{}"
-    then: str = "done"
-    count: int = 1
-    #: ``steps``: the step whose first response stalls (streams ``tokens`` slowly); ``None``: none.
-    stall_at: int | None = None
-
-
-def parse_model(model: str) -> Script:
-    """Parse ``NAME`` or ``NAME?k=v&k=v`` into a `Script`; raise `ScriptError` with a helpful message."""
-    name, _, query = model.partition("?")
-    if name not in _PARAMS:
-        raise ScriptError(f"unknown behaviour {name!r} in model {model!r}; {_supported()}")
-    params = _parse_query(model, query)
-    unknown = sorted(set(params) - _PARAMS[name])
-    if unknown:
-        allowed = ", ".join(sorted(_PARAMS[name]))
-        raise ScriptError(f"unknown parameter(s) {unknown} for {name!r} (allowed: {allowed}); {_supported()}")
-    delay_first = _number(params, "delay_first", 0.0)
-    if name == "slow":
-        tokens = int(_number(params, "tokens", 50, integer=True))
-        return Script(name, tokens=tokens, delay=_number(params, "delay", 0.1), delay_first=delay_first)
-    if name == "steps":
-        return Script(
-            name,
-            delay_first=delay_first,
-            tool_names=_tool_names("tool", params),
-            count=int(_number(params, "count", 1, integer=True)),
-            then=params.get("then", "done"),
-            stall_at=int(_number(params, "stall_at", 0, integer=True)) if "stall_at" in params else None,
-            tokens=int(_number(params, "tokens", 50, integer=True)),
-            delay=_number(params, "delay", 0.1),
-        )
-    if name in ("tool", "tools"):
-        return Script(
-            name,
-            delay_first=delay_first,
-            tool_names=_tool_names(name, params),
-            tool_args=_json_object(params.get("args", "{}")),
-            then=params.get("then", "done"),
-        )
-    return Script(name, delay_first=delay_first)
-
-
-def _supported() -> str:
-    return "supported behaviours: " + "; ".join(BEHAVIOURS.values()) + "; all accept delay_first=S"
-
-
-def _parse_query(model: str, query: str) -> dict[str, str]:
-    if not query:  # Python 3.10's strict parse_qs rejects an empty query
-        return {}
-    try:
-        parsed = parse_qs(query, keep_blank_values=True, strict_parsing=True)
-    except ValueError as exc:
-        raise ScriptError(f"malformed parameters in model {model!r}: {exc}") from exc
-    return {key: values[-1] for key, values in parsed.items()}
-
-
-def _number(params: dict[str, str], key: str, default: float, *, integer: bool = False) -> float:
-    if key not in params:
-        return default
-    try:
-        value = int(params[key]) if integer else float(params[key])
-    except ValueError as exc:
-        kind = "an integer" if integer else "a number"
-        raise ScriptError(f"parameter {key}={params[key]!r} must be {kind}") from exc
-    if value < 0:
-        raise ScriptError(f"parameter {key}={params[key]!r} must not be negative")
-    return value
-
-
-def _tool_names(behaviour: str, params: dict[str, str]) -> tuple[str, ...]:
-    key = "name" if behaviour == "tool" else "names"
-    names = tuple(part.strip() for part in params.get(key, "").split(",") if part.strip())
-    if not names:
-        raise ScriptError(f"behaviour {behaviour!r} needs a non-empty {key}= parameter")
-    if behaviour == "tool" and len(names) > 1:
-        raise ScriptError("behaviour 'tool' calls one tool; use 'tools?names=a,b' for several")
-    return names
-
-
-def _json_object(text: str) -> str:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ScriptError(f"parameter args={text!r} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ScriptError(f"parameter args={text!r} must be a JSON object")
-    return json.dumps(value)
-
-
-# --------------------------------------------------------------------------------------------------------
-# What to answer
-# --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _ToolCall:
-    id: str
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True)
-class _Reply:
-    """An answer to send: text pieces (each one streamed chunk and one token) or tool calls."""
-
-    pieces: tuple[str, ...] = ()
-    piece_delay: float = 0.0
-    tool_calls: tuple[_ToolCall, ...] = ()
-
-    @property
-    def finish_reason(self) -> str:
-        return "tool_calls" if self.tool_calls else "stop"
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.tool_calls) if self.tool_calls else len(self.pieces)
-
-
-def _plan_reply(script: Script, messages: list[dict[str, Any]], *, repeated: bool = False) -> _Reply:
-    """Decide the answer for ``script`` given the conversation so far (``repeated``: the server
-    already saw this conversation at this step)."""
-    if script.behaviour == "echo":
-        return _Reply(pieces=_split_tokens("echo: " + _last_user_text(messages)))
-    if script.behaviour == "slow":
-        return _Reply(pieces=_slow_pieces(script.tokens), piece_delay=script.delay)
-    if script.behaviour == "steps":
-        done = sum(message.get("role") == "tool" for message in messages)
-        if done >= script.count:
-            return _Reply(pieces=_split_tokens(script.then))
-        call = _ToolCall(f"call_{uuid.uuid4().hex[:24]}", script.tool_names[0], json.dumps({"n": done + 1}))
-        if done == script.stall_at and not repeated:
-            return _Reply(pieces=_slow_pieces(script.tokens), piece_delay=script.delay, tool_calls=(call,))
-        return _Reply(tool_calls=(call,))
-    if any(message.get("role") == "tool" for message in messages):
-        return _Reply(pieces=_split_tokens(script.then))
-    calls = tuple(
-        _ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, script.tool_args) for name in script.tool_names
-    )
-    return _Reply(tool_calls=calls)
-
-
-def _slow_pieces(tokens: int) -> tuple[str, ...]:
-    return tuple(f"tok{i}" if i == 0 else f" tok{i}" for i in range(tokens))
-
-
-def _step_key(model: str, messages: list[dict[str, Any]]) -> tuple[str, str, int]:
-    """A conversation at one step: its model, first user message and tool results so far."""
-    first_user = next((_message_text(m) for m in messages if m.get("role") == "user"), "")
-    return model, first_user, sum(m.get("role") == "tool" for m in messages)
-
-
-def _split_tokens(text: str) -> tuple[str, ...]:
-    """Split text into word tokens that keep their leading whitespace, so ``"".join`` restores it."""
-    return tuple(re.findall(r"\s*\S+|\s+$", text))
-
-
-def _message_text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return ""
-
-
-def _last_user_text(messages: list[dict[str, Any]]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            return _message_text(message)
-    return ""
-
-
-@dataclass(frozen=True)
-class _Completion:
-    """Identity of one completion, and the OpenAI JSON shapes built from it."""
-
-    model: str
-    prompt_tokens: int
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-        }
-
-    def body(self, reply: _Reply) -> dict[str, Any]:
-        """A complete ``chat.completion`` object for ``reply``."""
-        message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
-        if reply.tool_calls:
-            message["tool_calls"] = [_tool_call_json(call) for call in reply.tool_calls]
-        else:
-            message["content"] = "".join(reply.pieces)
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}
-        return {
-            **self._header("chat.completion"),
-            "choices": [choice],
-            "usage": self.usage(reply.completion_tokens),
-        }
-
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        """A ``chat.completion.chunk`` carrying ``delta`` (and ``finish_reason`` on the last one)."""
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._header("chat.completion.chunk"), "choices": [choice]}
-
-    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        """The trailing usage-only chunk OpenAI sends when ``stream_options.include_usage`` is set."""
-        return {
-            **self._header("chat.completion.chunk"),
-            "choices": [],
-            "usage": self.usage(completion_tokens),
-        }
-
-    def _header(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-
-def _tool_call_json(call: _ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _error_json(message: str, code: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
-
-
-# --------------------------------------------------------------------------------------------------------
-# Request records
-# --------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestRecord:
-    """One chat-completions request as the server saw it.
-
-    ``outcome`` is ``None`` while the request is in flight, then ``"completed"`` (the whole answer was
-    written), ``"disconnected"`` (the client went away first; ``disconnected_at`` is when that was
-    noticed) or ``"error"`` (bad request or server failure; see ``error``). ``tokens_sent`` counts text
-    tokens (streamed chunks) or tool calls actually written to the client. Times are ``time.monotonic()``.
-    """
-
-    index: int
-    model: str
-    stream: bool
-    messages: list[dict[str, Any]]
-    started_at: float
-    ended_at: float | None = None
-    outcome: Outcome | None = None
-    disconnected_at: float | None = None
-    tokens_sent: int = 0
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of all fields (what ``GET /_records`` returns per record)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
-        """Rebuild a record from `to_json` output."""
-        return cls(**data)
-
-
-class _RecordLog:
-    """Thread-safe store of `RequestRecord` objects with condition-based waits.
-
-    Records are only mutated under the lock; readers get copies, so they always see consistent values.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._records: list[RequestRecord] = []
-
-    def open(self, model: str, stream: bool, messages: list[dict[str, Any]]) -> RequestRecord:
-        with self._cond:
-            record = RequestRecord(len(self._records), model, stream, messages, time.monotonic())
-            self._records.append(record)
-            self._cond.notify_all()
-            return record
-
-    def repeats(self, record: RequestRecord) -> bool:
-        """Whether an earlier request was the same conversation at the same step (see ``stall_at``)."""
-        key = _step_key(record.model, record.messages)
-        with self._cond:
-            earlier = itertools.takewhile(lambda r: r is not record, self._records)
-            return any(_step_key(r.model, r.messages) == key for r in earlier)
-
-    def add_tokens(self, record: RequestRecord, count: int) -> None:
-        with self._cond:
-            record.tokens_sent += count
-            self._cond.notify_all()
-
-    def close(
-        self, record: RequestRecord, outcome: Outcome, *, at: float | None = None, error: str | None = None
-    ) -> None:
-        with self._cond:
-            record.ended_at = at if at is not None else time.monotonic()
-            record.outcome = outcome
-            record.error = error
-            if outcome == "disconnected":
-                record.disconnected_at = record.ended_at
-            self._cond.notify_all()
-
-    def snapshot(self) -> list[RequestRecord]:
-        with self._cond:
-            return [dataclasses.replace(record) for record in self._records]
-
-    def count(self) -> int:
-        with self._cond:
-            return len(self._records)
-
-    def clear(self) -> int:
-        with self._cond:
-            cleared = len(self._records)
-            self._records = []
-            return cleared
-
-    def wait_for(self, predicate: Callable[[list[RequestRecord]], _T | None], timeout: float) -> _T | None:
-        """Block until ``predicate(records)`` is truthy or ``timeout`` passes; return its last value."""
-        with self._cond:
-            result = self._cond.wait_for(lambda: predicate(self._records), timeout)
-            return dataclasses.replace(result) if isinstance(result, RequestRecord) else result
-
-
-def _first(records: list[RequestRecord], test: Callable[[RequestRecord], bool]) -> RequestRecord | None:
-    return next((record for record in records if test(record)), None)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -481,7 +103,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], log: _RecordLog, verbose: bool) -> None:
+    def __init__(self, address: tuple[str, int], log: RecordLog, verbose: bool) -> None:
         self.log = log
         self.verbose = verbose
         self._connections: set[socket.socket] = set()
@@ -526,7 +148,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "ScriptedModelServer/1.0"
 
     @property
-    def _log(self) -> _RecordLog:
+    def _log(self) -> RecordLog:
         return cast(_Server, self.server).log
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -546,7 +168,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/_records":
             self._send_json(HTTPStatus.OK, [record.to_json() for record in self._log.snapshot()])
         else:
-            self._send_json(HTTPStatus.NOT_FOUND, _error_json(f"no route GET {path}", "not_found"))
+            self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route GET {path}", "not_found"))
 
     def do_POST(self) -> None:
         """Serve ``/v1/chat/completions`` and ``/_reset``; anything else is a JSON 404."""
@@ -557,7 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/_reset":
             self._send_json(HTTPStatus.OK, {"cleared": self._log.clear()})
         else:
-            self._send_json(HTTPStatus.NOT_FOUND, _error_json(f"no route POST {path}", "not_found"))
+            self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route POST {path}", "not_found"))
 
     # -- chat completions -------------------------------------------------------------------------------
 
@@ -576,11 +198,11 @@ class _Handler(BaseHTTPRequestHandler):
         except ScriptError as exc:
             self._reject(record, str(exc), "unknown_behaviour", "model")
             return
-        completion = _Completion(model, sum(len(_message_text(m).split()) for m in messages))
+        completion = Completion(model, sum(len(message_text(m).split()) for m in messages))
         try:
             self._pause(script.delay_first)
             repeated = script.stall_at is not None and self._log.repeats(record)
-            reply = _plan_reply(script, messages, repeated=repeated)
+            reply = plan_reply(script, messages, repeated=repeated)
             if stream:
                 self._stream(record, completion, reply, include_usage=request["include_usage"])
             else:
@@ -599,18 +221,18 @@ class _Handler(BaseHTTPRequestHandler):
         """Close ``record`` as an error and answer with an OpenAI-style 400."""
         self._log.close(record, "error", error=message)
         try:
-            self._send_json(HTTPStatus.BAD_REQUEST, _error_json(message, code, param))
+            self._send_json(HTTPStatus.BAD_REQUEST, error_json(message, code, param))
         except _ClientGone:
             self.close_connection = True
 
-    def _respond(self, record: RequestRecord, completion: _Completion, reply: _Reply) -> None:
+    def _respond(self, record: RequestRecord, completion: Completion, reply: Reply) -> None:
         """Non-streaming: wait for the whole 'generation' while watching the client, then answer."""
         self._pause(reply.piece_delay * len(reply.pieces))
         self._send_json(HTTPStatus.OK, completion.body(reply))
         self._log.add_tokens(record, reply.completion_tokens)
 
     def _stream(
-        self, record: RequestRecord, completion: _Completion, reply: _Reply, *, include_usage: bool
+        self, record: RequestRecord, completion: Completion, reply: Reply, *, include_usage: bool
     ) -> None:
         """Streaming: SSE chunks over chunked transfer encoding, ending with ``data: [DONE]``."""
         self.send_response(HTTPStatus.OK)
@@ -689,7 +311,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length > 0 else b""
 
 
-def _tool_call_start(index: int, call: _ToolCall, *, first: bool) -> dict[str, Any]:
+def _tool_call_start(index: int, call: ToolCall, *, first: bool) -> dict[str, Any]:
     """The delta that opens tool call ``index`` (id, type, name; arguments follow in the next chunk)."""
     start = {
         "index": index,
@@ -713,7 +335,7 @@ def _parse_request(raw: bytes) -> dict[str, Any]:
         raise ValueError("request body must be a JSON object")
     model, messages = body.get("model"), body.get("messages")
     if not isinstance(model, str) or not model:
-        raise ValueError(f"'model' must be a non-empty string; {_supported()}")
+        raise ValueError(f"'model' must be a non-empty string; {supported()}")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ValueError("'messages' must be a list of objects")
     stream_options = body.get("stream_options") or {}
@@ -741,7 +363,7 @@ class ScriptedModelServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False) -> None:
         self._address = (host, port)
         self._verbose = verbose
-        self._log = _RecordLog()
+        self._log = RecordLog()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -833,12 +455,14 @@ class ScriptedModelServer:
     def wait_for_disconnect(self, timeout: float = 5.0) -> RequestRecord | None:
         """Wait for the first request whose outcome is ``"disconnected"``; ``None`` on timeout."""
         return self._log.wait_for(
-            lambda records: _first(records, lambda r: r.outcome == "disconnected"), timeout
+            lambda records: first_record(records, lambda r: r.outcome == "disconnected"), timeout
         )
 
     def wait_for_tokens(self, k: int, timeout: float = 5.0) -> RequestRecord | None:
         """Wait until some request has sent at least ``k`` tokens; return it, or ``None`` on timeout."""
-        return self._log.wait_for(lambda records: _first(records, lambda r: r.tokens_sent >= k), timeout)
+        return self._log.wait_for(
+            lambda records: first_record(records, lambda r: r.tokens_sent >= k), timeout
+        )
 
     def wait_for_finished(self, n: int = 1, timeout: float = 5.0) -> list[RequestRecord] | None:
         """Wait until the first ``n`` requests have all finished; return them, or ``None`` on timeout."""
