@@ -18,7 +18,8 @@ from pydantic_ai.toolsets import FunctionToolset
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
-from cancellable_agents.run.runner import current_run_tracker, run_agent_in_scope
+from cancellable_agents.run.runner import run_agent_in_scope
+from cancellable_agents.run.tracker import current_run_tracker
 
 
 class CallOnce:

@@ -18,7 +18,9 @@ The model, in four rules:
 - The outcome is settled once; ``COMPLETED`` loses to a cancel here or above.
 
 Every mutable field is guarded by ``_lock`` (one lock per scope; re-entrant, because ``cancel``
-may run as a signal handler while the same thread holds it). Airflow-free.
+may run as a signal handler while the same thread holds it). That lock is why this is one
+module of ~500 lines: the scope's state is one class, and splitting it would split the lock.
+Airflow-free.
 """
 
 from __future__ import annotations
