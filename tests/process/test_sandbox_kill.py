@@ -1,196 +1,29 @@
-"""Killing process trees for real: sandboxes in both isolation modes, a real SIGTERM to a task
-process, the descendant reaper without a sandbox, and kills that stay targeted.
+"""Killing sandboxed process trees for real: a real SIGTERM (and SIGKILL) to a task process, kills
+that stay targeted, hostile commands contained. (A stop of one command's tree:
+``test_sandbox_command.py``; the descendant reaper without a sandbox: ``test_reaper.py``.)
 
 Long-running processes are ``sleep 3NN.<digits>`` with a per-test marker; survivors are found in
-/proc by that marker and, if a test fails, SIGKILLed by pid.
+/proc by that marker and, if a test fails, SIGKILLed by pid (see ``trees.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
+from tests.process.trees import MODES, ChildTask, eventually, sleepers, survivors
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
-
-TASK_SCRIPT = Path(__file__).with_name("_sandbox_task.py")
-SRC = Path(__file__).parents[2] / "src"
-NAMESPACE = pytest.param(
-    "namespace",
-    marks=pytest.mark.skipif(
-        not bwrap_support().usable,
-        reason=f"bubblewrap cannot create PID namespaces here: {bwrap_support().reason}",
-    ),
-)
-MODES = [NAMESPACE, "process-group"]
-
-
-# -- helpers --------------------------------------------------------------------------------
-
-
-def eventually(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
-
-
-def survivors(marker: str, name: str | None = None) -> list[int]:
-    """Running (non-zombie) processes whose command line contains ``marker``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if name is not None and proc.name() != name:
-                continue
-            if marker in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
-def sleepers(marker: str) -> list[int]:
-    return survivors(marker, name="sleep")
-
-
-@pytest.fixture
-def marker() -> Iterator[str]:
-    value = f"3{uuid.uuid4().int % 100:02d}.{uuid.uuid4().int % 10**8:08d}"
-    yield value
-    for pid in survivors(value):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-class ChildTask:
-    """``_sandbox_task.py MODE MARKER`` with its stdout read line by line on a thread."""
-
-    def __init__(self, mode: str, marker: str, *extra: str) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(TASK_SCRIPT), mode, marker, *extra],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-
-    def next_line(self, timeout: float) -> str:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            self.proc.kill()
-            _, err = self.proc.communicate(timeout=10)
-            raise AssertionError(f"no output from the task within {timeout}s; stderr:\n{err}") from None
-
-    def ready(self, timeout: float = 30.0) -> dict[str, Any]:
-        line = self.next_line(timeout)
-        assert line.startswith("READY "), line
-        return json.loads(line[len("READY ") :])
-
-    def result(self, timeout: float = 30.0) -> dict[str, Any]:
-        record = json.loads(self.next_line(timeout))
-        assert self.proc.wait(timeout) == 0
-        return record
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-@pytest.fixture
-def child_tasks() -> Iterator[Callable[..., ChildTask]]:
-    started: list[ChildTask] = []
-
-    def start(mode: str, marker: str, *extra: str) -> ChildTask:
-        task = ChildTask(mode, marker, *extra)
-        started.append(task)
-        return task
-
-    yield start
-    for task in started:
-        task.close()
-
-
-# -- stop() kills the whole tree ------------------------------------------------------------
-
-
-@pytest.mark.skipif(not bwrap_support().usable, reason=f"no PID namespaces here: {bwrap_support().reason}")
-def test_namespace_stop_kills_setsid_and_double_forked_children_within_a_second(marker: str) -> None:
-    box = LocalSandbox(isolation="namespace", stop_grace=1.0)
-    try:
-        command = box.start(
-            f"setsid sleep {marker} & (sleep {marker} &) ; (setsid sleep {marker} &) ; sleep {marker}"
-        )
-        eventually(lambda: len(sleepers(marker)) == 4)
-        started = time.monotonic()
-        box.stop(command)
-        eventually(lambda: survivors(marker) == [], timeout=1.0, interval=0.002)
-        assert time.monotonic() - started < 1.0
-        assert box.wait(command, timeout=1).stopped
-    finally:
-        box.destroy()
-
-
-def test_process_group_stop_kills_every_tracked_descendant(marker: str) -> None:
-    """The fallback's guarantee: the process group plus every descendant the tracker saw.
-
-    ``setsid sleep`` leaves the group but stays the shell's child, so the tracker sees it; the
-    ``(sleep &)`` orphan is reparented at once but stays in the group.
-    """
-    box = LocalSandbox(isolation="process-group", stop_grace=1.0)
-    try:
-        command = box.start(f"setsid sleep {marker} & (sleep {marker} &) ; sleep {marker}")
-        eventually(lambda: len(sleepers(marker)) == 3)
-        setsid_sleep = [p for p in sleepers(marker) if os.getsid(p) == p]
-        assert len(setsid_sleep) == 1
-        eventually(lambda: setsid_sleep[0] in box.descendants(command))
-        box.stop(command)
-        eventually(lambda: survivors(marker) == [], timeout=1.0, interval=0.002)
-    finally:
-        box.destroy()
-
-
-def test_process_group_catches_an_untracked_double_forked_setsid_child_by_its_tag(marker: str) -> None:
-    """``(setsid sleep &)`` leaves group and tree within microseconds; the inherited
-    ``CANCELLABLE_AGENTS_COMMAND`` tag still identifies it (it would not if it cleared its env)."""
-    box = LocalSandbox(isolation="process-group", stop_grace=1.0)
-    try:
-        command = box.start(f"(setsid sleep {marker} &) ; sleep {marker}")
-        eventually(lambda: len(sleepers(marker)) == 2)
-        box.stop(command)
-        eventually(lambda: survivors(marker) == [], timeout=1.0, interval=0.002)
-    finally:
-        box.destroy()
 
 
 # -- a real SIGTERM to a task process --------------------------------------------------------
@@ -229,48 +62,6 @@ def test_sigkill_of_the_task_leaves_no_boundary_command_running(
     assert len(task.ready()["sleepers"]) == 3
     task.proc.kill()
     eventually(lambda: survivors(marker) == [], timeout=5.0)
-
-
-def test_sigterm_to_the_task_pid_reaps_what_an_async_tool_started_without_a_sandbox(
-    marker: str, child_tasks: Callable[..., ChildTask]
-) -> None:
-    task = child_tasks("reaper", marker)
-    ready = task.ready()
-    os.kill(task.proc.pid, signal.SIGTERM)
-    record = task.result()
-    assert survivors(marker) == []
-    assert record["outcome"] == "cancelled: unknown"
-    assert record["zombies"] == [], "orphans reparented to the subreaper must be reaped"
-    killed = {k["pid"]: k["command"] for k in record["summary"]["killed"]}
-    assert set(ready["sleepers"]) <= set(killed), record["summary"]["killed"]
-    # Named as they were when killed: the setsid'd one was seen as a bash for its first second.
-    assert all(killed[pid] == f"sleep {marker}" for pid in ready["sleepers"]), killed
-
-
-def test_reaper_spares_what_existed_before_the_run_and_is_idempotent(
-    marker: str, child_tasks: Callable[..., ChildTask]
-) -> None:
-    task = child_tasks("reaper-baseline", marker)
-    ready = task.ready()
-    record = task.result()
-    assert record["subreaper"] is True
-    assert record["before_alive"] is True
-    assert {k["pid"] for k in record["killed"]} == set(ready["during"])
-    assert record["second_reap"] == []
-    assert record["zombies"] == []
-    assert survivors(f"{marker}2") == []
-
-
-def test_reaper_reaps_reparented_orphans_at_once_and_leaves_owned_children_to_their_owner(
-    marker: str, child_tasks: Callable[..., ChildTask]
-) -> None:
-    task = child_tasks("reaper-orphans", marker)
-    task.ready()
-    record = task.result()
-    assert record["orphans_left"] == [], "orphans reparented to the subreaper must be reaped as they exit"
-    assert record["owned_exit"] == 7, "a Popen child's exit status must be left for its Popen"
-    assert record["reap_s"] < 2.0, "reap() waited an owner grace for an orphan nobody here owns"
-    assert record["zombies"] == []
 
 
 # -- kills stay targeted ---------------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_process_group_mode_warns_once_per_task_that_it_is_no_boundary(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     scope, other = TaskCancellation("a"), TaskCancellation("b")
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local"):
+    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.isolation"):
         boxes = [LocalSandbox(isolation="process-group", scope=s) for s in (scope, scope, other)]
     warnings = [r.getMessage() for r in caplog.records if "NOT a security boundary" in r.getMessage()]
     assert len(warnings) == 2, warnings  # a once, b once

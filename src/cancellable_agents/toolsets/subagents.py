@@ -41,10 +41,9 @@ How to write sync tools that stop in time: ``docs/content/tools.md``. This modul
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,7 +56,10 @@ from pydantic_ai.usage import RunUsage
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
-from cancellable_agents.run.runner import RunTracker, current_run_tracker, run_agent_in_scope_async
+from cancellable_agents.core.shield import wait_shielded
+from cancellable_agents.core.usage import usage_dict
+from cancellable_agents.run.runner import run_agent_in_scope_async
+from cancellable_agents.run.tracker import RunTracker, current_run_tracker
 
 __all__ = ["Subagent", "SubagentToolset", "run_subagent", "run_subagent_sync"]
 
@@ -310,23 +312,26 @@ async def _hand_over(child: TaskCancellation, task: asyncio.Task[Any], tracker: 
     """The delegating tool was cancelled: stop the child's in-flight work, then let it tear down.
 
     Waiting for the child's *in-flight* work keeps the order (work stops before the parent's
-    toolsets tear down); not waiting for the child's *teardown* keeps depth from adding up.
+    toolsets tear down); not waiting for the child's *teardown* keeps depth from adding up: a
+    run of ours around this tool awaits it after its own teardown. Without one, the whole child
+    is awaited. Either wait lasts through repeated cancels, within the child's budget, and then
+    raises the cancel it absorbed (the caller re-raises its own if there was none).
     """
     child.cancel(CancelCause.PARENT, detail="the delegating tool was cancelled")
-    stopped = asyncio.ensure_future(tracker.in_flight_stopped.wait())
-    try:
-        await _wait_despite_cancel([task, stopped], child.remaining())
-    finally:
-        stopped.cancel()
     task.add_done_callback(_retrieve)
-    if task.done():
-        return
     holder = current_run_tracker()
+    awaited: list[asyncio.Future[Any]] = [task]
     if holder is not None:
-        child.record("teardown_handed_to_parent")
-        holder.linger(task)
-        return
-    await _wait_despite_cancel([task], child.remaining())
+        awaited.append(asyncio.ensure_future(tracker.in_flight_stopped.wait()))
+    first_done = asyncio.wait(awaited, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await wait_shielded(first_done, f"sub-agent {child.name!r}'s hand-over", timeout=child.remaining())
+    finally:
+        for future in awaited[1:]:
+            future.cancel()
+        if holder is not None and not task.done():
+            child.record("teardown_handed_to_parent")
+            holder.linger(task)
 
 
 async def _propagate(parent: TaskCancellation | None, child: TaskCancellation, exc: TaskCancelled) -> None:
@@ -350,20 +355,6 @@ def _cancel_parent(parent: TaskCancellation, child: TaskCancellation, exc: TaskC
         parent.cancel(exc.cause, detail=f"sub-agent {child.name!r} was cancelled ({exc.cause.value})")
 
 
-async def _wait_despite_cancel(futures: Iterable[asyncio.Future[Any]], timeout: float) -> None:
-    """Wait until one of ``futures`` is done or ``timeout`` passes, even if cancelled meanwhile.
-
-    The caller re-raises its own cancellation afterwards; repeated cancels (pydantic-ai and the
-    scope both cancel in-flight tools) must not cut the bounded wait short.
-    """
-    pending = list(futures)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not any(f.done() for f in pending) and (left := deadline - loop.time()) > 0:
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-
-
 def _retrieve(task: asyncio.Task[Any]) -> None:
     """Mark a handed-over child's outcome as seen (it is on the child's record already)."""
     if not task.cancelled():
@@ -381,7 +372,7 @@ def _attach_run(
 ) -> None:
     if usage is not None and parent_usage is not None and parent_usage is not usage:
         parent_usage.incr(usage)
-    child.attach(messages=len(messages), usage=_usage_dict(usage), transcript=_transcript(messages))
+    child.attach(messages=len(messages), usage=usage_dict(usage), transcript=_transcript(messages))
 
 
 def _transcript(messages: list[ModelMessage]) -> list[Any]:
@@ -390,17 +381,6 @@ def _transcript(messages: list[ModelMessage]) -> list[Any]:
     except Exception as exc:  # a record must never fail the unwind
         log.warning("could not serialise a sub-agent transcript: %r", exc)
         return []
-
-
-def _usage_dict(usage: RunUsage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    return {
-        "requests": usage.requests,
-        "tool_calls": usage.tool_calls,
-        "input_tokens": usage.input_tokens,
-        "output_tokens": usage.output_tokens,
-    }
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cancellable_agents.procs.proc import read_proc
 
-__all__ = ["WORKDIR_PREFIX", "new_workdir", "remove_orphaned_workdirs"]
+__all__ = ["WORKDIR_PREFIX", "new_workdir", "prepare_workdir", "remove_orphaned_workdirs"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,17 @@ def new_workdir() -> Path:
     owner = _owner_tag(os.getpid())
     prefix = f"{WORKDIR_PREFIX}{owner}-" if owner else WORKDIR_PREFIX
     return Path(tempfile.mkdtemp(prefix=prefix)).resolve()
+
+
+def prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
+    """The resolved workdir (a :func:`new_workdir` if ``None``, created if missing) and whether
+    we created it (and so may delete it)."""
+    if workdir is None:
+        return new_workdir(), True
+    path = Path(workdir).resolve()
+    existed = path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    return path, not existed
 
 
 def remove_orphaned_workdirs(root: str | os.PathLike[str] | None = None) -> list[Path]:
