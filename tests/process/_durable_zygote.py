@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from airflow.sdk import ObjectStoragePath
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
@@ -102,16 +103,13 @@ def run_try(
         return f"step {n} ok"
 
     scope = TaskCancellation(f"try{try_number}")
-    journal = Journal(KilledAtBoundary(store_url), try_number=try_number, scope=scope)
+    journal = Journal(KilledAtBoundary(ObjectStoragePath(store_url)), try_number=try_number, scope=scope)
     try:
         with scope.activate():
             result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)
     except TaskCancelled as exc:
-        journal.cancelled(exc)
-        journal.write_end()
         emit("cancelled", cause=exc.cause.value, detail=exc.detail)
         return
-    journal.completed(result)
     resumed = journal.resume
     emit("completed", output=result.output, resumed_messages=resumed.messages if resumed else 0)
 
@@ -129,12 +127,12 @@ def warm_up() -> None:
 
     for name in ("anyio._backends._asyncio", "httpcore", "genai_prices.data", "openai.types.chat"):
         importlib.import_module(name)
-    PathStore("file:///nonexistent-warm-up")
+    PathStore(ObjectStoragePath("file:///nonexistent-warm-up"))
     agent: Agent[None, str] = Agent(FunctionModel(lambda m, i: ModelResponse(parts=[TextPart("ok")])))
     scope = TaskCancellation("warm-up")
     journal = Journal(MemoryStore(), try_number=1, scope=scope)
     with scope.activate():
-        journal.completed(run_agent_in_scope(scope, agent, "warm up", journal=journal))
+        run_agent_in_scope(scope, agent, "warm up", journal=journal)
     assert threading.active_count() == 1, f"the zygote must fork single-threaded: {threading.enumerate()}"
 
 

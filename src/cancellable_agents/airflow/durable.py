@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from cancellable_agents.airflow.adapter import has_task_state_store
+from cancellable_agents.airflow.metrics import step_write_timer
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable.journal import Journal
-from cancellable_agents.durable.stores import PathStore, TaskStateStore
+from cancellable_agents.durable.stores import PathStore, Store, TaskStateStore
 
 
 def check_durable(operator: Any) -> None:
@@ -54,7 +55,18 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
         usage_spans_tries=operator.usage_limits_span_tries,
         scope=operator.cancellation,
         clear_count=_clear_number(context),
+        on_step_written=step_write_timer(operator),
     )
+
+
+def storage_path(value: Any) -> Any:
+    """``durable_path=`` as an ``ObjectStoragePath``: a string is a URL (``s3://bucket/agents``)
+    or a local path (``/shared/agents``); a path object is used as it is."""
+    if not isinstance(value, str):
+        return value
+    from airflow.sdk import ObjectStoragePath
+
+    return ObjectStoragePath(value if "://" in value else f"file://{value}")
 
 
 def _clear_number(context: Any) -> int | None:
@@ -64,11 +76,15 @@ def _clear_number(context: Any) -> int | None:
     return number if isinstance(number, int) else None
 
 
-def _store(operator: Any, context: Any, ti: Any) -> Any:
+def _store(operator: Any, context: Any, ti: Any) -> Store:
     if operator.durable_path is not None:
         map_index = getattr(ti, "map_index", -1)
         return PathStore.for_task(
-            operator.durable_path, ti.dag_id, ti.run_id, ti.task_id, -1 if map_index is None else map_index
+            storage_path(operator.durable_path),
+            ti.dag_id,
+            ti.run_id,
+            ti.task_id,
+            -1 if map_index is None else map_index,
         )
     accessor = context.get("task_state_store") if hasattr(context, "get") else None
     if accessor is None:

@@ -7,24 +7,23 @@ ran there (at-least-once for the step that was in flight).
 
 from __future__ import annotations
 
-from cancellable_agents.durable.journal import (
-    Journal,
-    JournalCapability,
-    RecordProblem,
-    ResumeInfo,
-    Store,
-    TryUsage,
-    current_resume,
-    fingerprint,
-)
-from cancellable_agents.durable.stores import MemoryStore, PathStore, TaskStateStore
+from cancellable_agents.durable.capability import JournalCapability
+from cancellable_agents.durable.fingerprint import fingerprint
+from cancellable_agents.durable.journal import Journal
+from cancellable_agents.durable.reasons import FreshStart, RecordingOff
+from cancellable_agents.durable.record import RecordProblem
+from cancellable_agents.durable.resume import ResumeInfo, current_resume
+from cancellable_agents.durable.stores import MemoryStore, PathStore, Store, TaskStateStore
+from cancellable_agents.durable.usage import TryUsage
 
 __all__ = [
+    "FreshStart",
     "Journal",
     "JournalCapability",
     "MemoryStore",
     "PathStore",
     "RecordProblem",
+    "RecordingOff",
     "ResumeInfo",
     "Store",
     "TaskStateStore",

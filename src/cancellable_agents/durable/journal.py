@@ -1,4 +1,5 @@
-"""The continuity record of one agent run across the tries of its task (``durable=True``).
+"""The journal: one durable run's continuity record in one try, and the policy of when a try
+continues an earlier one (``durable=True``).
 
 The record lives in a key-value store that survives the task's retries (Airflow 3.3's task state
 store, or files under an ``ObjectStoragePath``). It is written while the run goes, never at kill
@@ -7,16 +8,7 @@ model's response; the tool returns) are appended as one entry each, before the n
 An entry holds one message, so the cost of a step does not grow with the history. Of a model
 response with several tool calls (parallel calls), each call's result is also appended as it
 arrives, while its siblings still run: a kill then reruns only the calls that had not returned.
-
-Layout (``<p>`` = ``cancellable_agents.durable.<run>``, one per ``run_agent_sync`` call of a task):
-
-- ``<p>``: the header, written once per try: format, fingerprint of the run's inputs (prompt,
-  system prompt, instructions, model, tool names), a generation id, the owning try (number and a
-  token that fences older tries off), and the usage of every earlier try.
-- ``<p>.<generation>.<i>``: entry ``i``: a message (``kind: message``), one parallel call's result
-  (``kind: tool_result``), or how a try ended (``kind: end``: cause, what the user did, usage), its
-  try number, and a hash chained over the previous entry, so an edited, missing or reordered
-  entry is detected.
+The layout and its checks: :mod:`cancellable_agents.durable.record`.
 
 The next try resumes from the record when the previous one was evicted, timed out, ended for an
 unknown reason, or died without a word; a user's stop (Clear) starts fresh unless
@@ -30,341 +22,45 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic_ai.agent import ModelRequestNode
-from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.messages import (
-    ModelMessage,
-    ModelMessagesTypeAdapter,
-    ModelRequest,
-    ModelResponse,
-    ToolCallPart,
-    ToolReturn,
-)
-from pydantic_ai.usage import RunUsage
+from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart, ToolReturn
 from pydantic_core import to_jsonable_python
 
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.durable.capability import JournalCapability
+from cancellable_agents.durable.fingerprint import fingerprint, run_toolsets, workspace_lost_on_retry
+from cancellable_agents.durable.reasons import FreshStart, RecordingOff
+from cancellable_agents.durable.record import (
+    FORMAT,
+    KEY_PREFIX,
+    LoadedRecord,
+    RecordProblem,
+    chain,
+    dump_message,
+    load_record,
+)
+from cancellable_agents.durable.resume import ResumeInfo, active_resume
+from cancellable_agents.durable.stores import Store
+from cancellable_agents.durable.usage import TryUsage, add_usage, minus_usage, total_usage
 
 log = logging.getLogger(__name__)
 
-#: Bumped when the layout changes; a record of another format is not used (fresh start).
-FORMAT = 1
-KEY_PREFIX = "cancellable_agents.durable"
 #: An older try whose last entry is younger than this and that wrote no end may still be alive.
 LIVE_WINDOW_S = 30.0
-#: Told to a resumed run whose toolsets include a sandbox: the workspace did not survive the try.
+#: Told to a resumed run whose toolsets' workspace did not survive the try (a sandbox's).
 SANDBOX_NOTE = (
     "This run was resumed after the task's previous try was stopped (try {previous} -> try {current}). "
     "The sandbox workspace of the previous try is gone: files written there no longer exist; "
     "recreate what you still need."
 )
-
-
-class Store(Protocol):
-    """A key-value store of JSON values that survives the task's retries."""
-
-    def get(self, key: str) -> Any:
-        """The value, or ``None`` if the key does not exist."""
-
-    def set(self, key: str, value: Any) -> None: ...
-
-    def delete(self, key: str) -> None:
-        """Remove the key; no error if it does not exist."""
-
-
-class RecordProblem(Exception):
-    """Why a record cannot be used (the one warning names it)."""
-
-
-@dataclass(frozen=True)
-class ResumeInfo:
-    """How this run continues an earlier try, for tools that must know they are a re-run.
-
-    ``rerun_tool_calls``: ids of the tool calls that were in flight when the earlier try
-    stopped; they run again (at-least-once). ``replayed_tool_calls``: calls of that same model
-    response that had returned (parallel siblings); their recorded results are used, they do
-    not run. Every other completed tool call is in the restored messages and is not redone.
-    """
-
-    try_number: int
-    from_try: int
-    messages: int
-    rerun_tool_calls: frozenset[str] = frozenset()
-    replayed_tool_calls: frozenset[str] = frozenset()
-
-    def is_rerun(self, tool_call_id: str | None) -> bool:
-        """Whether the tool call ``tool_call_id`` (``ctx.tool_call_id``) already ran in an earlier try."""
-        return tool_call_id is not None and tool_call_id in self.rerun_tool_calls
-
-
-_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVar(
-    "cancellable_agents_resume", default=None
-)
-
-
-def current_resume() -> ResumeInfo | None:
-    """The :class:`ResumeInfo` of the durable run this code belongs to, or ``None`` (a fresh run,
-    a run without ``durable=True``, or outside any run). Usable from async and sync tools."""
-    return _resume.get()
-
-
-@dataclass
-class TryUsage:
-    """What one try spent, as recorded (model responses received; tokens as the model reported)."""
-
-    try_number: int
-    requests: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    tool_calls: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "try": self.try_number,
-            "requests": self.requests,
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "tool_calls": self.tool_calls,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TryUsage:
-        return cls(
-            int(data["try"]),
-            int(data.get("requests", 0)),
-            int(data.get("input_tokens", 0)),
-            int(data.get("output_tokens", 0)),
-            int(data.get("tool_calls", 0)),
-        )
-
-    @classmethod
-    def of_run(cls, try_number: int, usage: Any) -> TryUsage:
-        if callable(usage) and not isinstance(usage, RunUsage):  # older pydantic-ai: ``result.usage()``
-            usage = usage()
-        return cls(
-            try_number,
-            int(getattr(usage, "requests", 0) or 0),
-            int(getattr(usage, "input_tokens", 0) or 0),
-            int(getattr(usage, "output_tokens", 0) or 0),
-            int(getattr(usage, "tool_calls", 0) or 0),
-        )
-
-
-def total_usage(tries: Iterable[TryUsage]) -> dict[str, int]:
-    """The sum of ``tries`` (``try`` dropped)."""
-    total = {"requests": 0, "input_tokens": 0, "output_tokens": 0, "tool_calls": 0}
-    for item in tries:
-        for name in total:
-            total[name] += getattr(item, name)
-    return total
-
-
-# -- fingerprint -----------------------------------------------------------------------------
-
-
-def fingerprint(agent: Any, user_prompt: Any, run_kwargs: dict[str, Any]) -> str:
-    """A hash of what makes a run this run: prompt, history given, system prompt, instructions,
-    model and tool names. Dynamic (function) system prompts count by name, not by what they say."""
-    facts = {
-        "prompt": _jsonable(user_prompt),
-        "history": len(run_kwargs.get("message_history") or ()),
-        "system_prompt": [str(p) for p in getattr(agent, "_system_prompts", ())],
-        "dynamic_system_prompt": [_name(f) for f in getattr(agent, "_system_prompt_functions", ())],
-        "instructions": [_jsonable(getattr(i, "instruction", i)) for i in getattr(agent, "_instructions", ())]
-        + [_jsonable(run_kwargs.get("instructions"))],
-        "model": model_name(run_kwargs.get("model") or getattr(agent, "model", None)),
-        "tools": sorted(tool_names([*getattr(agent, "toolsets", ()), *(run_kwargs.get("toolsets") or ())])),
-    }
-    return hashlib.sha256(_canonical(facts).encode()).hexdigest()[:32]
-
-
-def model_name(model: Any) -> str:
-    if model is None or isinstance(model, str):
-        return str(model)
-    return f"{getattr(model, 'system', '')}:{getattr(model, 'model_name', type(model).__name__)}"
-
-
-def tool_names(toolsets: Iterable[Any]) -> list[str]:
-    """Names of the tools of ``toolsets`` (function toolsets by tool, others by label), walking
-    wrapper and combined toolsets."""
-    names: list[str] = []
-    for toolset in toolsets:
-        names.extend(_toolset_names(toolset))
-    return names
-
-
-def has_sandbox(toolsets: Iterable[Any]) -> bool:
-    from cancellable_agents.toolsets.sandbox import SandboxToolset
-
-    return any(isinstance(t, SandboxToolset) for t in _walk(toolsets))
-
-
-def _toolset_names(toolset: Any) -> list[str]:
-    names: list[str] = []
-    for item in _walk([toolset]):
-        tools = getattr(item, "tools", None)
-        if isinstance(tools, dict):
-            names.extend(str(name) for name in tools)
-        elif not hasattr(item, "wrapped") and not hasattr(item, "toolsets"):
-            names.append(f"toolset:{getattr(item, 'label', type(item).__name__)}")
-    return names
-
-
-def _walk(toolsets: Iterable[Any]) -> Iterable[Any]:
-    for toolset in toolsets:
-        yield toolset
-        wrapped = getattr(toolset, "wrapped", None)
-        if wrapped is not None:
-            yield from _walk([wrapped])
-        inner = getattr(toolset, "toolsets", None)
-        if isinstance(inner, (list, tuple)):
-            yield from _walk(inner)
-
-
-def _name(fn: Any) -> str:
-    fn = getattr(fn, "function", fn)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-    return value
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def _chain(prev: str, body: dict[str, Any]) -> str:
-    return hashlib.sha256((prev + _canonical(body)).encode()).hexdigest()[:32]
-
-
-def _dump(message: ModelMessage) -> Any:
-    return ModelMessagesTypeAdapter.dump_python([message], mode="json")[0]
-
-
-# -- reading a record ------------------------------------------------------------------------
-
-
-@dataclass
-class _Loaded:
-    """A record that passed every check."""
-
-    header: dict[str, Any]
-    entries: list[dict[str, Any]]
-    messages: list[ModelMessage]
-    last_hash: str
-
-    @property
-    def owner_try(self) -> int:
-        return int(self.header["owner"]["try"])
-
-    def end_of(self, try_number: int) -> dict[str, Any] | None:
-        ends = [e for e in self.entries if e["kind"] == "end" and e["try"] == try_number]
-        return ends[-1] if ends else None
-
-    def tries(self) -> list[TryUsage]:
-        """Usage of every try so far: earlier tries from the header, the owner's from its entries."""
-        earlier = [TryUsage.from_dict(t) for t in self.header.get("tries", ())]
-        owner = self.owner_try
-        end = self.end_of(owner)
-        if end is not None and isinstance(end.get("usage"), dict):
-            return [*earlier, TryUsage.from_dict({**end["usage"], "try": owner})]
-        usage = TryUsage(owner)
-        for entry, message in zip(self._message_entries(), self.messages, strict=True):
-            if entry["try"] == owner and isinstance(message, ModelResponse):
-                usage.requests += 1
-                usage.input_tokens += message.usage.input_tokens or 0
-                usage.output_tokens += message.usage.output_tokens or 0
-                usage.tool_calls += sum(isinstance(p, ToolCallPart) for p in message.parts)
-        return [*earlier, usage]
-
-    def _message_entries(self) -> list[dict[str, Any]]:
-        return [e for e in self.entries if e["kind"] == "message"]
-
-    def returned_in_flight(self) -> dict[str, Any]:
-        """Results recorded for tool calls of the last message (a model response whose step did
-        not complete), by tool call id: the siblings that returned before the try stopped."""
-        last = self.messages[-1] if self.messages else None
-        if not isinstance(last, ModelResponse):
-            return {}
-        calls = {p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart)}
-        after = self.entries[max(i for i, e in enumerate(self.entries) if e["kind"] == "message") :]
-        return {
-            e["tool_call_id"]: e["result"]
-            for e in after
-            if e["kind"] == "tool_result" and e.get("tool_call_id") in calls
-        }
-
-
-def _load(store: Store, key: str, fp: str) -> _Loaded | None:
-    """The record under ``key``, checked; ``None`` if there is none. Raises :class:`RecordProblem`."""
-    header = store.get(key)
-    if header is None:
-        return None
-    try:
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise RecordProblem(f"its header is not a format-{FORMAT} record header")
-        gen = str(header["generation"])
-        int(header["owner"]["try"])
-        str(header["owner"]["token"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RecordProblem(f"its header does not parse ({exc!r})") from exc
-    if header.get("fingerprint") != fp:
-        raise RecordProblem(
-            "it belongs to a different run (the prompt, system prompt, model or tools changed)"
-        )
-    entries = _read_entries(store, f"{key}.{gen}")
-    last = entries[-1]["h"] if entries else ""
-    messages = _parse_messages([e for e in entries if e["kind"] == "message"])
-    return _Loaded(header, entries, messages, last)
-
-
-def _read_entries(store: Store, base: str) -> list[dict[str, Any]]:
-    entries: list[dict[str, Any]] = []
-    prev = ""
-    while (entry := store.get(f"{base}.{len(entries)}")) is not None:
-        i = len(entries)
-        if not isinstance(entry, dict) or "h" not in entry:
-            raise RecordProblem(f"step {i} does not parse")
-        body = {k: v for k, v in entry.items() if k != "h"}
-        if body.get("i") != i or body.get("prev") != prev or _chain(prev, body) != entry["h"]:
-            raise RecordProblem(f"step {i} does not match its checksum (edited, reordered or corrupted)")
-        if body.get("kind") not in ("message", "tool_result", "end") or not isinstance(body.get("try"), int):
-            raise RecordProblem(f"step {i} does not parse")
-        entries.append(entry)
-        prev = entry["h"]
-    if store.get(f"{base}.{len(entries) + 1}") is not None:
-        raise RecordProblem(f"step {len(entries)} is missing")
-    return entries
-
-
-def _parse_messages(entries: Sequence[dict[str, Any]]) -> list[ModelMessage]:
-    try:
-        messages = ModelMessagesTypeAdapter.validate_python([e["message"] for e in entries])
-    except Exception as exc:
-        raise RecordProblem(f"its messages do not parse ({type(exc).__name__})") from exc
-    for i, message in enumerate(messages):
-        expected = ModelRequest if i % 2 == 0 else ModelResponse
-        if not isinstance(message, expected):
-            raise RecordProblem(f"message {i} is a {type(message).__name__}, expected a {expected.__name__}")
-    return messages
-
-
-# -- the journal -----------------------------------------------------------------------------
 
 
 @dataclass
@@ -373,9 +69,10 @@ class Journal:
 
     Used from the run's main thread only (the store may not be called from a signal handler):
     :meth:`attach` before the run, :meth:`step` after each graph step (by the capability it
-    adds), :meth:`cancelled` then :meth:`write_end`, or :meth:`completed`, after the run. A
-    store error disables the journal for the rest of the run with one warning; the run itself
-    goes on.
+    adds), :meth:`cancelled` then :meth:`write_end`, or :meth:`completed`, after the run. That
+    order is kept in one place, ``run.runner._run_journaled``: pass the journal to
+    ``run_agent_in_scope(..., journal=)``. Building one touches no store. A store error
+    disables the journal for the rest of the run with one warning; the run itself goes on.
 
     :param try_number: this try (Airflow's ``ti.try_number``); written into every entry.
     :param resume_after_clear: resume also after a user's stop (Clear); default: fresh start.
@@ -383,6 +80,10 @@ class Journal:
     :param clear_count: how often the task's run was cleared by a user so far (Airflow's
         ``dag_run.clear_number``); a try cleared away cannot write its end, so a count that grew
         since the previous try began means that try was cleared.
+    :param on_step_written: called with the milliseconds each recorded step took to write
+        (the fencing read and its appends), on the run's loop: how the Airflow side times the
+        journal without this module knowing about metrics. It must be quick; what it raises is
+        ignored.
     """
 
     store: Store
@@ -393,6 +94,7 @@ class Journal:
     scope: TaskCancellation | None = None
     clear_count: int | None = None
     clock: Any = time.time
+    on_step_written: Callable[[float], None] | None = None
     resume: ResumeInfo | None = None
     earlier: list[TryUsage] = field(default_factory=list)
     # Run state (main thread only).
@@ -402,6 +104,8 @@ class Journal:
     _prev: str = ""
     _written: int = 0
     _off: str | None = None
+    _off_reason: RecordingOff | None = None
+    _fresh: FreshStart | None = None
     _resume_token: contextvars.Token[ResumeInfo | None] | None = None
     _end: dict[str, Any] | None = None
     #: Results of the resumed response's calls that had returned, by tool call id; each is
@@ -411,6 +115,16 @@ class Journal:
     @property
     def key(self) -> str:
         return f"{KEY_PREFIX}.{self.run_key}"
+
+    @property
+    def fresh_start(self) -> FreshStart | None:
+        """Why this try started fresh; ``None`` if it resumed (or :meth:`attach` has not run)."""
+        return self._fresh
+
+    @property
+    def recording_off(self) -> RecordingOff | None:
+        """Why this try stopped writing its record; ``None`` while it still writes."""
+        return self._off_reason
 
     # -- before the run ----------------------------------------------------------------------
 
@@ -424,30 +138,46 @@ class Journal:
         given_history = list(run_kwargs.get("message_history") or ())
         fp = fingerprint(agent, user_prompt, run_kwargs)
         try:
-            loaded = self._usable(_load_or_problem(self.store, self.key, fp))
+            loaded = self._usable(self._load(fp))
             self._take_over(fp, loaded)
             if loaded is None:
                 for message in given_history:
-                    self._append({"kind": "message", "message": _dump(message)})
+                    self._append({"kind": "message", "message": dump_message(message)})
                 self._written = len(given_history)
         except Exception as exc:
+            # Whatever was decided before the store failed is void: this try runs fresh.
+            self.resume, self._replay, self._fresh = None, {}, FreshStart.STORE_ERROR
             self._disable(f"the record could not be read or written ({exc!r})")
+            self._attach_facts()
             return user_prompt, run_kwargs
         run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), JournalCapability(self)]
         if loaded is not None and self.resume is not None:
             user_prompt = None
             run_kwargs["message_history"] = loaded.messages
             self._written = len(loaded.messages)
-            if has_sandbox([*getattr(agent, "toolsets", ()), *(run_kwargs.get("toolsets") or ())]):
+            if workspace_lost_on_retry(run_toolsets(agent, run_kwargs)):
                 note = SANDBOX_NOTE.format(previous=self.resume.from_try, current=self.try_number)
                 run_kwargs["instructions"] = _with_note(run_kwargs.get("instructions"), note)
         if self.usage_spans_tries and self.earlier:
-            run_kwargs["usage"] = _add_usage(run_kwargs.get("usage"), self.earlier)
-        self._resume_token = _resume.set(self.resume)
+            run_kwargs["usage"] = add_usage(run_kwargs.get("usage"), self.earlier)
+        self._resume_token = active_resume.set(self.resume)
         self._attach_facts()
         return user_prompt, run_kwargs
 
-    def _usable(self, loaded: _Loaded | None) -> _Loaded | None:
+    def _load(self, fp: str) -> LoadedRecord | None:
+        """:func:`~cancellable_agents.durable.record.load_record`, failing closed: a bad record is
+        a fresh start with one warning naming why. Notes why there is nothing to resume."""
+        try:
+            loaded = load_record(self.store, self.key, fp)
+        except RecordProblem as problem:
+            log.warning("durable: not resuming from the stored record: %s; starting fresh", problem)
+            self._fresh = problem.reason
+            return None
+        if loaded is None:
+            self._fresh = FreshStart.NO_RECORD
+        return loaded
+
+    def _usable(self, loaded: LoadedRecord | None) -> LoadedRecord | None:
         """Decide whether this try continues ``loaded``; log why not (``None``: fresh start)."""
         if loaded is None:
             return None
@@ -461,8 +191,10 @@ class Journal:
                 previous,
                 stopped_by_user,
             )
+            self._fresh = FreshStart.USER_STOP
             return None
         if not loaded.messages:
+            self._fresh = FreshStart.NOTHING_RECORDED
             return None
         if end is None and previous != self.try_number:
             self._warn_if_alive(loaded, previous)
@@ -483,7 +215,7 @@ class Journal:
         )
         return loaded
 
-    def _stopped_by_user(self, loaded: _Loaded, end: dict[str, Any] | None) -> str:
+    def _stopped_by_user(self, loaded: LoadedRecord, end: dict[str, Any] | None) -> str:
         """What the user did to the previous try, if anything: its end entry says so, or (a cleared
         try can no longer write: its task instance is gone) the clear count grew since it began."""
         if end is not None and end.get("cause") == CancelCause.USER.value:
@@ -493,7 +225,7 @@ class Journal:
             return f"cleared: the DAG run's clear count went from {before} to {self.clear_count}"
         return ""
 
-    def _warn_if_alive(self, loaded: _Loaded, previous: int) -> None:
+    def _warn_if_alive(self, loaded: LoadedRecord, previous: int) -> None:
         age = self.clock() - float(loaded.entries[-1].get("at", 0.0)) if loaded.entries else None
         if age is not None and age < LIVE_WINDOW_S:
             log.warning(
@@ -503,7 +235,7 @@ class Journal:
                 age,
             )
 
-    def _take_over(self, fp: str, loaded: _Loaded | None) -> None:
+    def _take_over(self, fp: str, loaded: LoadedRecord | None) -> None:
         """Write this try's header: from now on older tries' appends are refused."""
         if loaded is None:
             old = self.store.get(self.key)
@@ -551,15 +283,22 @@ class Journal:
             new.append(result.request)
         if not new:
             return
+        started = time.perf_counter()
         try:
             if not self._still_owner():
                 return
             for message in new:
-                self._append({"kind": "message", "message": _dump(message)})
+                self._append({"kind": "message", "message": dump_message(message)})
         except Exception as exc:
             self._disable(f"appending a step failed ({exc!r}); later steps are not recorded")
             return
         self._written = len(messages) + (1 if pending else 0)
+        self._step_written((time.perf_counter() - started) * 1000)
+
+    def _step_written(self, ms: float) -> None:
+        if self.on_step_written is not None:
+            with contextlib.suppress(Exception):  # timing a step never costs the run its record
+                self.on_step_written(ms)
 
     def replayed_result(self, call: ToolCallPart) -> tuple[bool, Any]:
         """``(True, result)`` if ``call`` returned in an earlier try (its result is handed back
@@ -601,10 +340,13 @@ class Journal:
         if owner.get("token") == self._token:
             return True
         if header is None:
-            self._disable("the record was deleted while the run went on; later steps are not recorded")
+            self._disable(
+                "the record was deleted while the run went on; later steps are not recorded",
+                RecordingOff.DELETED,
+            )
             return False
         newer = owner.get("try")
-        self._off = "superseded"
+        self._off, self._off_reason = "superseded", RecordingOff.FENCED
         log.error(
             "durable: try %s is not the newest: try %s owns the record now, so this try's appends are "
             "refused and it cancels itself (two copies of one task were running)",
@@ -623,7 +365,7 @@ class Journal:
             "at": round(self.clock(), 3),
             "prev": self._prev,
         }
-        digest = _chain(self._prev, body)
+        digest = chain(self._prev, body)
         self.store.set(f"{self.key}.{self._generation}.{self._seq}", {**body, "h": digest})
         self._seq += 1
         self._prev = digest
@@ -684,7 +426,7 @@ class Journal:
     def _this_try(self, usage: Any) -> TryUsage:
         this_try = TryUsage.of_run(self.try_number, usage)
         if self.usage_spans_tries and self.earlier:  # the run started from the earlier tries' usage
-            this_try = _minus(this_try, self.earlier)
+            this_try = minus_usage(this_try, self.earlier)
         return this_try
 
     def detach(self) -> None:
@@ -702,12 +444,12 @@ class Journal:
     def _reset_resume(self) -> None:
         if self._resume_token is not None:
             with contextlib.suppress(ValueError):  # reset from another context: leave it
-                _resume.reset(self._resume_token)
+                active_resume.reset(self._resume_token)
             self._resume_token = None
 
-    def _disable(self, why: str) -> None:
+    def _disable(self, why: str, reason: RecordingOff = RecordingOff.STORE_ERROR) -> None:
         if self._off is None:
-            self._off = why
+            self._off, self._off_reason = why, reason
             log.warning("durable: %s; the run goes on without its continuity record", why)
 
     def _facts(self, this_try: TryUsage | None = None) -> dict[str, Any]:
@@ -721,6 +463,8 @@ class Journal:
             "usage_this_try": this_try.as_dict() if this_try else None,
             "usage_total": total_usage(tries),
             "recording": self._off is None,
+            "fresh_start": self._fresh.value if self._fresh is not None else None,
+            "recording_off": self._off_reason.value if self._off_reason is not None else None,
         }
 
     def _attach_facts(self, this_try: TryUsage | None = None) -> None:
@@ -738,15 +482,6 @@ def _calls_beside(messages: Sequence[ModelMessage], call: ToolCallPart) -> int:
     return 0
 
 
-def _load_or_problem(store: Store, key: str, fp: str) -> _Loaded | None:
-    """:func:`_load`, failing closed: a bad record is a fresh start with one warning naming why."""
-    try:
-        return _load(store, key, fp)
-    except RecordProblem as problem:
-        log.warning("durable: not resuming from the stored record: %s; starting fresh", problem)
-        return None
-
-
 def _with_note(instructions: Any, note: str) -> Any:
     if instructions is None:
         return note
@@ -755,53 +490,3 @@ def _with_note(instructions: Any, note: str) -> Any:
     if isinstance(instructions, (list, tuple)):
         return [*instructions, note]
     return [instructions, note]
-
-
-def _add_usage(usage: RunUsage | None, tries: Iterable[TryUsage]) -> RunUsage:
-    total = total_usage(tries)
-    base = usage or RunUsage()
-    return RunUsage(
-        requests=base.requests + total["requests"],
-        input_tokens=base.input_tokens + total["input_tokens"],
-        output_tokens=base.output_tokens + total["output_tokens"],
-        tool_calls=base.tool_calls + total["tool_calls"],
-    )
-
-
-def _minus(usage: TryUsage, tries: Iterable[TryUsage]) -> TryUsage:
-    total = total_usage(tries)
-    return TryUsage(
-        usage.try_number,
-        max(0, usage.requests - total["requests"]),
-        max(0, usage.input_tokens - total["input_tokens"]),
-        max(0, usage.output_tokens - total["output_tokens"]),
-        max(0, usage.tool_calls - total["tool_calls"]),
-    )
-
-
-class JournalCapability(AbstractCapability[Any]):
-    """Appends each completed step to the journal (added to a run only when it is durable).
-
-    ``after_node_run`` fires after every graph node however the run is driven (``run_sync``,
-    with or without ``event_stream_handler``), and never for a node a cancel interrupted: a
-    step is recorded only once it completed.
-    """
-
-    def __init__(self, journal: Journal) -> None:
-        self._journal = journal
-
-    async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
-        self._journal.step(ctx.messages, result)
-        return result
-
-    async def wrap_tool_execute(
-        self, ctx: Any, *, call: ToolCallPart, tool_def: Any, args: Any, handler: Any
-    ) -> Any:
-        """A call that returned in an earlier try gets its recorded result; any other runs, and a
-        parallel call's result is appended as soon as it returns."""
-        replayed, result = self._journal.replayed_result(call)
-        if replayed:
-            return result
-        result = await handler(args)
-        self._journal.tool_returned(ctx.messages, call, result)
-        return result

@@ -1,12 +1,16 @@
-"""Where the continuity record is kept: the stores a :class:`~cancellable_agents.durable.journal.Journal`
-writes to. Each holds JSON values by key and survives the task's retries.
+"""Where the continuity record is kept: the :class:`Store` protocol a
+:class:`~cancellable_agents.durable.journal.Journal` writes to, and its implementations. Each
+holds JSON values by key and survives the task's retries.
 
 - :class:`TaskStateStore`: Airflow 3.3's ``context["task_state_store"]`` (AIP-103), per task
   instance, through the supervisor comms channel (so only from the main thread between steps,
   never from a signal handler; the channel's lock is not re-entrant).
 - :class:`PathStore`: one JSON file per key under an ``ObjectStoragePath`` (local, ``s3://`` ...),
-  for Airflow 3.1/3.2 (``durable_path=``), or by choice on 3.3.
+  for Airflow 3.1/3.2 (``durable_path=``), or by choice on 3.3; or under a ``pathlib.Path``.
 - :class:`MemoryStore`: a dict, for tests and benchmarks.
+
+Airflow-free: a ``durable_path=`` given as a string becomes an ``ObjectStoragePath`` in
+:mod:`cancellable_agents.airflow.durable`, before it reaches :class:`PathStore`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,20 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Store(Protocol):
+    """A key-value store of JSON values that survives the task's retries."""
+
+    def get(self, key: str) -> Any:
+        """The value, or ``None`` if the key does not exist."""
+
+    def set(self, key: str, value: Any) -> None: ...
+
+    def delete(self, key: str) -> None:
+        """Remove the key; no error if it does not exist."""
 
 
 @dataclass
@@ -57,7 +74,8 @@ class TaskStateStore:
 
 @dataclass
 class PathStore:
-    """One JSON file per key under ``base`` (an ``ObjectStoragePath`` or a path string).
+    """One JSON file per key under ``base``: an ``ObjectStoragePath``, or a ``pathlib.Path`` (a
+    string is taken as a local path; a URL must come as an ``ObjectStoragePath``).
 
     Local files are written to a temporary name and renamed, so a kill mid-write leaves the old
     value or none; remote stores write whole objects. A file that does not parse reads back as
@@ -106,11 +124,13 @@ class PathStore:
 
 
 def _path(value: Any) -> Any:
-    if isinstance(value, str):
-        from airflow.sdk import ObjectStoragePath
-
-        return ObjectStoragePath(value if "://" in value else f"file://{value}")
-    return value
+    """``value`` as a path object; a URL string is refused, because only Airflow's
+    ``ObjectStoragePath`` reads one and this module stays Airflow-free."""
+    if not isinstance(value, str):
+        return value
+    if "://" in value:
+        raise ValueError(f"PathStore: pass {value!r} as an ObjectStoragePath (a string is a local path)")
+    return Path(value)
 
 
 def _safe(part: str) -> str:

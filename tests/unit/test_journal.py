@@ -1,5 +1,5 @@
-"""The continuity record (``durable=True``) without Airflow: pydantic-ai ``FunctionModel`` runs
-journaled into a :class:`MemoryStore`, resumed from every step boundary in turn."""
+"""The journal (``durable=True``) without Airflow: runs journaled into a :class:`MemoryStore` and
+resumed from every step boundary in turn; when a try continues an earlier one, and when not."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import copy
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,108 +14,29 @@ import pytest
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.exceptions import UsageLimitExceeded
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
-from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import UsageLimits
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
-from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.durable import Journal, MemoryStore, current_resume
-from cancellable_agents.durable.journal import KEY_PREFIX
 from cancellable_agents.run.runner import run_agent_in_scope
-
-STEPS = 6
-
-
-@dataclass
-class Script:
-    """A model that calls ``step(n)`` for n = 1..STEPS, one per response, then answers."""
-
-    requests: int = 0
-
-    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        self.requests += 1
-        done = sum(isinstance(m, ModelResponse) for m in messages)
-        if done < STEPS:
-            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
-        return ModelResponse(parts=[TextPart("all done")])
-
-    async def stream(self, messages: list[ModelMessage], info: AgentInfo) -> Any:
-        self.requests += 1
-        done = sum(isinstance(m, ModelResponse) for m in messages)
-        if done < STEPS:
-            yield {0: DeltaToolCall(name="step", json_args=f'{{"n": {done + 1}}}')}
-        else:
-            yield "all done"
-
-
-@dataclass
-class Snapshots(MemoryStore):
-    """A MemoryStore that keeps a copy of itself after every write (each step boundary)."""
-
-    taken: list[dict[str, str]] = field(default_factory=list)
-
-    def set(self, key: str, value: Any) -> None:
-        super().set(key, value)
-        self.taken.append(dict(self.data))
-
-
-@dataclass
-class Task:
-    """One agent whose tool records each call (and whether it was a re-run)."""
-
-    script: Script = field(default_factory=Script)
-    calls: list[tuple[int, bool]] = field(default_factory=list)
-    on_call: Callable[[int], None] | None = None
-    prompt: str = "do six steps"
-
-    def agent(self) -> Agent[None, str]:
-        agent: Agent[None, str] = Agent(
-            FunctionModel(self.script, stream_function=self.script.stream), system_prompt="be brief"
-        )
-
-        @agent.tool
-        def step(ctx: RunContext[None], n: int) -> str:
-            resume = current_resume()
-            self.calls.append((n, bool(resume and resume.is_rerun(ctx.tool_call_id))))
-            if self.on_call is not None:
-                self.on_call(n)
-            return f"step {n} ok"
-
-        return agent
-
-    def run(self, store: Any, try_number: int, **kwargs: Any) -> tuple[Any, Journal, TaskCancellation]:
-        scope = TaskCancellation(f"try{try_number}")
-        names = ("resume_after_clear", "usage_spans_tries", "clear_count")
-        options = {k: kwargs.pop(k) for k in names if k in kwargs}
-        journal = Journal(store, try_number=try_number, scope=scope, **options)
-        with scope.activate():
-            try:
-                result = run_agent_in_scope(scope, self.agent(), self.prompt, journal=journal, **kwargs)
-            except TaskCancelled as exc:
-                journal.cancelled(exc)
-                journal.write_end()
-                return exc, journal, scope
-        journal.completed(result)
-        return result, journal, scope
-
-
-def _entries(data: dict[str, str]) -> int:
-    return sum(1 for k in data if k.count(".") >= 4 and k.startswith(KEY_PREFIX))
-
-
-def _first_run_snapshots(**kwargs: Any) -> tuple[Task, list[dict[str, str]]]:
-    task = Task()
-    store = Snapshots()
-    result, _, _ = task.run(store, 1, **kwargs)
-    assert result.output == "all done"
-    return task, store.taken
+from tests.unit.durable_runs import (
+    STEPS,
+    Snapshots,
+    Task,
+    cancel_on,
+    cancelled_try,
+    entries,
+    first_run_snapshots,
+)
 
 
 def test_every_step_is_in_the_store_before_the_next_step_starts() -> None:
     store = MemoryStore()
     seen: list[int] = []
-    task = Task(on_call=lambda n: seen.append(_entries(store.data)))
+    task = Task(on_call=lambda n: seen.append(entries(store.data)))
     task.run(store, 1)
     # Before tool n runs: the prompt, and n model responses plus n-1 tool returns.
     assert seen == [2 * n for n in range(1, STEPS + 1)]
@@ -130,22 +50,22 @@ def test_the_record_is_deleted_when_the_run_completes() -> None:
 
 
 def test_resume_from_every_step_boundary_redoes_no_completed_step() -> None:
-    first, snapshots = _first_run_snapshots()
+    first, snapshots = first_run_snapshots()
     # Drop the snapshots taken after the final delete calls (none: deletes do not snapshot) and the
     # header-only one; every other snapshot is a SIGKILL right after that many appends.
-    boundaries = [s for s in snapshots if _entries(s) >= 1]
+    boundaries = [s for s in snapshots if entries(s) >= 1]
     assert len(boundaries) == 2 * STEPS + 2  # prompt, 6 x (response, returns), the answer
     for taken in boundaries:
-        entries = _entries(taken)
+        count = entries(taken)
         store = MemoryStore(dict(taken))
         task = Task()
         result, journal, _ = task.run(store, 2)
         assert result.output == "all done"
-        responses = entries // 2  # model responses already in the record
-        assert task.script.requests == STEPS + 1 - responses, f"after {entries} entries"
+        responses = count // 2  # model responses already in the record
+        assert task.script.requests == STEPS + 1 - responses, f"after {count} entries"
         # The record ends with a response whose tool call has no return (or with the answer itself).
-        in_flight = entries % 2 == 0 and entries < 2 * STEPS + 2
-        assert journal.resume is not None and journal.resume.messages == entries
+        in_flight = count % 2 == 0 and count < 2 * STEPS + 2
+        assert journal.resume is not None and journal.resume.messages == count
         if in_flight:
             # Exactly the in-flight call runs again, once, and knows it is a re-run.
             assert task.calls[0] == (responses, True)
@@ -158,8 +78,8 @@ def test_resume_from_every_step_boundary_redoes_no_completed_step() -> None:
 
 
 def test_a_streaming_run_is_journaled_and_resumed_too() -> None:
-    _first, snapshots = _first_run_snapshots(event_stream_handler=_drain)
-    taken = next(s for s in snapshots if _entries(s) == 6)  # killed while tool 3 ran
+    _first, snapshots = first_run_snapshots(event_stream_handler=_drain)
+    taken = next(s for s in snapshots if entries(s) == 6)  # killed while tool 3 ran
     task = Task()
     result, _journal, _ = task.run(MemoryStore(dict(taken)), 2, event_stream_handler=_drain)
     assert result.output == "all done"
@@ -172,79 +92,9 @@ async def _drain(ctx: Any, events: Any) -> None:
         pass
 
 
-def _killed_at(entries: int) -> dict[str, str]:
-    _, snapshots = _first_run_snapshots()
-    return dict(next(s for s in snapshots if _entries(s) == entries))
-
-
-def test_a_changed_prompt_starts_fresh_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    task = Task(prompt="something else entirely")
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.durable"):
-        _result, journal, _ = task.run(MemoryStore(_killed_at(7)), 2)
-    assert journal.resume is None and task.script.requests == STEPS + 1
-    warnings = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
-    assert len(warnings) == 1 and "different run" in warnings[0], warnings
-
-
-@pytest.mark.parametrize(
-    ("damage", "why"),
-    [
-        ("edit", "does not match its checksum"),
-        ("drop", "is missing"),
-        ("garble", "does not parse"),
-        ("header", "header"),
-    ],
-)
-def test_a_damaged_record_starts_fresh_with_one_warning(
-    damage: str, why: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    data = _killed_at(7)
-    keys = sorted((k for k in data if k.count(".") >= 4), key=lambda k: int(k.rsplit(".", 1)[1]))
-    header_key = f"{KEY_PREFIX}.0"
-    if damage == "edit":  # entry 4 holds the return of step 2
-        assert "step 2 ok" in data[keys[4]]
-        data[keys[4]] = data[keys[4]].replace("step 2 ok", "step 2 FAILED")
-    elif damage == "drop":
-        del data[keys[2]]
-    elif damage == "garble":
-        data[keys[5]] = '"not an entry"'
-    else:
-        data[header_key] = '{"format": 1}'
-    task = Task()
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.durable"):
-        result, journal, _ = task.run(MemoryStore(data), 2)
-    assert result.output == "all done"
-    assert journal.resume is None and task.script.requests == STEPS + 1, "must start fresh"
-    warnings = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
-    assert len(warnings) == 1 and why in warnings[0], warnings
-
-
-def _cancel_on(
-    n: int, scope_of: Callable[[], TaskCancellation | None], verdict: CauseVerdict
-) -> Callable[[int], None]:
-    def hook(called: int) -> None:
-        scope = scope_of()
-        if called == n and scope is not None:
-            scope.cancel(verdict.cause, classify=lambda: verdict)
-            # A cooperative tool returns once the run was told to stop, so the kill lands in
-            # this step however slow the unwind thread is to start (a busy machine).
-            scope.wait(5)
-
-    return hook
-
-
-def _cancelled_try(verdict: CauseVerdict, store: MemoryStore) -> TaskCancelled:
-    from cancellable_agents.core.scope import current_cancellation
-
-    task = Task(on_call=_cancel_on(4, current_cancellation, verdict))
-    exc, _, _ = task.run(store, 1)
-    assert isinstance(exc, TaskCancelled)
-    return exc
-
-
 def test_an_evicted_try_is_resumed_and_usage_is_summed() -> None:
     store = MemoryStore()
-    _cancelled_try(CauseVerdict(CancelCause.EVICTION, "worker shutdown"), store)
+    cancelled_try(CauseVerdict(CancelCause.EVICTION, "worker shutdown"), store)
     task = Task()
     _result, journal, scope = task.run(store, 2)
     assert journal.resume is not None and journal.resume.from_try == 1
@@ -257,10 +107,40 @@ def test_an_evicted_try_is_resumed_and_usage_is_summed() -> None:
     assert facts["usage_total"]["requests"] == earlier + 3
 
 
+def test_a_cancelled_try_writes_its_end_after_the_caller_was_told() -> None:
+    """The runner ends the journal: ``on_cancelled`` (where an operator logs its kill record) runs
+    before the end entry is written, because that write may wait seconds on the store."""
+    told: list[int] = []
+
+    @dataclass
+    class Watched(MemoryStore):
+        ends: list[bool] = field(default_factory=list)  # for each end written: was the caller told?
+
+        def set(self, key: str, value: Any) -> None:
+            if isinstance(value, dict) and value.get("kind") == "end":
+                self.ends.append(bool(told))
+            super().set(key, value)
+
+    store = Watched()
+    evicted = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
+    scope = TaskCancellation("try1")
+    journal = Journal(store, try_number=1, scope=scope)
+    with scope.activate(), pytest.raises(TaskCancelled):
+        run_agent_in_scope(
+            scope,
+            Task(on_call=cancel_on(4, evicted)).agent(),
+            "do six steps",
+            journal=journal,
+            on_cancelled=lambda exc: told.append(len(store.ends)),
+        )
+    assert told == [0], "told once, before any end was written"
+    assert store.ends == [True]
+
+
 def test_a_cleared_try_starts_fresh_unless_resume_after_clear() -> None:
     cleared = CauseVerdict.of_user(UserAction.CLEARED)
     store = MemoryStore()
-    _cancelled_try(cleared, store)
+    cancelled_try(cleared, store)
     task = Task()
     _task_result, journal, _ = task.run(copy.deepcopy(store), 2)
     assert journal.resume is None and task.script.requests == STEPS + 1
@@ -274,7 +154,7 @@ def test_a_try_cleared_away_without_an_end_is_known_by_the_clear_count() -> None
     sees the DAG run's clear count grew since the old try began."""
     first = Snapshots()
     Task().run(first, 1, clear_count=0)
-    killed = next(s for s in first.taken if _entries(s) == 6)
+    killed = next(s for s in first.taken if entries(s) == 6)
     task = Task()
     _, journal, _ = task.run(MemoryStore(dict(killed)), 2, clear_count=1)
     assert journal.resume is None and task.script.requests == STEPS + 1
@@ -287,7 +167,7 @@ def test_a_try_cleared_away_without_an_end_is_known_by_the_clear_count() -> None
 
 def test_usage_limits_can_span_tries() -> None:
     store = MemoryStore()
-    _cancelled_try(CauseVerdict(CancelCause.EVICTION, "worker shutdown"), store)
+    cancelled_try(CauseVerdict(CancelCause.EVICTION, "worker shutdown"), store)
     with pytest.raises(UsageLimitExceeded):
         Task().run(copy.deepcopy(store), 2, usage_spans_tries=True, usage_limits=UsageLimits(request_limit=5))
     result, _, _scope = Task().run(store, 2, usage_limits=UsageLimits(request_limit=5))
@@ -295,15 +175,13 @@ def test_usage_limits_can_span_tries() -> None:
 
 
 def test_an_older_try_may_not_append_once_a_newer_try_took_over(caplog: pytest.LogCaptureFixture) -> None:
-    from cancellable_agents.core.scope import current_cancellation
-
     store = MemoryStore()
     newer: list[Any] = []
     evicted = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
 
     def start_try_2(n: int) -> None:
         if n == 2 and not newer:  # try 1 is still alive when try 2 starts (an orphan); try 2 is evicted
-            try_2 = Task(on_call=_cancel_on(4, current_cancellation, evicted))
+            try_2 = Task(on_call=cancel_on(4, evicted))
             thread = threading.Thread(target=lambda: newer.append(try_2.run(store, 2)))
             thread.start()
             thread.join(30)
@@ -344,13 +222,13 @@ def test_a_resumed_run_with_a_sandbox_is_told_its_workspace_is_gone() -> None:
         scope = TaskCancellation(f"try{try_number}")
         journal = Journal(store, try_number=try_number, scope=scope)
         with scope.activate():
-            journal.completed(run_agent_in_scope(scope, agent, "work", journal=journal))
+            run_agent_in_scope(scope, agent, "work", journal=journal)
         return journal
 
     for sandbox in (False, True):
         first = Snapshots()
         run(first, 1, sandbox)
-        killed = next(s for s in first.taken if _entries(s) == 2)  # while the tool call ran
+        killed = next(s for s in first.taken if entries(s) == 2)  # while the tool call ran
         instructions.clear()
         assert run(MemoryStore(dict(killed)), 2, sandbox).resume is not None
         told = ["sandbox workspace of the previous try is gone" in i for i in instructions]
@@ -375,8 +253,6 @@ class ParallelTask:
         return ModelResponse(parts=[TextPart("all done")])
 
     def run(self, try_number: int, cancel_in_slow: bool) -> tuple[Any, Journal]:
-        from cancellable_agents.core.scope import current_cancellation
-
         agent: Agent[None, str] = Agent(FunctionModel(self.model))
 
         @agent.tool
@@ -404,10 +280,7 @@ class ParallelTask:
             try:
                 result = run_agent_in_scope(scope, agent, "fetch and be slow", journal=journal)
             except TaskCancelled as exc:
-                journal.cancelled(exc)
-                journal.write_end()
                 return exc, journal
-        journal.completed(result)
         return result, journal
 
 

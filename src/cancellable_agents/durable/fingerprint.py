@@ -1,0 +1,99 @@
+"""What makes a run this run: the fingerprint a record is kept under, and what the run's
+toolsets say about themselves.
+
+A record is resumed only by a run with the same fingerprint (prompt, history given, system
+prompt, instructions, model, tool names): anything else starts fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from cancellable_agents.durable.record import canonical
+
+#: The class attribute by which a toolset says whether what its tools wrote is still there on
+#: the task's next try. ``False`` (a sandbox's workspace): a resumed run is told it is gone, or
+#: the model would read files that no longer exist. Absent: it survives (nothing to tell).
+WORKSPACE_SURVIVES_A_RETRY = "workspace_survives_a_retry"
+
+
+def fingerprint(agent: Any, user_prompt: Any, run_kwargs: dict[str, Any]) -> str:
+    """A hash of what makes a run this run: prompt, history given, system prompt, instructions,
+    model and tool names. Dynamic (function) system prompts count by name, not by what they say."""
+    facts = {
+        "prompt": _jsonable(user_prompt),
+        "history": len(run_kwargs.get("message_history") or ()),
+        "system_prompt": [str(p) for p in getattr(agent, "_system_prompts", ())],
+        "dynamic_system_prompt": [_name(f) for f in getattr(agent, "_system_prompt_functions", ())],
+        "instructions": [_jsonable(getattr(i, "instruction", i)) for i in getattr(agent, "_instructions", ())]
+        + [_jsonable(run_kwargs.get("instructions"))],
+        "model": model_name(run_kwargs.get("model") or getattr(agent, "model", None)),
+        "tools": sorted(tool_names(run_toolsets(agent, run_kwargs))),
+    }
+    return hashlib.sha256(canonical(facts).encode()).hexdigest()[:32]
+
+
+def run_toolsets(agent: Any, run_kwargs: dict[str, Any]) -> list[Any]:
+    """The toolsets a run has: the agent's and those given to the run."""
+    return [*getattr(agent, "toolsets", ()), *(run_kwargs.get("toolsets") or ())]
+
+
+def model_name(model: Any) -> str:
+    """A model as ``system:name`` (a string model as itself)."""
+    if model is None or isinstance(model, str):
+        return str(model)
+    return f"{getattr(model, 'system', '')}:{getattr(model, 'model_name', type(model).__name__)}"
+
+
+def tool_names(toolsets: Iterable[Any]) -> list[str]:
+    """Names of the tools of ``toolsets`` (function toolsets by tool, others by label), walking
+    wrapper and combined toolsets."""
+    names: list[str] = []
+    for toolset in toolsets:
+        names.extend(_toolset_names(toolset))
+    return names
+
+
+def workspace_lost_on_retry(toolsets: Iterable[Any]) -> bool:
+    """Whether any of ``toolsets`` (walked) says its workspace does not survive a retry
+    (:data:`WORKSPACE_SURVIVES_A_RETRY` is ``False``)."""
+    return any(getattr(t, WORKSPACE_SURVIVES_A_RETRY, True) is False for t in walk_toolsets(toolsets))
+
+
+def walk_toolsets(toolsets: Iterable[Any]) -> Iterator[Any]:
+    """Every toolset of ``toolsets`` and, depth first, those it wraps or combines."""
+    for toolset in toolsets:
+        yield toolset
+        wrapped = getattr(toolset, "wrapped", None)
+        if wrapped is not None:
+            yield from walk_toolsets([wrapped])
+        inner = getattr(toolset, "toolsets", None)
+        if isinstance(inner, (list, tuple)):
+            yield from walk_toolsets(inner)
+
+
+def _toolset_names(toolset: Any) -> list[str]:
+    names: list[str] = []
+    for item in walk_toolsets([toolset]):
+        tools = getattr(item, "tools", None)
+        if isinstance(tools, dict):
+            names.extend(str(name) for name in tools)
+        elif not hasattr(item, "wrapped") and not hasattr(item, "toolsets"):
+            names.append(f"toolset:{getattr(item, 'label', type(item).__name__)}")
+    return names
+
+
+def _name(fn: Any) -> str:
+    fn = getattr(fn, "function", fn)
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value

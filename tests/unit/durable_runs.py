@@ -1,0 +1,136 @@
+"""Durable runs for the unit tests of :mod:`cancellable_agents.durable`, without Airflow:
+pydantic-ai ``FunctionModel`` runs journaled into a :class:`MemoryStore`, and snapshots of the
+store after every write (each one a SIGKILL at that step boundary)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+
+from cancellable_agents.core.causes import CauseVerdict
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation, current_cancellation
+from cancellable_agents.durable import Journal, MemoryStore, current_resume
+from cancellable_agents.durable.record import KEY_PREFIX
+from cancellable_agents.run.runner import run_agent_in_scope
+
+STEPS = 6
+
+
+@dataclass
+class Script:
+    """A model that calls ``step(n)`` for n = 1..STEPS, one per response, then answers."""
+
+    requests: int = 0
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        self.requests += 1
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < STEPS:
+            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
+        return ModelResponse(parts=[TextPart("all done")])
+
+    async def stream(self, messages: list[ModelMessage], info: AgentInfo) -> Any:
+        self.requests += 1
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < STEPS:
+            yield {0: DeltaToolCall(name="step", json_args=f'{{"n": {done + 1}}}')}
+        else:
+            yield "all done"
+
+
+@dataclass
+class Snapshots(MemoryStore):
+    """A MemoryStore that keeps a copy of itself after every write (each step boundary)."""
+
+    taken: list[dict[str, str]] = field(default_factory=list)
+
+    def set(self, key: str, value: Any) -> None:
+        super().set(key, value)
+        self.taken.append(dict(self.data))
+
+
+@dataclass
+class Task:
+    """One agent whose tool records each call (and whether it was a re-run)."""
+
+    script: Script = field(default_factory=Script)
+    calls: list[tuple[int, bool]] = field(default_factory=list)
+    on_call: Callable[[int], None] | None = None
+    prompt: str = "do six steps"
+
+    def agent(self) -> Agent[None, str]:
+        agent: Agent[None, str] = Agent(
+            FunctionModel(self.script, stream_function=self.script.stream), system_prompt="be brief"
+        )
+
+        @agent.tool
+        def step(ctx: RunContext[None], n: int) -> str:
+            resume = current_resume()
+            self.calls.append((n, bool(resume and resume.is_rerun(ctx.tool_call_id))))
+            if self.on_call is not None:
+                self.on_call(n)
+            return f"step {n} ok"
+
+        return agent
+
+    def run(self, store: Any, try_number: int, **kwargs: Any) -> tuple[Any, Journal, TaskCancellation]:
+        """One try: the run's result, or the :class:`TaskCancelled` it raised (the runner ended
+        the journal either way)."""
+        scope = TaskCancellation(f"try{try_number}")
+        names = ("resume_after_clear", "usage_spans_tries", "clear_count")
+        options = {k: kwargs.pop(k) for k in names if k in kwargs}
+        journal = Journal(store, try_number=try_number, scope=scope, **options)
+        with scope.activate():
+            try:
+                result = run_agent_in_scope(scope, self.agent(), self.prompt, journal=journal, **kwargs)
+            except TaskCancelled as exc:
+                return exc, journal, scope
+        return result, journal, scope
+
+
+def entries(data: dict[str, str]) -> int:
+    """How many entries (not headers) the stored ``data`` holds."""
+    return sum(1 for k in data if k.count(".") >= 4 and k.startswith(KEY_PREFIX))
+
+
+def first_run_snapshots(**kwargs: Any) -> tuple[Task, list[dict[str, str]]]:
+    """A completed first try, and the store as it was after each of its writes."""
+    task = Task()
+    store = Snapshots()
+    result, _, _ = task.run(store, 1, **kwargs)
+    assert result.output == "all done"
+    return task, store.taken
+
+
+def killed_at(count: int) -> dict[str, str]:
+    """The store of a first try SIGKILLed right after its ``count``-th entry."""
+    _, snapshots = first_run_snapshots()
+    return dict(next(s for s in snapshots if entries(s) == count))
+
+
+def cancel_on(n: int, verdict: CauseVerdict) -> Callable[[int], None]:
+    """A tool hook that cancels the running try, with ``verdict``, in step ``n``."""
+
+    def hook(called: int) -> None:
+        scope = current_cancellation()
+        if called == n and scope is not None:
+            scope.cancel(verdict.cause, classify=lambda: verdict)
+            # A cooperative tool returns once the run was told to stop, so the kill lands in
+            # this step however slow the unwind thread is to start (a busy machine).
+            scope.wait(5)
+
+    return hook
+
+
+def cancelled_try(verdict: CauseVerdict, store: MemoryStore) -> TaskCancelled:
+    """A first try into ``store``, cancelled with ``verdict`` in step 4."""
+    task = Task(on_call=cancel_on(4, verdict))
+    exc, _, _ = task.run(store, 1)
+    assert isinstance(exc, TaskCancelled)
+    return exc

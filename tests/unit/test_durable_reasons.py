@@ -1,0 +1,173 @@
+"""Why a durable try started fresh and why it stopped recording: the journal names each case with
+one :mod:`cancellable_agents.durable.reasons` value (its properties and the run's facts, which
+the metrics tag), and hands each recorded step's write time to its ``on_step_written`` hook."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.durable import FreshStart, Journal, MemoryStore, RecordingOff
+from cancellable_agents.run.runner import run_agent_in_scope
+from tests.unit.durable_runs import STEPS, Task, cancelled_try, entries, first_run_snapshots, killed_at
+
+EVICTED = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
+
+
+def _facts(scope: TaskCancellation) -> dict[str, Any]:
+    facts: dict[str, Any] = scope.attached["durable"]
+    return facts
+
+
+def test_a_try_with_no_record_starts_fresh_for_that_reason() -> None:
+    result, journal, scope = Task().run(MemoryStore(), 1)
+    assert result.output == "all done"
+    assert journal.fresh_start is FreshStart.NO_RECORD
+    assert _facts(scope)["fresh_start"] == "no_record" and _facts(scope)["recording_off"] is None
+
+
+def test_a_resumed_try_has_no_fresh_start_reason() -> None:
+    store = MemoryStore()
+    cancelled_try(EVICTED, store)
+    _, journal, scope = Task().run(store, 2)
+    assert journal.resume is not None
+    assert journal.fresh_start is None and _facts(scope)["fresh_start"] is None
+
+
+def test_a_user_stop_is_the_reason_a_try_starts_fresh() -> None:
+    store = MemoryStore()
+    cancelled_try(CauseVerdict.of_user(UserAction.CLEARED), store)
+    _, journal, scope = Task().run(store, 2)
+    assert journal.resume is None and journal.fresh_start is FreshStart.USER_STOP
+    assert _facts(scope)["fresh_start"] == "user_stop"
+
+
+def test_a_record_that_fails_its_checks_is_tampered() -> None:
+    data = killed_at(7)
+    entry = next(k for k in data if k.count(".") >= 4 and "step 2 ok" in data[k])
+    data[entry] = data[entry].replace("step 2 ok", "step 2 FAILED")
+    _, journal, _ = Task().run(MemoryStore(data), 2)
+    assert journal.resume is None and journal.fresh_start is FreshStart.TAMPERED
+
+
+def test_another_runs_record_is_a_changed_fingerprint_not_tampering() -> None:
+    task = Task(prompt="do six other steps")
+    _, journal, scope = task.run(MemoryStore(killed_at(7)), 2)
+    assert journal.resume is None and task.script.requests == STEPS + 1
+    assert journal.fresh_start is FreshStart.FINGERPRINT_CHANGED
+    assert _facts(scope)["fresh_start"] == "fingerprint_changed"
+
+
+def test_a_record_with_no_step_yet_has_nothing_recorded() -> None:
+    _, snapshots = first_run_snapshots()
+    header_only = next(s for s in snapshots if entries(s) == 0 and s)
+    _, journal, _ = Task().run(MemoryStore(dict(header_only)), 2)
+    assert journal.fresh_start is FreshStart.NOTHING_RECORDED
+
+
+@dataclass
+class Unreadable(MemoryStore):
+    """A store that fails every read: the journal cannot take over the record."""
+
+    def get(self, key: str) -> Any:
+        raise OSError("store unreachable")
+
+
+def test_a_store_that_fails_at_the_start_is_named_and_still_reported() -> None:
+    result, journal, scope = Task().run(Unreadable(), 1)
+    assert result.output == "all done", "the run goes on without its record"
+    assert journal.fresh_start is FreshStart.STORE_ERROR
+    assert journal.recording_off is RecordingOff.STORE_ERROR
+    facts = _facts(scope)
+    assert (facts["fresh_start"], facts["recording_off"], facts["recording"]) == (
+        "store_error",
+        "store_error",
+        False,
+    )
+
+
+def test_a_try_fenced_off_by_a_newer_try_says_so() -> None:
+    store = MemoryStore()
+    task = Task()
+
+    def newer_try_takes_over(n: int) -> None:
+        if n == 2:  # in a thread: its own context, so no resume leaks into this run's
+            newer = Journal(store, try_number=2)
+            thread = threading.Thread(target=lambda: newer.attach(Task().agent(), task.prompt, {}))
+            thread.start()
+            thread.join(30)
+
+    task.on_call = newer_try_takes_over
+    outcome, journal, scope = task.run(store, 1)
+    assert isinstance(outcome, TaskCancelled), "the fenced try cancels itself"
+    assert journal.recording_off is RecordingOff.FENCED
+    assert _facts(scope)["recording_off"] == "fenced"
+
+
+def test_a_record_deleted_while_the_run_goes_on_stops_recording() -> None:
+    store = MemoryStore()
+    task = Task(on_call=lambda n: store.data.clear() if n == 2 else None)
+    result, journal, scope = task.run(store, 1)
+    assert result.output == "all done"
+    assert journal.recording_off is RecordingOff.DELETED and journal.fresh_start is FreshStart.NO_RECORD
+    assert _facts(scope)["recording_off"] == "deleted"
+
+
+@dataclass
+class SlowWrites(MemoryStore):
+    """Each entry write takes ``latency`` seconds (a store across a network), and is counted."""
+
+    latency: float = 0.01
+    entry_writes: int = 0
+
+    def set(self, key: str, value: Any) -> None:
+        if key.count(".") >= 4:
+            time.sleep(self.latency)
+            self.entry_writes += 1
+        super().set(key, value)
+
+
+def test_each_recorded_step_hands_over_its_write_time() -> None:
+    store = SlowWrites()
+    samples: list[tuple[float, int]] = []
+
+    def step_written(ms: float) -> None:
+        samples.append((ms, store.entry_writes - sum(writes for _, writes in samples)))
+
+    scope = TaskCancellation("try1")
+    journal = Journal(store, try_number=1, scope=scope, on_step_written=step_written)
+    with scope.activate():
+        result = run_agent_in_scope(scope, Task().agent(), Task().prompt, journal=journal)
+    assert result.output == "all done"
+    # One sample per step, each covering that step's writes (at least the store's latency each).
+    assert sum(writes for _, writes in samples) == store.entry_writes == 2 * STEPS + 2
+    for ms, writes in samples:
+        assert writes >= 1 and ms >= writes * store.latency * 1000, samples
+
+
+def test_a_failing_step_hook_costs_the_run_nothing() -> None:
+    calls: list[float] = []
+
+    def broken(ms: float) -> None:
+        calls.append(ms)
+        raise RuntimeError("metrics backend exploded")
+
+    store = MemoryStore()
+    scope = TaskCancellation("try1")
+    journal = Journal(store, try_number=1, scope=scope, on_step_written=broken)
+    with scope.activate():
+        result = run_agent_in_scope(scope, Task().agent(), Task().prompt, journal=journal)
+    assert result.output == "all done" and calls
+    assert journal.recording_off is None and store.data == {}, "recorded to the end, then deleted"
+
+
+@pytest.mark.parametrize("reason", list(FreshStart) + list(RecordingOff))
+def test_every_reason_is_a_short_tag_value(reason: FreshStart | RecordingOff) -> None:
+    assert reason.value.isidentifier() and reason.value == reason.value.lower()
