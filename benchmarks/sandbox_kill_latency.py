@@ -17,6 +17,9 @@ one), then stops it two ways:
 "gone" is the time from the call until no process with the marker in its command line runs
 (scanned every ~1 ms); "returned" is when ``stop()`` returned / the scope reported release.
 
+It ends with ``run('true')`` in the boundary profile with the seccomp filter on and off,
+interleaved: what the filter adds to each command's start.
+
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile]``
 """
 
@@ -108,7 +111,7 @@ def main() -> None:
     parser.add_argument("--hostile", action="store_true", help="also run the hostile-command table")
     args = parser.parse_args()
     # The process-group rows would print the "not a boundary" warning once per run.
-    logging.getLogger("cancellable_agents.toolsets.sandbox.local").setLevel(logging.ERROR)
+    logging.getLogger("cancellable_agents.toolsets.sandbox.isolation").setLevel(logging.ERROR)
     support = bwrap_support()
     setups = [("process-group", "boundary")]
     if support.usable:
@@ -137,8 +140,35 @@ def main() -> None:
         label = f"{mode}, profile={profile}" if mode == "namespace" else mode
         ms = [t * 1000 for t in took]
         print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
+    if support.boundary:
+        filter_cost(args.runs)
     if args.hostile and support.boundary:
         hostile_table()
+
+
+def filter_cost(runs: int) -> None:
+    """run('true') in the boundary profile with and without the seccomp filter, interleaved so
+    both share the same load: what the filter adds to each command's start."""
+    from unittest import mock
+
+    from cancellable_agents.toolsets.sandbox import seccomp
+
+    if seccomp.seccomp_filter().program is None:
+        print(f"seccomp filter cost skipped: {seccomp.seccomp_filter().reason}")
+        return
+    off = seccomp.SeccompFilter(None, "off for the benchmark")
+    took: dict[str, list[float]] = {"filter": [], "no filter": []}
+    box = LocalSandbox(isolation="namespace")
+    try:
+        for _ in range(runs):
+            took["filter"].append(box.run("true").duration)
+            with mock.patch.object(seccomp, "seccomp_filter", lambda: off):  # asked at each start
+                took["no filter"].append(box.run("true").duration)
+    finally:
+        box.destroy()
+    print(f"run('true'), profile=boundary, seccomp filter on/off interleaved, {runs} runs:")
+    for label, samples in took.items():
+        print("  " + describe(label, samples))
 
 
 def hostile_table() -> None:

@@ -3,8 +3,12 @@
 - :mod:`.protocol`: the :class:`Sandbox` protocol any backend implements, its result and errors;
 - :mod:`.attach`: :func:`attach_sandbox`, which ties any backend to a task's cancellation scope;
 - :mod:`.local`: :class:`LocalSandbox`, process trees on this host (bubblewrap or process groups);
+- :mod:`.command`: one command's process tree: watched, stopped whole, reaped, recorded;
+- :mod:`.isolation`: which isolation mode a local sandbox gets here;
 - :mod:`.bwrap`: bubblewrap's probe and the ``"boundary"`` / ``"host"`` profiles, :class:`Limits`;
-- :mod:`.env`: the scrubbed environment commands get;
+- :mod:`.env`: the environment commands get (an allowlist);
+- :mod:`.seccomp`: the boundary profile's seccomp filter (what a command may not call);
+- :mod:`.files`: the file tools' race-free access to the workdir (no symlink followed);
 - :mod:`.toolset`: :class:`SandboxToolset`, the agent's tools on any backend.
 
 See ``docs/content/sandbox.md`` for what a sandboxed command can and cannot do in each mode.

@@ -279,7 +279,12 @@ class BoundaryProfile:
     """The uid a root worker's commands run as (``None``: a user namespace instead)."""
 
 
-def boundary_argv(support: BwrapSupport, profile: BoundaryProfile) -> list[str]:
+def boundary_argv(
+    support: BwrapSupport, profile: BoundaryProfile, *, seccomp_fd: int | None = None
+) -> list[str]:
+    """The boundary profile's command line, up to the command. ``seccomp_fd``: a descriptor the
+    child inherits holding the seccomp filter (:mod:`~cancellable_agents.toolsets.sandbox.seccomp`),
+    which bubblewrap loads last, right before the command runs."""
     assert support.path is not None
     argv = [support.path, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
     argv += ["--hostname", "sandbox"]
@@ -307,6 +312,8 @@ def boundary_argv(support: BwrapSupport, profile: BoundaryProfile) -> list[str]:
         argv += _show(path, writable=False)
     for path in writable:
         argv += _show(path, writable=True)
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--chdir", profile.workdir, "--"]
     if profile.uid is not None:
         assert support.setpriv is not None

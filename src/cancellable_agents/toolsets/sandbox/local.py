@@ -26,8 +26,10 @@ Isolation modes (``isolation=``):
 ``"auto"`` (default)
     Namespace mode when bubblewrap can give the chosen profile here, else process-group mode.
 
-Secrets are kept out of commands' environment in every mode (``AIRFLOW__*``, ``AIRFLOW_CONN_*``,
-``AIRFLOW_VAR_*`` and names containing ``API_KEY``, ``TOKEN``, ``SECRET`` or ``PASSWORD``).
+Commands get the environment by allowlist in every mode (``PATH``, the locale, ``TERM``, ``TZ``,
+``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.env`).
+The file tools open paths below the workdir without following symlinks, so a command swapping
+folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.files`).
 This module imports no Airflow.
 """
 
@@ -38,35 +40,21 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Literal, TypeVar
+from typing import TypeVar
 
-from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
+from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
-from cancellable_agents.procs.proc import (
-    ProcKey,
-    all_pids,
-    children_of,
-    command_line,
-    environ_contains,
-    is_running,
-    nested_pid_namespace,
-    read_proc,
-    reap_zombie,
-    send_signal,
-    wait_gone,
-    walk_descendants,
-)
+from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import (
     BoundaryProfile,
@@ -77,86 +65,26 @@ from cancellable_agents.toolsets.sandbox.bwrap import (
     limits_prefix,
     prlimit_path,
     sandbox_uid,
-    unavailable_message,
 )
+from cancellable_agents.toolsets.sandbox.command import BoundedReader, CommandTree, Mode, stop_bound
 from cancellable_agents.toolsets.sandbox.env import scrubbed_environment
-from cancellable_agents.toolsets.sandbox.protocol import (
-    CommandResult,
-    SandboxClosed,
-    SandboxPathError,
-    SandboxUnavailable,
-)
-from cancellable_agents.toolsets.sandbox.workdirs import new_workdir
+from cancellable_agents.toolsets.sandbox.files import WorkdirFiles, outside_error
+from cancellable_agents.toolsets.sandbox.isolation import Isolation, Profile, choose_mode, warn_no_boundary
+from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
+from cancellable_agents.toolsets.sandbox.seccomp import command_filter, warn_if_missing
+from cancellable_agents.toolsets.sandbox.workdirs import prepare_workdir
 
-__all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "Isolation", "LocalSandbox", "Profile"]
+__all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "LocalSandbox"]
 
 log = logging.getLogger(__name__)
 
-Isolation = Literal["auto", "namespace", "process-group"]
-Mode = Literal["namespace", "process-group"]
-Profile = Literal["boundary", "host"]
 T = TypeVar("T")
 
 DEFAULT_OUTPUT_LIMIT = 64 * 1024
-#: How often a running command's process tree is scanned for new descendants.
-TRACK_INTERVAL = 0.02
-#: Budget kept back after the SIGTERM grace for SIGKILL, reaping and the record.
-KILL_RESERVE = 0.3
-#: How long to wait for SIGKILLed processes to disappear.
-KILL_WAIT = 1.0
-#: How long output readers may take to drain once the tree is gone.
-READER_JOIN = 1.0
-#: Scheduling slack on top of the parts of a stop (see ``LocalSandbox._stop_bound``).
-STOP_SLACK = 2.0
 #: Finished commands whose results stay available to ``wait`` (oldest are forgotten first).
 KEEP_RESULTS = 256
 #: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
-
-
-def _choose_mode(isolation: str, profile: str) -> Mode:
-    if isolation not in ("auto", "namespace", "process-group"):
-        raise ValueError(f"isolation must be 'auto', 'namespace' or 'process-group', got {isolation!r}")
-    if profile not in ("boundary", "host"):
-        raise ValueError(f"profile must be 'boundary' or 'host', got {profile!r}")
-    if isolation == "process-group":
-        return "process-group"
-    support = bwrap_support()
-    if support.usable and (profile == "host" or support.boundary):
-        return "namespace"
-    if isolation == "namespace":
-        raise SandboxUnavailable(unavailable_message(support, profile))
-    log.info(
-        "LocalSandbox: no %s namespace sandbox (%s); using process-group isolation",
-        profile,
-        support.reason or support.boundary_reason,
-    )
-    return "process-group"
-
-
-_warned_lock = threading.Lock()
-_warned: weakref.WeakSet[TaskCancellation] = weakref.WeakSet()  # guarded by _warned_lock
-_warned_unscoped = False  # guarded by _warned_lock
-
-
-def _warn_no_boundary(scope: TaskCancellation | None) -> None:
-    """Once per task (scope): process-group mode is cleanup, not a boundary."""
-    global _warned_unscoped
-    with _warned_lock:
-        if scope is None:
-            if _warned_unscoped:
-                return
-            _warned_unscoped = True
-        else:
-            if scope in _warned:
-                return
-            _warned.add(scope)
-    log.warning(
-        "LocalSandbox runs commands in process-group mode: this stops them on a kill but is NOT a "
-        "security boundary (commands see the task's files and network and run as its user, with "
-        "no limits). For a boundary install bubblewrap (`apt-get install bubblewrap`) and pass "
-        "isolation='namespace' to fail instead of falling back."
-    )
 
 
 # -- spawning -------------------------------------------------------------------------------
@@ -188,88 +116,6 @@ class _Spawner:
 _spawner = _Spawner()
 
 
-# -- one command ----------------------------------------------------------------------------
-
-
-class _BoundedReader:
-    """Drains one pipe on its own thread, keeping at most ``limit`` bytes.
-
-    Reading on a thread means a chatty command never blocks on a full pipe; the cap means it
-    never costs more than ``limit`` bytes of memory however much it writes.
-    """
-
-    def __init__(self, pipe: IO[bytes], limit: int, name: str) -> None:
-        self._pipe = pipe
-        self._limit = limit
-        self._data = bytearray()
-        self._dropped = 0
-        self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._drain, name=name, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        fd = self._pipe.fileno()
-        try:
-            while chunk := os.read(fd, 65536):
-                with self._lock:
-                    room = max(0, self._limit - len(self._data))
-                    self._data += chunk[:room]
-                    self._dropped += len(chunk) - min(room, len(chunk))
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                self._pipe.close()
-
-    def text(self) -> tuple[str, bool]:
-        """The captured text (with a truncation marker) and whether anything was dropped."""
-        with self._lock:
-            text = bytes(self._data).decode("utf-8", "replace")
-            dropped = self._dropped
-        if dropped:
-            text += f"\n[... truncated {dropped} bytes ...]"
-        return text, dropped > 0
-
-
-@dataclass(eq=False)
-class _Command:
-    id: str
-    popen: subprocess.Popen[bytes]
-    main: ProcKey
-    mode: Mode
-    tag: bytes
-    started: float
-    timeout: float | None
-    stdout: _BoundedReader
-    stderr: _BoundedReader
-    tracked: dict[int, ProcKey] = field(default_factory=dict)
-    infra: set[ProcKey] = field(default_factory=set)
-    #: Found by a stop's sweep (group or tag) but never by the tracker: e.g. the ``(cmd &)``
-    #: orphan, reparented before the tracker's first look. Ours to reap all the same.
-    swept: set[ProcKey] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    wake: threading.Event = field(default_factory=threading.Event)
-    terminated: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    stop_reason: str | None = None
-    final_signal: int | None = None
-    result: CommandResult | None = None
-    callbacks: list[Callable[[CommandResult], None]] = field(default_factory=list)
-
-    def add_done_callback(self, callback: Callable[[CommandResult], None]) -> None:
-        """Call ``callback(result)`` once the command ended (at once if it already has)."""
-        with self.lock:
-            if self.result is None:
-                self.callbacks.append(callback)
-                return
-            result = self.result
-        callback(result)
-
-    def known(self) -> set[ProcKey]:
-        with self.lock:
-            return {self.main, *self.tracked.values(), *self.infra, *self.swept}
-
-
 # -- the sandbox ----------------------------------------------------------------------------
 
 
@@ -278,7 +124,7 @@ class LocalSandbox:
 
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
     by :meth:`destroy` only if this sandbox created it. ``env`` is passed to commands on top of
-    the scrubbed environment (so a secret the DAG author hands over explicitly does reach them).
+    the allowlisted environment (so what the DAG author hands over explicitly does reach them).
     With a ``scope`` (or the :func:`current_cancellation` found at creation or first use), a
     cancel stops all commands (``Phase.IN_FLIGHT``) before destroying the sandbox
     (``Phase.TEARDOWN``), inside the scope's budget (through :func:`attach_sandbox`).
@@ -314,12 +160,12 @@ class LocalSandbox:
             raise ValueError(f"stop_grace must be >= 0 seconds, got {stop_grace!r}")
         if output_limit <= 0:
             raise ValueError(f"output_limit must be a positive number of bytes, got {output_limit!r}")
-        self.mode: Mode = _choose_mode(isolation, profile)
+        self.mode: Mode = choose_mode(isolation, profile)
         self.profile: Profile = profile
         self.network = network
         self.limits = limits if limits is not None else Limits()
         self.id = uuid.uuid4().hex[:8]
-        self.workdir, self._owns_workdir = _prepare_workdir(workdir)
+        self.workdir, self._owns_workdir = prepare_workdir(workdir)
         if self._owns_workdir:
             # A sandbox nobody destroyed still does not leave its directory behind at exit.
             weakref.finalize(self, shutil.rmtree, self.workdir, True)
@@ -327,7 +173,7 @@ class LocalSandbox:
         self.output_limit = output_limit
         self.python = python or sys.executable or "python3"
         self._explicit_env = dict(env or {})
-        self._commands: dict[str, _Command] = {}
+        self._commands: dict[str, CommandTree] = {}
         self._lock = threading.Lock()
         self._destroyed = False
         self._scope: TaskCancellation | None = None
@@ -347,6 +193,7 @@ class LocalSandbox:
     ) -> BoundaryProfile | None:
         if self.mode != "namespace" or self.profile != "boundary":
             return None
+        warn_if_missing()
         uid = None if bwrap_support().user_namespace else sandbox_uid()
         if uid is not None:
             # A root worker's commands run as the sandbox's own uid: the workdir must be theirs.
@@ -362,10 +209,8 @@ class LocalSandbox:
         )
 
     def _boundary_env(self, env: dict[str, str]) -> None:
-        """The real HOME is not visible (the workdir stands in), and ``python`` on PATH is the
-        sandbox's interpreter (a PATH entry such as a pyenv shim folder is not visible either)."""
-        if "HOME" not in self._explicit_env:
-            env["HOME"] = str(self.workdir)
+        """``python`` on PATH is the sandbox's interpreter (a PATH entry such as a pyenv shim
+        folder is not visible)."""
         if "PATH" not in self._explicit_env:
             bindir = os.path.dirname(os.path.abspath(self.python))
             env["PATH"] = os.pathsep.join([bindir, env.get("PATH") or os.defpath])
@@ -378,7 +223,7 @@ class LocalSandbox:
 
     def _attach(self, scope: TaskCancellation | None) -> None:
         if self.mode == "process-group":
-            _warn_no_boundary(scope)
+            warn_no_boundary(scope)
         with self._lock:
             if scope is None or self._scope is not None or self._destroyed:
                 return
@@ -386,13 +231,6 @@ class LocalSandbox:
         self._attachment = attach_sandbox(
             self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
         )
-
-    def _grace(self) -> float:
-        """SIGTERM grace: ``stop_grace``, but never past the cancelled scope's budget."""
-        scope = self._scope
-        if scope is None or not scope.cancelled:
-            return self.stop_grace
-        return max(0.0, min(self.stop_grace, scope.remaining() - KILL_RESERVE))
 
     # -- starting ------------------------------------------------------------------------
 
@@ -415,14 +253,16 @@ class LocalSandbox:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         command_id = uuid.uuid4().hex[:12]
         tag = f"{self.id}:{command_id}"
-        env = scrubbed_environment(os.environ, self._explicit_env)
+        env = scrubbed_environment(os.environ, self._explicit_env, home=str(self.workdir))
         if self._boundary is not None:
             self._boundary_env(env)
         env[COMMAND_TAG] = tag
         with self._lock:
             if self._destroyed:
                 raise SandboxClosed(f"sandbox {self.id} was destroyed; it starts no more commands")
-            cmd = self._spawn(command_id, self._wrap(argv), env, tag, timeout, stdin)
+            with command_filter(self._boundary is not None) as seccomp_fd:
+                wrapped = self._wrap(argv, seccomp_fd)
+                cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, seccomp_fd)
             self._commands[command_id] = cmd
             self._forget_old_results()
         if self._scope is not None and self._scope.cancelled:
@@ -436,7 +276,7 @@ class LocalSandbox:
         for command_id in finished[: max(0, len(finished) - KEEP_RESULTS)]:
             del self._commands[command_id]
 
-    def _wrap(self, argv: list[str]) -> list[str]:
+    def _wrap(self, argv: list[str], seccomp_fd: int | None = None) -> list[str]:
         if self.mode != "namespace":
             # Per-uid here, RLIMIT_NPROC would count every process of the worker's user.
             # (No bubblewrap probe here: its orphans would come back to a subreaper task process.)
@@ -444,7 +284,7 @@ class LocalSandbox:
         support = bwrap_support()
         if self._boundary is None:
             return host_argv(support, str(self.workdir), self.python) + argv
-        return boundary_argv(support, self._boundary) + argv
+        return boundary_argv(support, self._boundary, seccomp_fd=seccomp_fd) + argv
 
     def _spawn(
         self,
@@ -454,7 +294,8 @@ class LocalSandbox:
         tag: str,
         timeout: float | None,
         stdin: str | bytes | None,
-    ) -> _Command:
+        seccomp_fd: int | None = None,
+    ) -> CommandTree:
         def popen() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 argv,
@@ -467,180 +308,34 @@ class LocalSandbox:
                 # tree up behind the sandbox's back; the sandbox's stop is the one way it ends.
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=() if seccomp_fd is None else (seccomp_fd,),
             )
 
         started = time.monotonic()
         proc = _spawner.call(popen)
         info = read_proc(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
-        cmd = _Command(
+        cmd = CommandTree(
             id=command_id,
+            owner=self,
             popen=proc,
             main=ProcKey(proc.pid, info.start if info else 0.0),
             mode=self.mode,
             tag=f"{COMMAND_TAG}={tag}\0".encode(),
             started=started,
             timeout=timeout,
-            stdout=_BoundedReader(proc.stdout, self.output_limit, f"sandbox-{command_id}-stdout"),
-            stderr=_BoundedReader(proc.stderr, self.output_limit, f"sandbox-{command_id}-stderr"),
+            stdout=BoundedReader(proc.stdout, self.output_limit, f"sandbox-{command_id}-stdout"),
+            stderr=BoundedReader(proc.stderr, self.output_limit, f"sandbox-{command_id}-stderr"),
         )
         if stdin is not None:
             _feed_stdin(proc, stdin.encode() if isinstance(stdin, str) else stdin)
-        threading.Thread(
-            target=self._monitor, args=(cmd,), name=f"sandbox-{command_id}-monitor", daemon=True
-        ).start()
+        cmd.watch()
         return cmd
-
-    # -- watching a command --------------------------------------------------------------
-
-    def _monitor(self, cmd: _Command) -> None:
-        """Track the tree until the main process exits, enforce the timeout, then finish."""
-        deadline = None if cmd.timeout is None else cmd.started + cmd.timeout
-        while not _has_exited(cmd.popen):
-            self._track(cmd)
-            if deadline is not None and time.monotonic() >= deadline:
-                deadline = None
-                # Claimed here, before the main process can exit, so the result says timed_out.
-                if self._claim(cmd, "timeout"):
-                    threading.Thread(
-                        target=self._stop_claimed, args=(cmd,), name=f"sandbox-{cmd.id}-timeout", daemon=True
-                    ).start()
-            if cmd.wake.wait(TRACK_INTERVAL):
-                cmd.wake.clear()
-        self._finish(cmd)
-
-    def _track(self, cmd: _Command) -> None:
-        main = read_proc(cmd.main.pid)
-        if main is None or main.start != cmd.main.start:
-            return  # reaped: its pid may already belong to a stranger
-        try:
-            tree = walk_descendants(cmd.popen.pid, skip=lambda info: info.start < cmd.main.start)
-            outer_children = set(children_of(cmd.popen.pid)) if cmd.mode == "namespace" else set()
-        except Exception as exc:  # /proc races must not kill the watcher
-            log.debug("sandbox %s: scan failed: %r", self.id, exc)
-            return
-        with cmd.lock:
-            for pid, info in tree.items():
-                key = ProcKey(pid, info.start)
-                if pid in outer_children:
-                    cmd.infra.add(key)
-                else:
-                    cmd.tracked[pid] = key
-
-    def _finish(self, cmd: _Command) -> None:
-        if cmd.stop_reason is not None:
-            cmd.terminated.wait(self._stop_bound())
-        else:
-            self._kill_leftovers(cmd)
-        cmd.popen.wait()  # only now: until here its pid, the group id, could not be recycled
-        self._reap_tracked(cmd)
-        for reader in (cmd.stdout, cmd.stderr):
-            reader.thread.join(READER_JOIN)
-        result = self._result(cmd)
-        with cmd.lock:
-            cmd.result = result
-            callbacks = list(cmd.callbacks)
-            cmd.done.set()
-        for callback in callbacks:
-            try:
-                callback(result)
-            except Exception as exc:
-                log.debug("sandbox %s: result callback failed: %r", self.id, exc)
-
-    def _result(self, cmd: _Command) -> CommandResult:
-        stdout, out_cut = cmd.stdout.text()
-        stderr, err_cut = cmd.stderr.text()
-        stopped = cmd.stop_reason is not None
-        returncode = cmd.popen.returncode if cmd.popen.returncode is not None else -signal.SIGKILL
-        return CommandResult(
-            command_id=cmd.id,
-            exit_code=-(cmd.final_signal or signal.SIGTERM) if stopped else returncode,
-            stdout=stdout,
-            stderr=stderr,
-            stdout_truncated=out_cut,
-            stderr_truncated=err_cut,
-            timed_out=cmd.stop_reason == "timeout",
-            stopped=stopped,
-            duration=round(time.monotonic() - cmd.started, 4),
-        )
-
-    def _kill_leftovers(self, cmd: _Command) -> None:
-        """The main process ended on its own (not yet reaped): nothing it started may outlive it."""
-        if cmd.mode == "namespace":
-            # The kernel empties the namespace once bwrap's init is gone; just wait for it.
-            wait_gone(cmd.known(), KILL_WAIT)
-        leftovers = {k: c for k, c in self._tree(cmd).items() if k != cmd.main}
-        if not leftovers:
-            return
-        sent = {key: int(signal.SIGKILL) for key in leftovers if send_signal(key, signal.SIGKILL)}
-        wait_gone(sent, KILL_WAIT)
-        self._record(cmd, sent, leftovers, reason="leftover")
-
-    def _reap_tracked(self, cmd: _Command) -> None:
-        """Reap the command's processes that were reparented to us (we may be a subreaper).
-
-        The sandbox started and stopped them, so it collects them: left as zombies, they would
-        wait out the descendant reaper's owner grace, or stay until the task process exits.
-        """
-        keys = cmd.known() - {cmd.main}
-        if cmd.mode == "namespace":
-            keys |= self._orphaned_inits(cmd)
-        for key in keys:
-            reap_zombie(key)
-
-    @staticmethod
-    def _orphaned_inits(cmd: _Command) -> set[ProcKey]:
-        """bubblewrap's namespace inits reparented to this process, once they have exited.
-
-        The outer bwrap exits as soon as the command does, and its init follows once the kernel
-        has emptied the namespace: always an orphan, reparented to a subreaper task process, and
-        for a short command never seen by the tracker. Only a process in a *nested* PID
-        namespace qualifies, so an outer bwrap (a ``Popen`` of ours, waited for by its command)
-        is never reaped here; nobody waits for an init.
-        """
-        me = os.getpid()
-        inits = set()
-        for pid in children_of(me):
-            info = read_proc(pid)
-            if info is not None and info.start >= cmd.main.start and nested_pid_namespace(pid):
-                inits.add(ProcKey(pid, info.start))
-        wait_gone(inits, KILL_WAIT)  # emptying a namespace of a fork bomb's processes takes a while
-        return inits
-
-    # -- finding a command's processes ---------------------------------------------------
-
-    def _tree(self, cmd: _Command) -> dict[ProcKey, str]:
-        """Every running process of ``cmd``, with its command line: the tracked ones, a fresh
-        walk from the main process, its process group, and anything with the command's tag."""
-        self._track(cmd)
-        keys = {k for k in cmd.known() if is_running(k)}
-        swept = self._sweep(cmd) - keys
-        with cmd.lock:
-            cmd.swept |= swept
-        return {key: command_line(key.pid) for key in keys | swept}
-
-    def _sweep(self, cmd: _Command) -> set[ProcKey]:
-        """Processes started after the command that are in its group or carry its tag."""
-        found: set[ProcKey] = set()
-        # The group id is the main pid: only meaningful while that pid cannot be recycled.
-        group_alive = cmd.mode == "process-group" and cmd.popen.returncode is None
-        for pid in all_pids():
-            info = read_proc(pid)
-            if info is None or info.exited or info.start < cmd.main.start or pid == os.getpid():
-                continue
-            in_group = group_alive and info.pgid == cmd.main.pid
-            if in_group or environ_contains(pid, cmd.tag):
-                found.add(ProcKey(pid, info.start))
-        return found
 
     def descendants(self, command_id: str) -> list[int]:
         """Pids of the command's running descendants the tracker has seen (not bwrap itself)."""
         cmd = self._commands.get(command_id)
-        if cmd is None:
-            return []
-        with cmd.lock:
-            keys = list(cmd.tracked.values())
-        return sorted(k.pid for k in keys if is_running(k))
+        return [] if cmd is None else cmd.descendants()
 
     # -- stopping ------------------------------------------------------------------------
 
@@ -654,22 +349,20 @@ class LocalSandbox:
         if cmd is None:
             log.debug("sandbox %s: stop(%r): no such command", self.id, command_id)
             return
-        self._terminate(cmd, "stopped")
+        cmd.terminate("stopped")
 
     def stop_all(self) -> None:
         """Stop every running command, concurrently, so N commands cost one grace period."""
         with self._lock:
             running = [c for c in self._commands.values() if not c.done.is_set()]
         workers = [
-            threading.Thread(
-                target=self._terminate, args=(cmd, "stopped"), name=f"stop-{cmd.id}", daemon=True
-            )
+            threading.Thread(target=cmd.terminate, args=("stopped",), name=f"stop-{cmd.id}", daemon=True)
             for cmd in running
         ]
         for worker in workers:
             worker.start()
         for worker in workers:
-            worker.join(self._stop_bound())
+            worker.join(stop_bound(self.stop_grace))
 
     def destroy(self) -> None:
         """Stop all commands and remove the workdir if this sandbox created it. Idempotent."""
@@ -684,136 +377,9 @@ class LocalSandbox:
             shutil.rmtree(self.workdir, ignore_errors=True)
         log.debug("sandbox %s destroyed", self.id)
 
-    def _stop_bound(self) -> float:
-        """The longest stopping one command can take: the SIGTERM grace, the SIGKILL wait, the
-        output drain, and slack for a busy machine. Every wait for a stop is bounded by it."""
-        return self.stop_grace + KILL_WAIT + READER_JOIN + STOP_SLACK
-
-    def _terminate(self, cmd: _Command, reason: str) -> None:
-        if self._claim(cmd, reason):
-            self._stop_claimed(cmd)
-        elif cmd.stop_reason is not None:  # someone else is stopping it: wait for them
-            cmd.done.wait(self._stop_bound())
-
-    @staticmethod
-    def _claim(cmd: _Command, reason: str) -> bool:
-        """Make this caller the one that stops ``cmd``; ``False`` if stopping or finished."""
-        with cmd.lock:
-            if cmd.stop_reason is not None or cmd.done.is_set():
-                return False
-            cmd.stop_reason = reason
-            return True
-
-    def _stop_claimed(self, cmd: _Command) -> None:
-        try:
-            self._signal_tree(cmd)
-        finally:
-            cmd.terminated.set()
-            cmd.wake.set()
-        cmd.done.wait(self._stop_bound())
-
-    def _signal_tree(self, cmd: _Command) -> None:
-        tree = self._tree(cmd)
-        # Youngest first, so children are signalled before their parents: in a namespace the
-        # command's exit tears everything down, and each process should get its SIGTERM first.
-        workers = sorted(
-            (k for k in tree if k not in cmd.infra and not self._is_outer_bwrap(cmd, k)),
-            key=lambda k: (k.start, k.pid),
-            reverse=True,
-        )
-        sent: dict[ProcKey, int] = {}
-        cmd.final_signal = signal.SIGTERM
-        # Freeze, signal, thaw: every process has its SIGTERM pending before any of them can
-        # react to another's death (a shell exiting as its child dies, the namespace torn down
-        # as the command exits) or fork something new in the middle of the stop.
-        frozen = [key for key in workers if send_signal(key, signal.SIGSTOP)]
-        try:
-            for key in workers:
-                if send_signal(key, signal.SIGTERM):
-                    sent[key] = signal.SIGTERM
-            self._signal_group(cmd, signal.SIGTERM)
-        finally:
-            for key in frozen:
-                send_signal(key, signal.SIGCONT)
-            self._signal_group(cmd, signal.SIGCONT)
-        if not workers or not wait_gone(workers, self._grace()):
-            cmd.final_signal = signal.SIGKILL
-            sent.update(self._kill_everything(cmd, tree))
-        # bwrap's init leaves as soon as the command does; whatever is still around goes now.
-        wait_gone(tree, KILL_WAIT)
-        stragglers = self._tree(cmd)
-        for key in stragglers:
-            if send_signal(key, signal.SIGKILL):
-                sent[key] = signal.SIGKILL
-        tree.update(stragglers)
-        wait_gone(sent, KILL_WAIT)
-        self._record(cmd, sent, tree, reason=cmd.stop_reason or "stopped")
-        if cmd.mode == "namespace":
-            # Running when the stop began, gone before our signal reached it: the kernel's
-            # SIGKILL of the emptied namespace ended it.
-            torn_down = {key: int(signal.SIGKILL) for key in workers if key not in sent}
-            self._record(
-                cmd, torn_down, tree, reason=cmd.stop_reason or "stopped", source="namespace teardown"
-            )
-
-    def _kill_everything(self, cmd: _Command, tree: dict[ProcKey, str]) -> dict[ProcKey, int]:
-        # Namespace init first: its death makes the kernel SIGKILL the whole namespace at once.
-        # Whatever runs now dies of this SIGKILL, even if the kernel or the group signal gets
-        # to it before its own kill() does: that is what the record says.
-        tree.update(self._tree(cmd))
-        alive = [key for key in sorted(tree, key=lambda k: k not in cmd.infra) if is_running(key)]
-        for key in alive:
-            send_signal(key, signal.SIGKILL)
-        self._signal_group(cmd, signal.SIGKILL)
-        wait_gone(tree, KILL_WAIT)
-        return dict.fromkeys(alive, int(signal.SIGKILL))
-
-    def _signal_group(self, cmd: _Command, sig: int) -> None:
-        # The main process is the group leader; while it is unreaped its pid (the pgid) cannot
-        # be recycled, so the group signal cannot reach a stranger.
-        if cmd.mode != "process-group" or cmd.popen.returncode is not None:
-            return
-        leader = read_proc(cmd.main.pid)
-        if leader is None or leader.start != cmd.main.start:
-            return  # reaped behind our back (e.g. by the descendant reaper): the id is not ours
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(cmd.main.pid, sig)
-
-    @staticmethod
-    def _is_outer_bwrap(cmd: _Command, key: ProcKey) -> bool:
-        return cmd.mode == "namespace" and key == cmd.main
-
-    def _record(
-        self,
-        cmd: _Command,
-        sent: Mapping[ProcKey, int],
-        tree: Mapping[ProcKey, str],
-        reason: str,
-        source: str = "sandbox",
-    ) -> None:
-        scope = self._scope
-        for key, sig in sent.items():
-            if cmd.mode == "namespace" and (key in cmd.infra or key == cmd.main):
-                continue  # bubblewrap's own processes are plumbing, not the command's work
-            entry = KillRecord(
-                source=source,
-                pid=key.pid,
-                command_id=cmd.id,
-                signal=int(sig),
-                exit_code=-int(sig) if key == cmd.main else None,
-                mode=cmd.mode,
-                reason=reason,
-                command=tree.get(key, ""),
-                sandbox=self.id,
-                at=round(time.time(), 3),
-            )
-            log.debug("sandbox %s killed %s", self.id, entry)
-            if scope is not None:
-                scope.record_killed(entry)
-
     # -- results -------------------------------------------------------------------------
 
-    def _get(self, command_id: str) -> _Command:
+    def _get(self, command_id: str) -> CommandTree:
         cmd = self._commands.get(command_id)
         if cmd is None:
             raise KeyError(f"sandbox {self.id} has no command {command_id!r}")
@@ -857,11 +423,11 @@ class LocalSandbox:
         try:
             return await self._result_future(self._get(command_id))
         except asyncio.CancelledError:
-            await _finish_despite_cancel(asyncio.to_thread(self.stop, command_id))
+            await wait_shielded(asyncio.to_thread(self.stop, command_id), f"the stop of command {command_id}")
             raise
 
     @staticmethod
-    def _result_future(cmd: _Command) -> asyncio.Future[CommandResult]:
+    def _result_future(cmd: CommandTree) -> asyncio.Future[CommandResult]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[CommandResult] = loop.create_future()
 
@@ -879,66 +445,32 @@ class LocalSandbox:
     # -- files ---------------------------------------------------------------------------
 
     def resolve(self, path: str) -> Path:
-        """``path`` (relative to the workdir, or absolute inside it) with symlinks resolved.
+        """``path`` (relative to the workdir, or absolute inside it) with symlinks resolved, for
+        showing; the file tools never open what this returns (a command may swap it meanwhile).
 
         Raises :class:`SandboxPathError` if it points outside the workdir.
         """
-        resolved = (self.workdir / path).resolve()
+        resolved = self.workdir.joinpath(*self._files().parts(path)).resolve()
         if resolved != self.workdir and self.workdir not in resolved.parents:
-            raise SandboxPathError(
-                f"path {path!r} is outside the sandbox working directory; use a path relative to it"
-            )
+            raise outside_error(path)
         return resolved
+
+    def _files(self) -> WorkdirFiles:
+        """The workdir's race-free file access; what it creates is handed to the sandbox's uid."""
+        owner = self._boundary.uid if self._boundary is not None else None
+        return WorkdirFiles(self.workdir, output_limit=self.output_limit, owner=owner)
 
     def read_file(self, path: str) -> str:
         """The file's text (undecodable bytes replaced), capped at ``output_limit`` bytes."""
-        with self.resolve(path).open("rb") as handle:
-            data = handle.read(self.output_limit + 1)
-        text = data[: self.output_limit].decode("utf-8", "replace")
-        if len(data) > self.output_limit:
-            text += f"\n[... truncated after {self.output_limit} bytes ...]"
-        return text
+        return self._files().read_file(path)
 
     def write_file(self, path: str, content: str) -> int:
         """Write ``content`` (UTF-8), creating parent directories; return the bytes written."""
-        target = self.resolve(path)
-        created = [d for d in (target.parent, *target.parent.parents) if not d.exists()]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        data = content.encode("utf-8")
-        target.write_bytes(data)
-        self._hand_over([*created, target])
-        return len(data)
-
-    def _hand_over(self, paths: Iterable[Path]) -> None:
-        """Files the task writes for a command that runs as the sandbox's own uid are its own,
-        or the command could read but never change them."""
-        uid = self._boundary.uid if self._boundary is not None else None
-        if uid is None:
-            return
-        for path in paths:
-            with contextlib.suppress(OSError):
-                os.chown(path, uid, uid)
+        return self._files().write_file(path, content)
 
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a directory, sorted; directories end with ``/``."""
-        directory = self.resolve(path)
-        return sorted(entry.name + ("/" if entry.is_dir() else "") for entry in directory.iterdir())
-
-
-def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether the process ended, *without* reaping it.
-
-    An unreaped zombie keeps its pid, which is also its process group id, from being recycled:
-    the group can still be signalled safely while the command's leftovers are cleaned up.
-    """
-    if proc.returncode is not None:
-        return True
-    if not hasattr(os, "waitid"):
-        return proc.poll() is not None
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True  # reaped by someone else
+        return self._files().list_files(path)
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:
@@ -946,16 +478,6 @@ def _absolute(path: str | os.PathLike[str]) -> str:
     if not resolved.exists():
         raise ValueError(f"sandbox path {str(path)!r} does not exist")
     return str(resolved)
-
-
-def _prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
-    """The resolved workdir and whether we created it (and so may delete it)."""
-    if workdir is None:
-        return new_workdir(), True
-    path = Path(workdir).resolve()
-    existed = path.exists()
-    path.mkdir(parents=True, exist_ok=True)
-    return path, not existed
 
 
 def _feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
@@ -967,31 +489,3 @@ def _feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
             proc.stdin.close()
 
     threading.Thread(target=feed, name=f"sandbox-stdin-{proc.pid}", daemon=True).start()
-
-
-#: Longest a stop or teardown is awaited after a cancel outside any task scope.
-_FINISH_BOUND = 5.0
-
-
-async def _finish_despite_cancel(awaitable: Awaitable[T]) -> None:
-    """Wait for ``awaitable`` (a stop, a teardown) even if this task is cancelled meanwhile, and
-    again and again, as an anyio cancel scope does: for at most the scope's remaining budget
-    after the first such cancel. Returning early would leave the stop running unwatched (its
-    kill record late, "Task was destroyed but it is pending!" in the task log). A cancel that
-    came in is absorbed, as before: the caller is already unwinding."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.ensure_future(awaitable)
-    deadline: float | None = None
-    while not task.done():
-        left = None if deadline is None else deadline - loop.time()
-        if left is not None and left <= 0:
-            log.warning("a sandbox stop or teardown did not finish within the budget; left running")
-            return
-        try:
-            await asyncio.wait({task}, timeout=left)
-        except asyncio.CancelledError:
-            if deadline is None:
-                scope = current_cancellation()
-                deadline = loop.time() + (scope.remaining() if scope is not None else _FINISH_BOUND)
-    if not task.cancelled():
-        task.result()

@@ -8,22 +8,18 @@ import functools
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic_ai import ModelRetry
 from pydantic_ai.toolsets import FunctionToolset
 
 from cancellable_agents.core.scope import current_cancellation
+from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import Limits
-from cancellable_agents.toolsets.sandbox.local import (
-    DEFAULT_OUTPUT_LIMIT,
-    Isolation,
-    LocalSandbox,
-    Profile,
-    _finish_despite_cancel,
-)
+from cancellable_agents.toolsets.sandbox.isolation import Isolation, Profile
+from cancellable_agents.toolsets.sandbox.local import DEFAULT_OUTPUT_LIMIT, LocalSandbox
 from cancellable_agents.toolsets.sandbox.protocol import (
     CommandResult,
     Sandbox,
@@ -54,6 +50,10 @@ class SandboxToolset(FunctionToolset[Any]):
     the run's scope yet is attached on first use (:func:`attach_sandbox`), so a kill stops its
     commands. Commands run at most ``command_timeout`` seconds (a tool call may ask for less).
     """
+
+    #: The workspace is created per try and gone on the next: a durable run resumed in a later
+    #: try is told so (:data:`cancellable_agents.durable.fingerprint.WORKSPACE_SURVIVES_A_RETRY`).
+    workspace_survives_a_retry: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -134,7 +134,7 @@ class SandboxToolset(FunctionToolset[Any]):
         if attachment is not None:
             attachment.detach()  # the caller's backend: stays alive, no longer tied to this run
         if sandbox is not None:
-            await _finish_despite_cancel(asyncio.to_thread(sandbox.destroy))
+            await wait_shielded(asyncio.to_thread(sandbox.destroy), "the sandbox's teardown")
         return None
 
     def _timeout(self, requested: float | None) -> float:
@@ -229,7 +229,8 @@ async def _run_on_backend(
     try:
         return await _on_daemon_thread(functools.partial(sandbox.wait, command_id, None))
     except asyncio.CancelledError:
-        await _finish_despite_cancel(_on_daemon_thread(functools.partial(sandbox.stop, command_id)))
+        stop = _on_daemon_thread(functools.partial(sandbox.stop, command_id))
+        await wait_shielded(stop, f"the stop of command {command_id}")
         raise
 
 
