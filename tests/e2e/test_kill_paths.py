@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 
 from cancellable_agents.airflow.mixin import CancellableAgentMixin
+from cancellable_agents.core.report import RetryOutlook, unwound_ms
 from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv, KilledRuns
 from tests.e2e.dags.kill_paths import EXECUTION_TIMEOUT_S
-from tests.e2e.driver import PathResult, diagnostics
+from tests.e2e.driver import TASK_ID, PathResult, diagnostics
+from tests.statsd_receiver import StatsdReceiver, metric_tags, metric_value
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -93,6 +95,34 @@ def _stopped_everything(result: PathResult, record: dict[str, Any], *, earliest_
     assert killed and killed <= set(result.tree_before), f"killed {killed}, tree was {result.tree_before}"
 
 
+def _kill_reached_statsd(
+    statsd: StatsdReceiver,
+    result: PathResult,
+    record: dict[str, Any],
+    action: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The task process sent this kill's metrics to the session's statsd receiver, saying what
+    its record says: the kill by cause, action, outcome and retry (with the task's ids), and
+    kill -> all released, the record's own number."""
+    kill = statsd.wait_metric("cancellable_agents.kills", dag_id=result.dag_id, task_id=TASK_ID)
+    released = statsd.wait_metric("cancellable_agents.kill.released", dag_id=result.dag_id, task_id=TASK_ID)
+    sample = f"[e2e statsd] {result.path}:\n  {kill}\n  {released}"
+    with capsys.disabled():  # the closing note's sample, with or without -s
+        print(f"\n{sample}")
+    tags = metric_tags(kill)
+    expected = {
+        "cause": record["cause"],
+        "action": action,
+        "outcome": "cancelled",
+        "retry": RetryOutlook(record["retry"]).name.lower() if "retry" in record else "unknown",
+    }
+    assert {k: tags.get(k) for k in expected} == expected, sample
+    assert metric_value(kill) == "1|c", sample
+    sent_ms = float(metric_value(released).split("|")[0])
+    assert sent_ms == pytest.approx(unwound_ms(record), abs=0.01), sample
+
+
 def _disconnect_after_kill_ms(result: PathResult) -> float:
     assert result.request is not None and result.request.disconnected_at is not None
     # The model server runs in this process: its monotonic clock maps to wall time here.
@@ -125,11 +155,14 @@ def test_e2e_dags_parse_without_import_errors(e2e: E2EEnv) -> None:
     assert {d["dag_id"] for d in dags["dags"]} >= set(E2E_DAG_IDS)
 
 
-def test_mark_failed_stops_the_task_and_does_not_retry(e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+def test_mark_failed_stops_the_task_and_does_not_retry(
+    e2e: E2EEnv, outcomes: dict[str, PathResult], statsd: StatsdReceiver, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = outcomes["mark_failed"]
     with explained(e2e, result):
         record = _the_record(result, "user", "marked failed")
         _stopped_everything(result, record)
+        _kill_reached_statsd(statsd, result, record, "marked_failed", capsys)
         assert _click_to_kill_s(result) >= 0 and _answer_to_kill_s(result) < 2 * HEARTBEAT_S
         assert (result.final_ti["state"], result.final_ti["try_number"]) == ("failed", 1)
         assert [t["try_number"] for t in result.tries] == [1], "a task marked failed must not be retried"
@@ -138,11 +171,14 @@ def test_mark_failed_stops_the_task_and_does_not_retry(e2e: E2EEnv, outcomes: di
         assert _callbacks(result) == [("on_failure_callback", 1)], "only on_failure_callback may fire"
 
 
-def test_clear_stops_the_try_and_the_next_try_starts(e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+def test_clear_stops_the_try_and_the_next_try_starts(
+    e2e: E2EEnv, outcomes: dict[str, PathResult], statsd: StatsdReceiver, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = outcomes["clear"]
     with explained(e2e, result):
         record = _the_record(result, "user", "cleared")
         _stopped_everything(result, record)
+        _kill_reached_statsd(statsd, result, record, "cleared", capsys)
         assert _click_to_kill_s(result) >= 0 and _answer_to_kill_s(result) < 2 * HEARTBEAT_S
         assert result.final_ti["try_number"] == 2 and result.final_ti["state"] in ("running", "success")
         assert any(try_ == 2 and state in ("running", "success") for try_, state in result.states_seen)
@@ -153,11 +189,14 @@ def test_clear_stops_the_try_and_the_next_try_starts(e2e: E2EEnv, outcomes: dict
         assert result.log_callbacks(2) == []
 
 
-def test_worker_eviction_retries(e2e: E2EEnv, outcomes: dict[str, PathResult]) -> None:
+def test_worker_eviction_retries(
+    e2e: E2EEnv, outcomes: dict[str, PathResult], statsd: StatsdReceiver, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = outcomes["eviction"]
     with explained(e2e, result):
         record = _the_record(result, "eviction", "worker shutdown")
         _stopped_everything(result, record)
+        _kill_reached_statsd(statsd, result, record, "none", capsys)
         assert 0 <= _click_to_kill_s(result) < 2.0, "the supervisor forwards SIGTERM at once"
         assert (1, "up_for_retry") in result.states_seen
         assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2)
@@ -166,12 +205,13 @@ def test_worker_eviction_retries(e2e: E2EEnv, outcomes: dict[str, PathResult]) -
 
 
 def test_execution_timeout_unwinds_gracefully_and_retries(
-    e2e: E2EEnv, outcomes: dict[str, PathResult]
+    e2e: E2EEnv, outcomes: dict[str, PathResult], statsd: StatsdReceiver, capsys: pytest.CaptureFixture[str]
 ) -> None:
     result = outcomes["timeout"]
     with explained(e2e, result):
         record = _the_record(result, "timeout", "the run's deadline passed")
         _stopped_everything(result, record, earliest_ms=-1000.0)
+        _kill_reached_statsd(statsd, result, record, "none", capsys)
         # The run's deadline is execution_timeout minus timeout_margin (2 s) after the scope began.
         since_created_s = -(result.event_ms(record, "scope_created") or 0.0) / 1000
         deadline_s = EXECUTION_TIMEOUT_S - TIMEOUT_MARGIN_S

@@ -90,7 +90,7 @@ def summary_line(report: KillReport) -> str:
     """
     record = report.record
     parts = [_cause_words(record, report.action)]
-    unwound = _unwound_ms(record)
+    unwound = unwound_ms(record)
     if unwound is not None:
         parts.append(f"unwound in {_ms(unwound)}")
     killed = len(record.get("killed") or ())
@@ -191,8 +191,10 @@ def _cause_words(record: Mapping[str, Any], action: UserAction | None) -> str:
     return words
 
 
-def _unwound_ms(record: Mapping[str, Any]) -> float | None:
-    """From the kill to the last of the run's unwind and the resources' release."""
+def unwound_ms(record: Mapping[str, Any]) -> float | None:
+    """Milliseconds from the kill to the last of the run's unwind and the resources' release,
+    or ``None`` when the record has neither (the unwind did not finish). The one reading of
+    "how long the unwind took" the summary line, the metrics and the span share."""
     ends = ("run_unwound", "resources_released")
     times = [e["ms"] for e in record.get("timeline") or () if e.get("event") in ends]
     return max(times) if times else None
