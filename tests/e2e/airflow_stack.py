@@ -1,7 +1,8 @@
 """A real Airflow 3 on loopback for end-to-end tests: api-server, scheduler, dag-processor.
 
-``AirflowStack`` owns a fresh ``AIRFLOW_HOME`` (SQLite, LocalExecutor, no examples, the simple
-auth manager with a known admin password), starts each component in its own process group with
+``AirflowStack`` owns a fresh ``AIRFLOW_HOME`` (SQLite unless given a PostgreSQL URL, as the
+Celery e2e and the fleet benchmark are: ``tests/e2e/postgres.py``; LocalExecutor, no examples,
+the simple auth manager with a known admin password), starts each component in its own process group with
 its output in ``AIRFLOW_HOME/components/NAME.log``, waits for ``/api/v2/monitor/health`` to say
 everything is healthy, and stops exactly the processes it started (by process group and by the
 pids it saw under them). ``RestClient`` talks to the public REST API with a JWT obtained the way
@@ -129,10 +130,15 @@ class AirflowStack:
     :param home: an empty directory that becomes ``AIRFLOW_HOME``.
     :param dags_folder: the DAGs folder (the tests' own ``dags/``).
     :param extra_env: more environment for every component (and so for the tasks).
+    :param database_url: the metadata database (a :class:`~tests.e2e.postgres.PostgresCluster`'s
+        URL where several components write at once); SQLite in ``home`` by default.
     """
 
-    def __init__(self, home: Path, dags_folder: Path, extra_env: dict[str, str]) -> None:
+    def __init__(
+        self, home: Path, dags_folder: Path, extra_env: dict[str, str], *, database_url: str | None = None
+    ) -> None:
         self.home = home
+        self.database_url = database_url or f"sqlite:///{home / 'airflow.db'}"
         self.dags_folder = dags_folder
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -154,7 +160,7 @@ class AirflowStack:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.database_url,
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__API__BASE_URL": self.url,
@@ -173,7 +179,7 @@ class AirflowStack:
     # -- lifecycle -------------------------------------------------------------------------
 
     def migrate(self, timeout: float = 240) -> None:
-        """``airflow db migrate`` into the fresh SQLite database."""
+        """``airflow db migrate`` into the fresh metadata database."""
         out = self.home / "components" / "db-migrate.log"
         with out.open("wb") as log:
             done = subprocess.run(
@@ -191,6 +197,8 @@ class AirflowStack:
         self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
         db = self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
         patient = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{db}?timeout={SCHEDULER_DB_WAIT_S}"}
+        if not db.startswith("sqlite:"):
+            patient = {}  # PostgreSQL has no single writer to wait for
         self._spawn("scheduler", ["scheduler", "--skip-serve-logs"], env=patient)
         self._spawn("dag-processor", ["dag-processor"], env=patient)
 

@@ -32,7 +32,9 @@ HEARTBEAT_DETECTION_S = 2
 class CeleryStack(AirflowStack):
     """``AirflowStack`` with ``CeleryExecutor``, a private Redis and Celery workers."""
 
-    def __init__(self, home: Path, dags_folder: Path, extra_env: dict[str, str]) -> None:
+    def __init__(
+        self, home: Path, dags_folder: Path, extra_env: dict[str, str], *, database_url: str | None = None
+    ) -> None:
         if REDIS_SERVER is None:
             raise RuntimeError("redis-server is not installed; run `make system-deps`")
         self.redis_port = free_port()
@@ -47,7 +49,7 @@ class CeleryStack(AirflowStack):
                 HEARTBEAT_DETECTION_S
             ),
         }
-        super().__init__(home, dags_folder, {**celery_env, **extra_env})
+        super().__init__(home, dags_folder, {**celery_env, **extra_env}, database_url=database_url)
         self.host = socket.gethostname()
         self._control: Any = None
 

@@ -1,0 +1,591 @@
+"""A fleet of durable agents on a real Airflow: what the journal and the kill paths cost at N.
+
+For each metadata database (SQLite, PostgreSQL) one real Airflow 3 (api-server with one worker,
+scheduler, dag-processor, LocalExecutor: ``tests/e2e/airflow_stack.py``; PostgreSQL from
+``tests/e2e/postgres.py``) runs the DAGs of ``benchmarks/fleet_dags/fleet.py`` against the local
+model server. For each N (ascending), N members at once:
+
+1. **steady**: N durable runs, then N control runs (``durable=False``), each a 6-step job whose
+   tool takes 0.2 s. Measured: every task state store call (``TimedStore``: op and latency),
+   store calls per step (per model request), and step time (one tool start to the next) durable
+   vs control.
+2. **eviction storm**: N durable runs, all mid-stream in their 4th model request; then every
+   supervisor is SIGTERMed at once. From each try-1 record: unwound (``resources_released``) and
+   when the cause was decided; the task process gone before Airflow's SIGKILL (5 s); whether the
+   retry resumed (try 2's first tool call is step 4); model requests over both tries.
+3. **mark-failed storm**: the same, but every member is PATCHed to ``failed`` at once (as the
+   UI's *Mark failed*). Measured: the PATCHes the API server accepted (on SQLite some end in
+   500 "database is locked" and stop nothing), and for those: request -> kill reached the task
+   (the record's origin), -> task process gone, when the cause was decided, the cause recorded
+   (must be ``user``), not retried.
+4. **memory**: RSS and PSS of each member (task process + its supervisor), sampled mid-stream in
+   the eviction storm, beside N bare ``@task`` s (no provider, no pydantic-ai) sampled the same way.
+
+``--api-load K`` runs K threads of REST reads against the api-server during the storms (a slower
+API server: the cause must still be ``user``). Prints one markdown table per database and writes
+``benchmarks/results/fleet.json`` and ``fleet.png`` (each metric against N).
+
+``make bench-fleet`` (= ``python -m benchmarks.fleet``); not part of CI. The full table (N up to
+16 and 32) is for a quiet machine: on a busy one the numbers measure the neighbours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import itertools
+import json
+import os
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
+from tests.e2e.postgres import PostgresCluster
+from tests.e2e.postgres import missing_reason as postgres_missing
+
+from cancellable_agents.core.report import parse_record
+from cancellable_agents.testing.openai_server import ScriptedModelServer
+
+DAGS_FOLDER = Path(__file__).with_name("fleet_dags")
+RESULTS = Path(__file__).with_name("results")
+TASK_ID = "agent"
+#: Airflow SIGKILLs a task's group this long after the supervisor's SIGTERM.
+GRACE_S = 5.0
+#: Tokens the stalled response must have streamed before a storm (every member mid-stream).
+MID_STREAM_TOKENS = 10
+STEPS = 6
+FINISHED = ("success", "failed")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) by nearest rank; ``None`` for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# -- the stack -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    """A running Airflow with the fleet DAGs, its REST client, the model server and state dir."""
+
+    db: str
+    stack: AirflowStack
+    rest: RestClient
+    model_server: ScriptedModelServer
+    state_dir: Path
+
+    def tag(self, run_id: str) -> str:
+        return f"[{run_id}]"
+
+    def requests_of(self, run_id: str) -> list[Any]:
+        tag = self.tag(run_id)
+        return [r for r in self.model_server.requests if tag in json.dumps(r.messages)]
+
+    def member(self, run_id: str, try_number: int = 1) -> dict[str, Any] | None:
+        path = self.state_dir / f"{run_id}.try{try_number}.json"
+        with contextlib.suppress(OSError, ValueError):
+            return dict(json.loads(path.read_text()))
+        return None
+
+    def jsonl(self, name: str) -> list[dict[str, Any]]:
+        path = self.state_dir / name
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def records(self, dag_id: str, run_id: str, try_number: int) -> list[dict[str, Any]]:
+        """The ``cancellable_agents.record`` objects in a try's log file (read from disk)."""
+        found = []
+        for log_file in self.stack.task_log_files(dag_id, run_id, TASK_ID):
+            if log_file.name != f"attempt={try_number}.log":
+                continue
+            for line in log_file.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    record = parse_record(str(json.loads(line).get("event", "")))
+                    if record is not None:
+                        found.append(record)
+        return found
+
+
+@contextlib.contextmanager
+def fleet_stack(db: str, parallelism: int) -> Iterator[Fleet]:
+    """Airflow on ``db`` (``sqlite`` or ``postgres``) with the fleet DAGs, until the block ends."""
+    home = Path(tempfile.mkdtemp(prefix=f"cancellable-agents-fleet-{db}-"))
+    state_dir = home / "fleet_state"
+    state_dir.mkdir()
+    with contextlib.ExitStack() as stack_of:
+        model_server = stack_of.enter_context(ScriptedModelServer())
+        url = None
+        if db == "postgres":
+            url = stack_of.enter_context(PostgresCluster()).sqlalchemy_url
+        env = {
+            "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(
+                {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
+            ),
+            "FLEET_STATE_DIR": str(state_dir),
+            "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+            "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
+        }
+        stack = AirflowStack(home, DAGS_FOLDER, env, database_url=url)
+        stack.migrate()
+        try:
+            stack.start()
+            stack.wait_healthy()
+            rest = stack.client()
+            _await_dags(stack, rest)
+            yield Fleet(db, stack, rest, model_server, state_dir)
+            rest.close()
+        finally:
+            stack.remember_processes()
+            stack.stop()
+    print(f"[fleet] {db}: AIRFLOW_HOME={home} (kept for the logs)")
+
+
+def _await_dags(stack: AirflowStack, rest: RestClient, timeout: float = 120) -> None:
+    wanted = {"fleet_durable", "fleet_control", "fleet_storm", "fleet_mark_failed", "fleet_bare"}
+
+    def parsed() -> bool:
+        stack.check_alive()
+        body = rest.json("GET", "/api/v2/dags", params={"dag_id_pattern": "fleet_", "limit": 100})
+        return wanted <= {d["dag_id"] for d in body["dags"]}
+
+    wait_until(parsed, timeout, "the fleet DAGs to be parsed", interval=0.5, on_timeout=stack.logs)
+
+
+# -- driving runs --------------------------------------------------------------------------------
+
+
+def trigger(fleet: Fleet, dag_id: str, n: int, phase: str) -> list[str]:
+    """N runs of ``dag_id`` (ids ``PHASE-N-i-xxxx``); returns their run ids."""
+    runs = [f"{phase}-n{n}-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
+    for run_id in runs:
+        fleet.rest.json(
+            "POST", f"/api/v2/dags/{dag_id}/dagRuns", json={"dag_run_id": run_id, "logical_date": None}
+        )
+    return runs
+
+
+def await_runs(fleet: Fleet, dag_id: str, runs: list[str], timeout: float) -> dict[str, str]:
+    """Until every run is success/failed; returns run id -> state."""
+    states: dict[str, str] = {}
+
+    def done() -> bool:
+        fleet.stack.check_alive()
+        body = fleet.rest.json("GET", f"/api/v2/dags/{dag_id}/dagRuns", params={"limit": 1000})
+        states.update({r["dag_run_id"]: r["state"] for r in body["dag_runs"] if r["dag_run_id"] in runs})
+        return all(states.get(r) in FINISHED for r in runs)
+
+    wait_until(done, timeout, f"{len(runs)} runs of {dag_id} to finish", interval=0.5)
+    return states
+
+
+def await_members(fleet: Fleet, runs: list[str], timeout: float, *, streaming: bool) -> None:
+    """Until every run's try 1 said who it is and (``streaming``) is mid-stream in its stall."""
+
+    def ready() -> bool:
+        fleet.stack.check_alive()
+        if any(fleet.member(r) is None for r in runs):
+            return False
+        if not streaming:
+            return True
+        return all(any(q.tokens_sent >= MID_STREAM_TOKENS for q in fleet.requests_of(r)) for r in runs)
+
+    wait_until(ready, timeout, f"{len(runs)} members to be mid-run", interval=0.1)
+
+
+def watch_exits(pids: list[int], timeout: float) -> dict[int, float]:
+    """pid -> monotonic time it was seen gone (polled every 10 ms), for up to ``timeout`` s."""
+    gone: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(gone) < len(pids) and time.monotonic() < deadline:
+        for pid in pids:
+            if pid not in gone and not _alive(pid):
+                gone[pid] = time.monotonic()
+        time.sleep(0.01)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def memory(pids: list[int]) -> tuple[float, float] | None:
+    """(RSS, PSS) in MiB summed over ``pids``; ``None`` if one is gone."""
+    rss = pss = 0.0
+    try:
+        for pid in pids:
+            info = psutil.Process(pid).memory_full_info()
+            rss += info.rss / 2**20
+            pss += getattr(info, "pss", 0) / 2**20
+    except psutil.Error:
+        return None
+    return rss, pss
+
+
+@contextlib.contextmanager
+def api_load(fleet: Fleet, threads: int) -> Iterator[None]:
+    """``threads`` loops of REST reads against the api-server while the block runs."""
+    stop = threading.Event()
+    token = fleet.rest._http.headers["Authorization"]
+
+    def hammer() -> None:
+        with httpx.Client(base_url=fleet.stack.url, headers={"Authorization": token}, timeout=30) as http:
+            while not stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    http.get("/api/v2/dags", params={"limit": 100})
+
+    workers = [threading.Thread(target=hammer, daemon=True) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(35)
+
+
+def all_at_once(calls: list[Callable[[], Any]]) -> list[float]:
+    """Run every call on its own thread, released together; returns each call's wall start."""
+    barrier = threading.Barrier(len(calls))
+    started = [0.0] * len(calls)
+
+    def run(i: int) -> None:
+        barrier.wait(30)
+        started[i] = time.time()
+        calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return started
+
+
+# -- the phases ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """Everything measured for one database at one N."""
+
+    db: str
+    n: int
+    store_ms: list[float] = field(default_factory=list)
+    store_ops: dict[str, int] = field(default_factory=dict)
+    calls_per_step: list[float] = field(default_factory=list)
+    step_durable_ms: list[float] = field(default_factory=list)
+    step_control_ms: list[float] = field(default_factory=list)
+    evict: dict[str, Any] = field(default_factory=dict)
+    mark_failed: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def steady(fleet: Fleet, row: Row, timeout: float) -> None:
+    """N durable runs, then N control runs: store calls and step times."""
+    for dag_id, durable in (("fleet_durable", True), ("fleet_control", False)):
+        runs = trigger(fleet, dag_id, row.n, "durable" if durable else "control")
+        await_runs(fleet, dag_id, runs, timeout)
+        for run_id in runs:
+            starts = sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
+            steps = [(b - a) * 1000 for a, b in itertools.pairwise(starts)]
+            (row.step_durable_ms if durable else row.step_control_ms).extend(steps)
+            if not durable:
+                continue
+            calls = fleet.jsonl(f"{run_id}.try1.store.jsonl")
+            row.store_ms.extend(c["ms"] for c in calls)
+            for call in calls:
+                row.store_ops[call["op"]] = row.store_ops.get(call["op"], 0) + 1
+            requests = len(fleet.requests_of(run_id))
+            if requests:
+                row.calls_per_step.append(len(calls) / requests)
+
+
+def evict_storm(fleet: Fleet, row: Row, timeout: float, load: int) -> None:
+    """SIGTERM every member's supervisor at once; sample memory first."""
+    runs = trigger(fleet, "fleet_storm", row.n, "evict")
+    await_members(fleet, runs, timeout, streaming=True)
+    members = {r: fleet.member(r) or {} for r in runs}
+    samples = [memory([m["pid"], m["ppid"]]) for m in members.values()]
+    row.memory["agent"] = [s for s in samples if s is not None]
+    pids = [m["pid"] for m in members.values()]
+    with api_load(fleet, load):
+        sent = time.monotonic()
+        all_at_once([functools.partial(os.kill, m["ppid"], signal.SIGTERM) for m in members.values()])
+        gone = watch_exits(pids, GRACE_S + 5)
+        await_runs(fleet, "fleet_storm", runs, timeout)
+    unwound, decided, causes, resumed, requests = [], [], [], 0, []
+    for run_id in runs:
+        record = next(iter(fleet.records("fleet_storm", run_id, 1)), None)
+        if record is not None:
+            unwound.append(_event_ms(record, "resources_released"))
+            decided.append(_event_ms(record, "cause_decided"))
+            causes.append(f"{record['cause']}/{record['detail']}")
+        try2 = sorted(
+            (t for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 2), key=lambda t: t["at"]
+        )
+        resumed += bool(try2 and try2[0]["n"] > 1)
+        requests.append(len(fleet.requests_of(run_id)))
+    row.evict = {
+        "unwound_ms": [u for u in unwound if u is not None],
+        "cause_decided_ms": [d for d in decided if d is not None],
+        "causes": causes,
+        "gone_before_sigkill": sum(1 for p in pids if p in gone and gone[p] - sent < GRACE_S),
+        "resumed": resumed,
+        "requests_both_tries": requests,
+    }
+
+
+def mark_failed_storm(fleet: Fleet, row: Row, timeout: float, load: int) -> None:
+    """PATCH every member to failed at once (the UI's *Mark failed*)."""
+    runs = trigger(fleet, "fleet_mark_failed", row.n, "markfailed")
+    await_members(fleet, runs, timeout, streaming=True)
+    members = {r: fleet.member(r) or {} for r in runs}
+    token = fleet.rest._http.headers["Authorization"]
+    answers: dict[str, int] = {}
+
+    def patch(run_id: str) -> None:
+        path = f"/api/v2/dags/fleet_mark_failed/dagRuns/{run_id}/taskInstances/{TASK_ID}"
+        with httpx.Client(base_url=fleet.stack.url, headers={"Authorization": token}, timeout=60) as http:
+            try:
+                answers[run_id] = http.patch(path, json={"new_state": "failed"}).status_code
+            except httpx.HTTPError:
+                answers[run_id] = -1
+
+    pids = [m["pid"] for m in members.values()]
+    with api_load(fleet, load):
+        started = all_at_once([functools.partial(patch, r) for r in runs])
+        clicked = dict(zip(runs, started, strict=True))
+        gone = watch_exits(pids, 30)
+        await_runs(fleet, "fleet_mark_failed", runs, timeout)
+    reached, exited, causes, decided, retried = [], [], [], [], 0
+    patched = [r for r in runs if answers.get(r) == 200]  # a refused PATCH stopped nothing
+    for run_id in patched:
+        record = next(iter(fleet.records("fleet_mark_failed", run_id, 1)), None)
+        if record is not None:
+            reached.append((float(record["wall_origin"]) - clicked[run_id]) * 1000)
+            causes.append(f"{record['cause']}/{record['detail']}")
+            decided.append(_event_ms(record, "cause_decided"))
+        ti = fleet.rest.json(
+            "GET", f"/api/v2/dags/fleet_mark_failed/dagRuns/{run_id}/taskInstances/{TASK_ID}"
+        )
+        retried += ti["try_number"] != 1 or ti["state"] != "failed"
+    wall_now, mono_now = time.time(), time.monotonic()
+    for run_id in patched:
+        member = members[run_id]
+        if member["pid"] in gone:
+            exited.append((wall_now - (mono_now - gone[member["pid"]]) - clicked[run_id]) * 1000)
+    row.mark_failed = {
+        "answers": sorted(answers.values()),
+        "patched": len(patched),
+        "kill_reached_ms": reached,
+        "gone_ms": exited,
+        "causes": causes,
+        "cause_decided_ms": [d for d in decided if d is not None],
+        "not_user": sum(1 for c in causes if not c.startswith("user/")) + (len(patched) - len(causes)),
+        "retried": retried,
+    }
+
+
+def bare_memory(fleet: Fleet, row: Row, timeout: float) -> None:
+    """RSS/PSS of N plain ``@task`` members (task + supervisor), sampled while they wait."""
+    release = fleet.state_dir / "bare.release"
+    release.unlink(missing_ok=True)
+    runs = trigger(fleet, "fleet_bare", row.n, "bare")
+    try:
+        await_members(fleet, runs, timeout, streaming=False)
+        members = [fleet.member(r) or {} for r in runs]
+        samples = [memory([m["pid"], m["ppid"]]) for m in members]
+        row.memory["bare"] = [s for s in samples if s is not None]
+    finally:
+        release.touch()
+    await_runs(fleet, "fleet_bare", runs, timeout)
+
+
+def _event_ms(record: dict[str, Any], name: str) -> float | None:
+    return next((float(e["ms"]) for e in record["timeline"] if e["event"] == name), None)
+
+
+def measure(fleet: Fleet, n: int, timeout: float, load: int) -> Row:
+    """All phases at one N; a phase that fails is noted and the next one still runs."""
+    row = Row(fleet.db, n)
+    phases: list[tuple[str, Callable[[], None]]] = [
+        ("steady", lambda: steady(fleet, row, timeout)),
+        ("eviction storm", lambda: evict_storm(fleet, row, timeout, load)),
+        ("mark-failed storm", lambda: mark_failed_storm(fleet, row, timeout, load)),
+        ("bare memory", lambda: bare_memory(fleet, row, timeout)),
+    ]
+    for name, phase in phases:
+        started = time.monotonic()
+        try:
+            phase()
+        except Exception as exc:
+            row.errors.append(f"{name}: {exc!r}"[:2000])
+        print(f"[fleet] {fleet.db} N={n}: {name} {time.monotonic() - started:.0f}s", flush=True)
+    return row
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _mem(samples: list[Any], index: int) -> float | None:
+    return pct([s[index] for s in samples], 0.5)
+
+
+def summary(row: Row) -> dict[str, Any]:
+    """The row's medians and counts, as the table and the plot show them."""
+    ev, mf = row.evict, row.mark_failed
+    return {
+        "db": row.db,
+        "n": row.n,
+        "store_p50_ms": pct(row.store_ms, 0.5),
+        "store_p95_ms": pct(row.store_ms, 0.95),
+        "calls_per_step": statistics.fmean(row.calls_per_step) if row.calls_per_step else None,
+        "step_durable_p50_ms": pct(row.step_durable_ms, 0.5),
+        "step_control_p50_ms": pct(row.step_control_ms, 0.5),
+        "evict_unwound_p50_ms": pct(ev.get("unwound_ms", []), 0.5),
+        "evict_unwound_max_ms": pct(ev.get("unwound_ms", []), 1.0),
+        "evict_cause_p50_ms": pct(ev.get("cause_decided_ms", []), 0.5),
+        "evict_gone_before_sigkill": ev.get("gone_before_sigkill"),
+        "evict_resumed": ev.get("resumed"),
+        "evict_requests": sorted(set(ev.get("requests_both_tries", []))),
+        "mf_reached_p50_ms": pct(mf.get("kill_reached_ms", []), 0.5),
+        "mf_gone_p50_ms": pct(mf.get("gone_ms", []), 0.5),
+        "mf_cause_p50_ms": pct(mf.get("cause_decided_ms", []), 0.5),
+        "mf_cause_max_ms": pct(mf.get("cause_decided_ms", []), 1.0),
+        "mf_not_user": mf.get("not_user"),
+        "mf_retried": mf.get("retried"),
+        "mf_answers": sorted(set(mf.get("answers", []))),
+        "mf_patched": mf.get("patched"),
+        "rss_agent_mib": _mem(row.memory.get("agent", []), 0),
+        "pss_agent_mib": _mem(row.memory.get("agent", []), 1),
+        "rss_bare_mib": _mem(row.memory.get("bare", []), 0),
+        "pss_bare_mib": _mem(row.memory.get("bare", []), 1),
+        "errors": row.errors,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """One markdown table (all databases, all N)."""
+    head = (
+        "| db | N | store call p50/p95 ms | calls/step | step p50 durable / control ms "
+        "| evict: unwound p50/max ms | cause decided p50 ms | gone < SIGKILL | resumed | requests "
+        "| mark failed: PATCH ok | → kill / → gone p50 ms | its cause decided p50/max ms "
+        "| not user | retried | RSS/PSS per task MiB (bare) |"
+    )
+    lines = [head, "|" + "---|" * 16]
+    for s in rows:
+        n = s["n"]
+        lines.append(
+            f"| {s['db']} | {n} | {_fmt(s['store_p50_ms'], 1)} / {_fmt(s['store_p95_ms'], 1)} "
+            f"| {_fmt(s['calls_per_step'], 2)} "
+            f"| {_fmt(s['step_durable_p50_ms'])} / {_fmt(s['step_control_p50_ms'])} "
+            f"| {_fmt(s['evict_unwound_p50_ms'])} / {_fmt(s['evict_unwound_max_ms'])} "
+            f"| {_fmt(s['evict_cause_p50_ms'])} | {s['evict_gone_before_sigkill']}/{n} "
+            f"| {s['evict_resumed']}/{n} "
+            f"| {s['evict_requests']} | {s['mf_patched']}/{n} "
+            f"| {_fmt(s['mf_reached_p50_ms'])} / {_fmt(s['mf_gone_p50_ms'])} "
+            f"| {_fmt(s['mf_cause_p50_ms'], 1)} / {_fmt(s['mf_cause_max_ms'], 1)} "
+            f"| {s['mf_not_user']} | {s['mf_retried']} "
+            f"| {_fmt(s['rss_agent_mib'])}/{_fmt(s['pss_agent_mib'])} "
+            f"({_fmt(s['rss_bare_mib'])}/{_fmt(s['pss_bare_mib'])}) |"
+        )
+    return "\n".join(lines)
+
+
+PLOTTED = (
+    ("store_p50_ms", "journal store call p50 (ms)"),
+    ("calls_per_step", "store calls per step"),
+    ("step_durable_p50_ms", "step p50 durable (ms)"),
+    ("step_control_p50_ms", "step p50 control (ms)"),
+    ("evict_unwound_max_ms", "eviction storm: unwound max (ms)"),
+    ("mf_reached_p50_ms", "mark failed → kill reached p50 (ms)"),
+    ("pss_agent_mib", "PSS per agent task (MiB)"),
+    ("pss_bare_mib", "PSS per bare @task (MiB)"),
+)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Each metric against N, one line per database (matplotlib, the ``bench`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, (key, title) in zip(axes.flat, PLOTTED, strict=True):
+        for db in sorted({r["db"] for r in rows}):
+            points = [(r["n"], r[key]) for r in rows if r["db"] == db and r[key] is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=db)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("N concurrent durable agents", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", default="1,4,8,16", help="fleet sizes, ascending (default 1,4,8,16)")
+    parser.add_argument("--db", default="sqlite,postgres", help="metadata databases (default both)")
+    parser.add_argument("--api-load", type=int, default=0, help="REST reader threads during the storms")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a phase may wait for its runs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.n.split(",")]
+    rows: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
+    for db in args.db.split(","):
+        if db == "postgres" and postgres_missing() is not None:
+            print(f"[fleet] postgres skipped: {postgres_missing()}")
+            continue
+        with fleet_stack(db, parallelism=max(32, 2 * max(sizes))) as fleet:
+            for n in sizes:
+                row = measure(fleet, n, args.timeout, args.api_load)
+                rows.append(summary(row))
+                raw.append(row.__dict__)
+                print(table(rows[-1:]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    meta = {"cpus": os.cpu_count(), "loadavg": load, "api_load": args.api_load, "sizes": sizes}
+    (args.out / "fleet.json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
+    print(f"\nload average at the end: {load[0]:.1f} on {os.cpu_count()} cores\n")
+    print(table(rows))
+    for s in rows:
+        for error in s["errors"]:
+            print(f"[fleet] {s['db']} N={s['n']}: {error}")
+    drawn = plot(rows, args.out / "fleet.png")
+    print(f"\nwrote {args.out / 'fleet.json'}" + (f" and {drawn}" if drawn else " (no matplotlib: no plot)"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""DAGs of the fleet benchmark (``benchmarks/fleet.py``): one agent job, five ways to run it.
+
+The job: a 6-step agent against the local model server (``steps``: one ``work`` call per model
+response, then an answer; 7 model requests uninterrupted), whose tool takes ``FLEET_TOOL_S``
+(0.2 s). Each DAG is triggered once per fleet member (one run each, all at once):
+
+* ``fleet_durable`` / ``fleet_control``: the job with ``durable=True`` / ``False``, uninterrupted.
+* ``fleet_storm``: durable; the model response after step 3 streams slowly the first time, so
+  every member is mid-stream when the benchmark SIGTERMs all supervisors (an eviction storm); the
+  retry resumes.
+* ``fleet_mark_failed``: the same, stopped by *Mark failed* on all members at once.
+* ``fleet_bare``: a plain ``@task`` that waits (the memory baseline: no provider, no pydantic-ai).
+
+What the benchmark reads besides the logs, in ``FLEET_STATE_DIR``: ``<run_id>.try<N>.json``
+(pid, supervisor pid), ``<run_id>.tools.jsonl`` (each tool call's start, try, and whether it was a
+rerun) and ``<run_id>.try<N>.store.jsonl`` (each task state store call: op, ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import DAG, task
+
+from cancellable_agents import AgentOperator
+from cancellable_agents.durable import current_resume
+
+STATE_DIR = Path(os.environ.get("FLEET_STATE_DIR", "/tmp/cancellable-agents-fleet"))
+TOOL_S = float(os.environ.get("FLEET_TOOL_S", "0.2"))
+STEPS = 6
+CONN_ID = "local_model"
+PROMPT = "[{{ run_id }}] do six steps"
+MODEL = f"openai:steps?name=work&count={STEPS}&then=done"
+#: The storms' model: the response after step 3 streams 2000 tokens 50 ms apart the first time.
+STALL_AFTER = 3
+STALLING_MODEL = f"{MODEL}&stall_at={STALL_AFTER}&tokens=2000&delay=0.05"
+#: Each member's task must be able to run at once.
+MAX_ACTIVE = 64
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(value))
+    path.with_suffix(".tmp").replace(path)
+
+
+class TimedStore:
+    """The task state store accessor, each call timed into ``<run_id>.try<N>.store.jsonl``."""
+
+    def __init__(self, accessor: Any, out: Path) -> None:
+        self._accessor = accessor
+        self._out = out
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._accessor, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                took = (time.perf_counter() - started) * 1000
+                with self._out.open("a") as out:
+                    out.write(json.dumps({"op": name, "ms": round(took, 3), "at": time.time()}) + "\n")
+
+        return timed
+
+
+def begin_try(context: Any) -> None:
+    """Say who we are (pid, supervisor) and time every task state store call of this try."""
+    ti = context["ti"]
+    base = f"{ti.run_id}.try{ti.try_number}"
+    accessor = context.get("task_state_store")
+    if accessor is not None:
+        context["task_state_store"] = TimedStore(accessor, STATE_DIR / f"{base}.store.jsonl")
+    _write_json(STATE_DIR / f"{base}.json", {"pid": os.getpid(), "ppid": os.getppid(), "at": time.time()})
+
+
+def work(n: int) -> str:
+    """One step's tool: note when it started (and on which try), then take ``FLEET_TOOL_S``."""
+    from airflow.sdk import get_current_context
+
+    ti = get_current_context()["ti"]
+    resume = current_resume()
+    line = {"n": n, "try": ti.try_number, "at": time.time(), "resumed": resume is not None}
+    with (STATE_DIR / f"{ti.run_id}.tools.jsonl").open("a") as out:
+        out.write(json.dumps(line) + "\n")
+    time.sleep(TOOL_S)
+    return f"step {n} done"
+
+
+def _dag(dag_id: str, retries: int) -> DAG:
+    return DAG(
+        dag_id,
+        schedule=None,
+        start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+        catchup=False,
+        is_paused_upon_creation=False,
+        max_active_runs=MAX_ACTIVE,
+        max_active_tasks=MAX_ACTIVE,
+        default_args={"retries": retries, "retry_delay": timedelta(seconds=1)},
+        tags=["fleet"],
+    )
+
+
+def _agent(model: str, durable: bool) -> AgentOperator:
+    return AgentOperator(
+        task_id="agent",
+        prompt=PROMPT,
+        model=model,
+        llm_conn_id=CONN_ID,
+        stream=True,
+        tools=[work],
+        durable=durable,
+        pre_execute=begin_try,
+    )
+
+
+with _dag("fleet_durable", retries=0):
+    _agent(MODEL, durable=True)
+
+with _dag("fleet_control", retries=0):
+    _agent(MODEL, durable=False)
+
+with _dag("fleet_storm", retries=1):
+    _agent(STALLING_MODEL, durable=True)
+
+with _dag("fleet_mark_failed", retries=1):
+    _agent(STALLING_MODEL, durable=True)
+
+with _dag("fleet_bare", retries=0):
+
+    @task(task_id="agent")
+    def bare(**context: Any) -> None:
+        """Say who we are, then wait until the benchmark has measured (at most 120 s)."""
+        ti = context["ti"]
+        _write_json(STATE_DIR / f"{ti.run_id}.try1.json", {"pid": os.getpid(), "ppid": os.getppid()})
+        release = STATE_DIR / "bare.release"
+        deadline = time.monotonic() + 120
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    bare()
