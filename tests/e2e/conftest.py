@@ -22,9 +22,12 @@ import pytest
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
 from tests.e2e.driver import PATHS, PathResult, drive
+from tests.e2e.pod_executor import POD_EXECUTOR_CONFIG
 from tests.e2e.procs import kill_marked, marked_processes
+from tests.statsd_receiver import StatsdReceiver
 
 DAGS_FOLDER = Path(__file__).with_name("dags")
+LOCAL_AND_POD_EXECUTORS = f"LocalExecutor,{POD_EXECUTOR_CONFIG}"
 E2E_DAG_IDS = (
     "e2e_mark_failed",
     "e2e_clear",
@@ -48,10 +51,22 @@ class E2EEnv:
 
 
 @pytest.fixture(scope="session")
-def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EEnv]:
+def statsd() -> Iterator[StatsdReceiver]:
+    """The session's statsd receiver: every task of the ``e2e`` stack sends its metrics here
+    (``[metrics] statsd_on``); only the provider's lines are kept."""
+    receiver = StatsdReceiver(keep="cancellable_agents.")
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def e2e(tmp_path_factory: pytest.TempPathFactory, statsd: StatsdReceiver) -> Iterator[E2EEnv]:
     """Start the model server and Airflow; stop both (and anything marked) at the end."""
     # The connection form's *Test* button (POST /api/v2/connections/test).
-    with e2e_world(tmp_path_factory, "airflow_home", {"AIRFLOW__CORE__TEST_CONNECTION": "Enabled"}) as world:
+    # The PodExecutor beside the LocalExecutor: tests/e2e/test_pods.py's KubernetesExecutor pods.
+    extra = {"AIRFLOW__CORE__TEST_CONNECTION": "Enabled", "AIRFLOW__CORE__EXECUTOR": LOCAL_AND_POD_EXECUTORS}
+    extra.update(statsd.airflow_env())  # [metrics] statsd_on: the tasks' metrics reach the test
+    with e2e_world(tmp_path_factory, "airflow_home", extra) as world:
         stack = AirflowStack(world.home, DAGS_FOLDER, world.env)
         started = time.monotonic()
         stack.migrate()

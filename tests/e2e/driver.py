@@ -322,7 +322,7 @@ def _request(env: E2EEnv, result: PathResult, try_number: int) -> RequestRecord 
 
 def tree_marker(env: E2EEnv, result: PathResult, try_number: int) -> str:
     """The argv marker of a try's sandboxed tree (``tree_marker`` in ``dags/kill_paths.py``)."""
-    return f"{env.marker}:{result.dag_id}:try{try_number}"
+    return f"{env.marker}:{result.dag_id}:{result.run_id}:try{try_number}"
 
 
 def _survivors(env: E2EEnv, result: PathResult, timeout: float = 3.0) -> dict[int, str]:

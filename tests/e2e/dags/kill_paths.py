@@ -29,9 +29,9 @@ from typing import Any
 from airflow.sdk import DAG, get_current_context, task
 from pydantic_ai import RunContext
 
-from cancellable_agents import AgentOperator, LocalSandbox
+from cancellable_agents import AgentOperator, LocalSandbox, current_cancellation
 from cancellable_agents.durable import current_resume
-from cancellable_agents.durable.journal import KEY_PREFIX
+from cancellable_agents.durable.record import KEY_PREFIX
 
 log = logging.getLogger("e2e")
 
@@ -62,9 +62,12 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def tree_marker(dag_id: str, try_number: int) -> str:
-    """The argv marker of the process tree a given try starts (the test scans /proc for it)."""
-    return f"{MARKER}:{dag_id}:try{try_number}"
+def tree_marker(dag_id: str, run_id: str, try_number: int) -> str:
+    """The argv marker of the process tree a given try starts (the test scans /proc for it).
+
+    Per run, not per DAG: concurrent runs of one DAG (``tests/e2e/test_pods.py``) each wait for,
+    and judge, their own tree."""
+    return f"{MARKER}:{dag_id}:{run_id}:try{try_number}"
 
 
 def _callback(name: str, context: Any) -> None:
@@ -89,7 +92,7 @@ def begin_try(context: Any) -> None:
     scope = context["task"].cancellation
     if ti.try_number == 1:
         sandbox = LocalSandbox(scope=scope)
-        marker = tree_marker(ti.dag_id, ti.try_number)
+        marker = tree_marker(ti.dag_id, ti.run_id, ti.try_number)
         sandbox.start([sys.executable, "-c", TREE_PROGRAM, marker])
         log.info("E2E_TREE started %s in sandbox %s (%s)", marker, sandbox.id, sandbox.mode)
     info = {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "try": ti.try_number}
@@ -262,4 +265,51 @@ for _mode in CELERY_WORKER_KILLS:
             model=CELERY_MODEL,
             tools=[append_line],
             durable=True,
+        )
+
+
+#: KubernetesExecutor pods (``tests/e2e/test_pods.py``): the worker-shutdown DAGs' durable agent,
+#: run by the test executor that hands each try to a pod (``tests/e2e/pod_executor.py``). Only
+#: where that executor is configured (the LocalExecutor stack): elsewhere ``executor=`` would make
+#: this file an import error.
+POD_EXECUTOR = "PodExecutor"
+
+#: The call of ``e2e_pod_tool``'s try 1 that is a long sync tool (the one in flight at the kill).
+POD_TOOL_AT = CELERY_STALL_AFTER + 1
+
+
+def append_line_after_a_long_job(ctx: RunContext[None], n: int) -> str:
+    """:func:`append_line`, but try 1's call :data:`POD_TOOL_AT` is first a long sync job written
+    as the docs say (it waits on the task's cancellation scope): it says it is running in
+    ``<dag_id>.<run_id>.in_tool`` and, once the task is killed, returns without writing its line."""
+    ti = get_current_context()["ti"]
+    if n == POD_TOOL_AT and ti.try_number == 1:
+        path = run_file(ti, "in_tool")
+        path.with_suffix(".tmp").write_text(json.dumps({"n": n, "pid": os.getpid(), "at": time.time()}))
+        path.with_suffix(".tmp").replace(path)
+        scope = current_cancellation()
+        if scope is not None and scope.wait(300):
+            return "stopped"
+    return append_line(ctx, n)
+
+
+if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
+    with _dag("e2e_pod", "Run in a pod (PID namespace, dumb-init, execute_workload): killed as pods are."):
+        _agent_operator(
+            prompt=CELERY_PROMPT,
+            model=CELERY_MODEL,
+            tools=[append_line],
+            durable=True,
+            executor=POD_EXECUTOR,
+        )
+    with _dag("e2e_pod_tool", "Run in a pod, killed while a sync tool runs."):
+        _agent_operator(
+            prompt=CELERY_PROMPT,
+            model=(
+                f"openai:steps?name={append_line_after_a_long_job.__name__}&count={CELERY_STEPS}"
+                "&then=all+lines+written"
+            ),
+            tools=[append_line_after_a_long_job],
+            durable=True,
+            executor=POD_EXECUTOR,
         )
