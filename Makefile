@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test ci-lane-a ci-lane-b test-local stress e2e-local e2e-celery lint typecheck unit process e2e bench system-deps clean compat-airflow compat-common-ai
+.PHONY: demo test ci-lane-a ci-lane-b test-local stress e2e-local e2e-celery lint typecheck unit process e2e bench bench-fleet system-deps clean compat-airflow compat-common-ai
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,9 +17,13 @@ $(STAMP): pyproject.toml
 # namespaces (namespace mode), util-linux's prlimit and setpriv the boundary profile's limits and
 # uid (on every Debian/Ubuntu; listed for minimal images); chromium (headless) renders the Airflow UI's log page and connection
 # form (tests/e2e/test_ui_browser.py); redis-server is the CeleryExecutor e2e's broker
-# (tests/e2e/test_celery.py). What is missing is installed in one apt-get run where we are root;
+# (tests/e2e/test_celery.py); dumb-init is PID 1 of the KubernetesExecutor pods (tests/e2e/test_pods.py);
+# postgresql is the Celery e2e's and the fleet benchmark's metadata database (tests/e2e/postgres.py
+# finds initdb/postgres under /usr/lib/postgresql/*/bin: Debian puts only postgresql-common's
+# pg_ctlcluster on PATH, so that is what is checked).
+# What is missing is installed in one apt-get run where we are root;
 # elsewhere (and if that fails) the tests that need it skip and say why.
-SYSTEM_DEPS := bwrap:bubblewrap prlimit:util-linux setpriv:util-linux chromium:chromium redis-server:redis-server
+SYSTEM_DEPS := bwrap:bubblewrap prlimit:util-linux setpriv:util-linux chromium:chromium redis-server:redis-server dumb-init:dumb-init pg_ctlcluster:postgresql
 
 system-deps:
 	@missing=""; for dep in $(SYSTEM_DEPS); do \
@@ -45,8 +49,10 @@ typecheck: $(STAMP)
 #   lane A: the LocalExecutor end-to-end suite and the stress test on Airflow 3.3, then common.ai
 #           and the 3.2 smoke;
 #   lane B: unit and process tests on Airflow 3.3, then the supported floor (3.1 + pydantic-ai 2.58);
-# then, alone, the CeleryExecutor end-to-end suite: its nine workers and SQLite are the one part
-# that a busy neighbour can starve ("database is locked" ends an Airflow component).
+# then, alone, the CeleryExecutor end-to-end suite. Its metadata database is PostgreSQL now (SQLite's
+# "database is locked" ended components), but nine workers and six retries importing at once still
+# starve a 2-core box beside a lane: beside other load (load average 9-10) one run passed in 108 s,
+# in another three retries' DAG imports passed the 30 s DagBag timeout.
 # Each lane's output is printed when it ends. The stress test runs 30 s here; `make stress` runs it
 # for 5 minutes (or CANCELLABLE_AGENTS_STRESS_SECONDS).
 test: $(STAMP) system-deps lint typecheck
@@ -87,6 +93,11 @@ e2e-celery: $(STAMP) system-deps
 bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.run
 
+# N concurrent durable agents on a real Airflow, on SQLite and on PostgreSQL (benchmarks/fleet.py):
+# minutes per database; for a quiet machine, not CI.
+bench-fleet: $(STAMP) system-deps
+	$(PY) -m benchmarks.fleet
+
 # The supported floor: the provider on older Airflow, each in its own venv built with the main
 # venv's uv. Real SIGTERMs go through that Airflow's own Task SDK handler (tests/process); the
 # session refuses to start if the venv holds another Airflow than the one it is meant to test.
@@ -94,7 +105,9 @@ bench: $(STAMP) system-deps
 AIRFLOW_COMPAT := 3.1 3.2
 COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tests/unit/test_provider.py \
                   tests/unit/test_example_dags.py tests/unit/test_runner.py tests/unit/test_subagents.py \
-                  tests/unit/test_scope.py tests/unit/test_durable.py tests/unit/test_durable_operator.py \
+                  tests/unit/test_scope.py tests/unit/test_journal.py tests/unit/test_durable_record.py \
+                  tests/unit/test_fingerprint.py tests/unit/test_durable_stores.py tests/unit/test_usage.py \
+                  tests/unit/test_durable_operator.py tests/unit/test_server_stop.py \
                   tests/process
 COMPAT_SMOKE   := tests/unit/test_airflow_compat.py tests/unit/test_provider.py \
                   tests/process/test_kill_paths.py::test_streaming_request_is_closed \

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,20 +196,33 @@ def our_threads() -> list[str]:
 
 
 class TaskChild:
-    """A long-lived child task process (``python -m MODULE``); events arrive on a reader thread.
+    """A real child task process; its events arrive on a reader thread. The one task-process
+    harness of the benchmarks, the stress test and the process tests (``tests/process/harness.py``).
 
-    The parent signals it by pid only, as the supervisor forwards a SIGTERM to the task pid.
+    ``command`` is a module (run as ``python -m MODULE`` from the repository root) or a whole argv.
+    The child writes JSON-line events to the fd named by ``events_env`` and may read commands from
+    stdin (:meth:`send`). Events can be consumed in order (:meth:`next_event`, :meth:`wait_for`) or
+    looked up in everything seen so far (:meth:`expect`). The parent signals the task pid only, as
+    the supervisor forwards a SIGTERM to the task pid.
     """
 
-    def __init__(self, module: str, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        command: str | Sequence[str],
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        events_env: str = EVENTS_FD_ENV,
+    ) -> None:
         read_fd, write_fd = os.pipe()
         self.log_path = log_path
         self._log = log_path.open("ab")
+        argv = [sys.executable, "-m", command] if isinstance(command, str) else list(command)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module],
+            argv,
             env={
                 **env,
-                EVENTS_FD_ENV: str(write_fd),
+                events_env: str(write_fd),
                 "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
             },
             cwd=ROOT,
@@ -221,6 +234,9 @@ class TaskChild:
         os.close(write_fd)
         self.pid = self.proc.pid
         self.exited_at: float | None = None
+        #: Every event so far, in order (guarded by ``_seen``).
+        self.events: list[dict[str, Any]] = []
+        self._seen = threading.Condition()
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
         self._reader.start()
@@ -229,9 +245,15 @@ class TaskChild:
         with os.fdopen(fd, "rb") as pipe:
             for line in pipe:
                 with contextlib.suppress(ValueError):
-                    self._queue.put(json.loads(line))
+                    event = json.loads(line)
+                    with self._seen:
+                        self.events.append(event)
+                        self._seen.notify_all()
+                    self._queue.put(event)
         # EOF: every copy of the write end is closed, i.e. the process is gone.
         self.exited_at = time.monotonic()
+        with self._seen:
+            self._seen.notify_all()
         self._queue.put({"event": "_eof", "t": self.exited_at})
 
     @property
@@ -259,6 +281,37 @@ class TaskChild:
                 return event
             if event["event"] == "_eof":
                 return None
+
+    def expect(self, name: str | tuple[str, ...], timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        """The first event so far or to come named ``name`` (or any of the names) with ``fields``;
+        an ``AssertionError`` with the log's tail if none comes within ``timeout`` seconds."""
+        names = (name,) if isinstance(name, str) else name
+
+        def found() -> dict[str, Any] | None:
+            return next(
+                (
+                    e
+                    for e in self.events
+                    if e["event"] in names and all(e.get(k) == v for k, v in fields.items())
+                ),
+                None,
+            )
+
+        with self._seen:
+            event = self._seen.wait_for(lambda: found() or self.exited_at is not None, timeout)
+            event = found()
+        if event is None:
+            raise AssertionError(
+                f"no {name!r} event within {timeout}s; events: {self.names()}\n{self.tail(60)}"
+            )
+        return event
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        """The first event so far named ``name``."""
+        return next((e for e in self.events if e["event"] == name), None)
+
+    def names(self) -> list[str]:
+        return [e["event"] for e in self.events]
 
     def sigterm(self, times: int = 1, gap: float = 0.0) -> float:
         """SIGTERM the task pid ``times`` times; return the monotonic time of the first."""
@@ -292,18 +345,19 @@ class TaskChild:
         return True
 
     def close(self, timeout: float = 5.0) -> None:
-        """Ask the child to finish (stdin closed); SIGKILL it if it does not."""
+        """Ask the child to finish (stdin closed) and give it ``timeout`` seconds; then SIGKILL it."""
         with contextlib.suppress(OSError, ValueError):
             assert self.proc.stdin is not None
             self.proc.stdin.close()
         if not self.wait_exit(timeout):
             self.sigkill()
-            self.wait_exit(timeout)
+            self.wait_exit(10)
         self._log.close()
 
     def tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):  # closed already: what is on disk is all
             self._log.flush()
+        with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
 

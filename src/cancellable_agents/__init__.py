@@ -1,23 +1,34 @@
 """Run pydantic-ai LLM calls and agents as Airflow tasks, and stop them correctly.
 
-Where each idea lives (data flows down this list; nothing above imports what is below it):
+Where each idea lives. Layers, lowest first: each imports only its own and those below it
+(lazy imports included), and nothing below ``airflow/`` imports Airflow;
+``tests/unit/test_layers.py`` holds the code to it.
 
-- ``core/``: the cancellation model, Airflow-free. ``scope`` (``TaskCancellation``: cancel,
-  children, settle), ``unwind`` (phased release within the budget), ``causes`` (``CancelCause``,
-  ``UserAction``), ``record`` (timeline events, ``KillRecord``), ``exceptions`` (``TaskCancelled``,
-  built only by ``TaskCancellation.cancelled_error``), ``workers`` (the one job-thread utility).
-- ``run/``: the pydantic-ai binding: runs an agent under a scope (tool tracking, tool threads,
-  in-flight work stopped before teardown).
-- ``durable/``: the continuity record (``durable=True``): journal, fingerprint, stores.
+- ``core/``: the cancellation model. ``scope`` (``TaskCancellation``: cancel, children, settle),
+  ``unwind`` (phased release within the budget), ``causes`` (``CancelCause``, ``UserAction`` and
+  their words), ``record`` (timeline events, ``KillRecord``), ``report`` (what a killed task logs;
+  the one record parser), ``exceptions`` (``TaskCancelled``, built only by
+  ``TaskCancellation.cancelled_error``), ``shield`` (the one wait that outlasts a cancel, within
+  the budget), ``usage`` (the one usage shape), ``workers`` (the one job-thread utility).
 - ``procs/``: ``/proc`` and signals, the descendant reaper.
-- ``toolsets/``: the sandbox (protocol, ``attach_sandbox``, the local backend and its bubblewrap
-  profiles) and the sub-agent toolset.
+- ``durable/``: the continuity record (``durable=True``): ``record`` (format, hash chain, checks),
+  ``fingerprint``, ``usage`` (per try), ``reasons``, ``resume`` (what a resumed run tells its
+  tools), ``capability`` (the pydantic-ai hook), ``stores``, ``journal`` (the policy).
+- ``run/``: the pydantic-ai binding: ``tracker`` (in-flight tools, tool threads, model requests)
+  and ``runner`` (an agent run under a scope: in-flight work stopped before teardown; a durable
+  run's journal attached, stepped and ended in one place).
+- ``toolsets/``: ``sandbox/`` (protocol, ``attach_sandbox``, the local backend, one command's
+  process tree, bubblewrap profiles, seccomp filter, environment allowlist, race-free file access)
+  and ``subagents``.
 - ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
-  shim), ``mixin`` (``CancellableAgentMixin``), ``retry`` (``CancellationAwareRetryPolicy``),
-  ``supervisor`` (a lost supervisor is a kill), ``durable`` (the store and try of a task),
-  ``kill_report`` (what Airflow logs after our record).
+  shim), ``task_scope`` (where an operator keeps its scope), ``mixin``
+  (``CancellableAgentMixin``), ``retry`` (``CancellationAwareRetryPolicy``), ``supervisor`` (a
+  lost supervisor is a kill), ``server_stop`` (the cause read from the supervisor's own log line,
+  no round trip), ``durable`` (the store and try of a task), ``kill_report`` (what Airflow logs
+  after our record), ``metrics`` (Stats, the kill's span, opt-in GenAI spans).
 - ``operators/``, ``decorators/``, ``hooks/``: what DAG authors use; ``common_ai``: common.ai's
-  operators with these semantics (optional extra).
+  operators with these semantics (optional extra). ``testing/``: the scripted OpenAI-compatible
+  model server (leaf: imports nothing of the package).
 
 The package imports lazily: the names below are loaded on first use.
 """

@@ -134,7 +134,7 @@ def run_kills(
                 if result.outcome == "lost":
                     break
         finally:
-            task.close()
+            task.close(timeout=0)
             kill_marked(marker)
 
 
@@ -201,8 +201,8 @@ def _terminal_event(
     names = ("task_failed", "task_succeeded")
     try:  # + the failure callback's 1 s look at tools still running
         if after is None:
-            return task.wait_for(names, timeout=timeout + 1.5, scenario=scenario)
-        return task.wait_for(names, timeout=timeout, scenario=scenario, try_number=after["try_number"] + 1)
+            return task.expect(names, timeout=timeout + 1.5, scenario=scenario)
+        return task.expect(names, timeout=timeout, scenario=scenario, try_number=after["try_number"] + 1)
     except AssertionError:
         return None
 
@@ -269,13 +269,13 @@ def _ready_for(scenario: str) -> Callable[[TaskProcess, ScriptedModelServer, str
         name = event[scenario]
 
         def ready(task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str) -> None:
-            task.wait_for(name, timeout=90, scenario=scenario)
+            task.expect(name, timeout=90, scenario=scenario)
 
         return ready
     if scenario == "sync_tool":
 
         def tool(task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str) -> None:
-            task.wait_for("tool_started", timeout=90, scenario=scenario)
+            task.expect("tool_started", timeout=90, scenario=scenario)
 
         return tool
     if scenario in ("stream", "fallback"):
@@ -289,7 +289,7 @@ def _ready_for(scenario: str) -> Callable[[TaskProcess, ScriptedModelServer, str
         def in_flight(
             task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str
         ) -> None:
-            task.wait_for("tool_started", timeout=90, scenario=scenario, tool="summarize_orders")
+            task.expect("tool_started", timeout=90, scenario=scenario, tool="summarize_orders")
 
         return in_flight
     raise KeyError(scenario)

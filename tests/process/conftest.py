@@ -1,18 +1,23 @@
-"""Fixtures for real-process tests: a migrated AIRFLOW_HOME and the local model server."""
+"""Fixtures for real-process tests: a migrated AIRFLOW_HOME, the local model server, and the
+process trees a test starts (a per-test ``marker``, sandboxes, child task processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
+from cancellable_agents.toolsets.sandbox import LocalSandbox
 from tests.process.harness import TaskProcess
+from tests.process.trees import MODES, ChildTask, new_marker, survivors
 
 
 @pytest.fixture(scope="session")
@@ -69,5 +74,38 @@ def spawn_task(airflow_home: Path, model_server: ScriptedModelServer, tmp_path: 
         return task
 
     yield spawn
+    for task in started:
+        task.close(timeout=0)  # a test that is done with its task: SIGKILL what still runs
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A unique ``sleep`` duration; whatever still carries it after the test is SIGKILLed by pid."""
+    value = new_marker()
+    yield value
+    for pid in survivors(value):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(params=MODES)
+def sandbox(request: pytest.FixtureRequest) -> Iterator[LocalSandbox]:
+    """A :class:`LocalSandbox` in each isolation mode, destroyed after the test."""
+    box = LocalSandbox(isolation=request.param, stop_grace=0.5)
+    yield box
+    box.destroy()
+
+
+@pytest.fixture
+def child_tasks() -> Iterator[Callable[..., ChildTask]]:
+    """Start ``_sandbox_task.py MODE MARKER`` task processes; each is SIGKILLed if still running."""
+    started: list[ChildTask] = []
+
+    def start(mode: str, marker: str, *extra: str) -> ChildTask:
+        task = ChildTask(mode, marker, *extra)
+        started.append(task)
+        return task
+
+    yield start
     for task in started:
         task.close()

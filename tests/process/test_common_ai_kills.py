@@ -123,7 +123,10 @@ def test_fallback_is_not_tried_and_the_retry_policy_asks_no_model(kills: dict[st
     assert FALLBACK_MODEL not in {r.model for r in result.requests}
     assert result.failed is not None and "ExceptionGroup" not in " ".join(result.failed["exc_mro"])
     # common.ai's LLMRetryPolicy (inner) would have sent an "echo" request; the wrapper decided.
-    assert "Retry policy decision" in result.log_tail and "cancelled: evicted" in result.log_tail
+    assert (
+        "Retry policy decision" in result.log_tail
+        and "cancelled: the worker is shutting down (eviction)" in result.log_tail
+    )
     usage = result.failed["saved_usage"]  # common.ai's usage budget, read back from the task state store
     assert usage is not None and usage["requests"] == 1, usage
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.taskproc import TaskChild
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -30,71 +28,37 @@ STEPS = 3
 ZYGOTE = Path(__file__).with_name("_durable_zygote.py")
 
 
-class Zygote:
+class Zygote(TaskChild):
+    """``_durable_zygote.py``: forks one try per command, each a real task process of its own."""
+
     def __init__(self, tmp: Path, base_url: str) -> None:
-        read_fd, write_fd = os.pipe()
         self.tmp = tmp
-        self.log = (tmp / "zygote.log").open("wb")
-        env = {**os.environ, "EVENTS_FD": str(write_fd), "STEPS": str(STEPS), "BASE_URL": base_url}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ZYGOTE)],
-            env=env,
-            pass_fds=(write_fd,),
-            stdin=subprocess.PIPE,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        os.close(write_fd)
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.seen: list[dict[str, Any]] = []
-        threading.Thread(target=self._read, args=(read_fd,), daemon=True).start()
-        self.expect("ready", timeout=120)
+        env = {**os.environ, "STEPS": str(STEPS), "BASE_URL": base_url}
+        super().__init__([sys.executable, str(ZYGOTE)], env, tmp / "zygote.log", events_env="EVENTS_FD")
+        self.next_of("ready", timeout=120)
 
-    def _read(self, fd: int) -> None:
-        with os.fdopen(fd, "rb") as pipe:
-            for line in pipe:
-                self.events.put(json.loads(line))
-
-    def expect(self, *names: str, timeout: float = 30) -> dict[str, Any]:
+    def next_of(self, *names: str, timeout: float = 30) -> dict[str, Any]:
         """The next event; it must be one of ``names``."""
-        try:
-            event = self.events.get(timeout=timeout)
-            self.seen.append(event)
-        except queue.Empty:
-            raise AssertionError(f"no {names} within {timeout}s\n{self.tail()}") from None
-        assert event["event"] in names, f"expected {names}, got {event}\n{self.tail()}"
+        event = self.next_event(timeout)
+        if event is None:
+            raise AssertionError(f"no {names} within {timeout}s\n{self.tail(200)}")
+        assert event["event"] in names, f"expected {names}, got {event}\n{self.tail(200)}"
         return event
 
     def run_try(self, try_number: int, **command: Any) -> int:
         """Fork try ``try_number``; return its pid."""
-        assert self.proc.stdin is not None
         command = {"try": try_number, "store": f"file://{self.store}", "lines": str(self.lines), **command}
-        self.proc.stdin.write((json.dumps(command) + "\n").encode())
-        self.proc.stdin.flush()
-        return int(self.expect("started")["child"])
+        self.send(command)
+        return int(self.next_of("started")["child"])
 
     def kill(self, pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
-        assert self.expect("exited")["code"] == -signal.SIGKILL
+        assert self.next_of("exited")["code"] == -signal.SIGKILL
 
     def steps_run(self) -> list[dict[str, Any]]:
         return (
             [json.loads(line) for line in self.lines.read_text().splitlines()] if self.lines.exists() else []
         )
-
-    def tail(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
 
     def new_task(self, name: str) -> None:
         """Tries from now on belong to a new task instance (its own store and tool log)."""
@@ -111,7 +75,7 @@ def _zygote(
     try:
         yield zygote
     finally:
-        zygote.close()
+        zygote.close(timeout=10)
 
 
 @pytest.fixture
@@ -122,12 +86,12 @@ def zygote(_zygote: Zygote, model_server: ScriptedModelServer, request: pytest.F
 
 def _finish(zygote: Zygote, try_number: int, **command: Any) -> dict[str, Any]:
     zygote.run_try(try_number, **command)
-    while (done := zygote.expect("completed", "failed", "tool_result_recorded"))[
+    while (done := zygote.next_of("completed", "failed", "tool_result_recorded"))[
         "event"
     ] == "tool_result_recorded":
         pass
     assert done["event"] == "completed" and done["output"] == "all done", f"{done}\n{zygote.tail()}"
-    assert zygote.expect("exited")["code"] == 0
+    assert zygote.next_of("exited")["code"] == 0
     return done
 
 
@@ -144,7 +108,7 @@ def test_sigkill_at_every_step_boundary_redoes_no_completed_step(
     kinds = []
     for try_number in range(1, entries + 1):
         pid = zygote.run_try(try_number, stop_after=1)
-        recorded = zygote.expect("recorded", "failed")
+        recorded = zygote.next_of("recorded", "failed")
         assert recorded["event"] == "recorded", f"{recorded}\n{zygote.tail()}"
         assert recorded["entries"] == try_number, "each try appended exactly the next entry"
         kinds.append(recorded["kind"])
@@ -162,15 +126,15 @@ def test_sigkill_during_a_tool_reruns_exactly_that_tool_once(
     zygote: Zygote, model_server: ScriptedModelServer
 ) -> None:
     pid = zygote.run_try(1, block_in=2)
-    zygote.expect("tool_running")
+    zygote.next_of("tool_running")
     zygote.kill(pid)
     assert model_server.request_count == 2
     _finish(zygote, 2)
     runs = [(r["n"], r["try"], r["rerun"]) for r in zygote.steps_run()]
     assert runs == [(1, 1, False), (2, 1, False), (2, 2, True), (3, 2, False)], runs
     assert model_server.request_count == STEPS + 1, "try 2 made only the requests try 1 had not made"
-    t0 = zygote.seen[0]["t"]
-    print("\n" + " ".join(f"{e['event']}@{e['t'] - t0:.2f}" for e in zygote.seen))
+    t0 = zygote.events[0]["t"]
+    print("\n" + " ".join(f"{e['event']}@{e['t'] - t0:.2f}" for e in zygote.events))
 
 
 def test_sigkill_beside_a_returned_parallel_call_reruns_only_the_call_in_flight(
@@ -179,7 +143,7 @@ def test_sigkill_beside_a_returned_parallel_call_reruns_only_the_call_in_flight(
     """One model response calls ``fetch`` and ``slow`` at once; try 1 is SIGKILLed once ``fetch``
     returned (its result appended on its own) while ``slow`` still runs."""
     pid = zygote.run_try(1, parallel=True)
-    seen = {zygote.expect("tool_running", "tool_result_recorded")["event"] for _ in range(2)}
+    seen = {zygote.next_of("tool_running", "tool_result_recorded")["event"] for _ in range(2)}
     assert seen == {"tool_running", "tool_result_recorded"}, zygote.tail()
     zygote.kill(pid)
     _finish(zygote, 2, parallel=True)
@@ -194,12 +158,12 @@ def test_an_older_try_still_running_is_fenced_off_the_record(
     """Two copies of one task (an orphaned try 1 and its retry): only the newest may append."""
     release = zygote.tmp / "release-try-1"
     zygote.run_try(1, block_in=2, release=str(release), wait=False)
-    assert zygote.expect("tool_running")["n"] == 2
+    assert zygote.next_of("tool_running")["n"] == 2
     second = zygote.run_try(2, block_in=3, wait=False)  # takes the record over from the live try 1
-    running = zygote.expect("tool_running")
+    running = zygote.next_of("tool_running")
     assert (running["pid"], running["n"]) == (second, 3)
     release.touch()  # try 1's tool returns: its next append finds try 2's token in the header
-    cancelled = zygote.expect("cancelled")
+    cancelled = zygote.next_of("cancelled")
     assert cancelled["cause"] == "eviction" and "superseded by try 2" in cancelled["detail"], cancelled
     os.kill(second, signal.SIGKILL)  # try 2 dies in tool 3; try 3 goes on from try 2's record
     _finish(zygote, 3)

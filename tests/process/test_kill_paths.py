@@ -26,7 +26,7 @@ def _event_ms(record: dict[str, Any], name: str) -> float:
 
 
 def _failed_with_task_cancelled(task: Any) -> dict[str, Any]:
-    failed = task.wait_for("task_failed", timeout=GRACE + 5)
+    failed = task.expect("task_failed", timeout=GRACE + 5)
     assert failed["exc_type"] == "TaskCancelled", task.tail()
     return failed
 
@@ -53,7 +53,7 @@ def test_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedMode
     disconnect = model_server.wait_for_disconnect(timeout=GRACE)
     assert disconnect is not None, "the server never saw the streaming request closed"
     assert disconnect.disconnected_at - sent < GRACE
-    task.wait_exit(GRACE + 5)
+    assert task.wait_exit(GRACE + 5), task.tail()
     record = failed["record"]
     assert record["outcome"] == "cancelled"
     assert [e["event"] for e in record["timeline"]].count("kill_received") == 1
@@ -79,10 +79,10 @@ def test_non_streaming_request_is_closed(spawn_task: Any, model_server: Scripted
 
 def test_async_tool_gets_cancelled_error(spawn_task: Any) -> None:
     task = spawn_task("async_tool")
-    task.wait_for("tool_started", timeout=60)
+    task.expect("tool_started", timeout=60)
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
-    cancelled = task.wait_for("tool_cancelled", timeout=1)
+    cancelled = task.expect("tool_cancelled", timeout=1)
     assert cancelled["t"] - sent < 1.0
     timeline = [e["event"] for e in failed["record"]["timeline"]]
     assert timeline.index("token_cancelled") < timeline.index("toolset_teardown")
@@ -91,9 +91,9 @@ def test_async_tool_gets_cancelled_error(spawn_task: Any) -> None:
 
 def test_cooperative_sync_tool_notices(spawn_task: Any) -> None:
     task = spawn_task("sync_coop")
-    task.wait_for("tool_started", timeout=60)
+    task.expect("tool_started", timeout=60)
     sent = task.sigterm()
-    noticed = task.wait_for("tool_noticed", timeout=GRACE)
+    noticed = task.expect("tool_noticed", timeout=GRACE)
     assert noticed["noticed"] is True
     failed = _failed_with_task_cancelled(task)
     assert failed["record"]["stragglers"] == []
@@ -102,23 +102,23 @@ def test_cooperative_sync_tool_notices(spawn_task: Any) -> None:
 
 def test_uncooperative_sync_tool_is_named_and_does_not_block(spawn_task: Any) -> None:
     task = spawn_task("sync_uncoop")
-    task.wait_for("tool_started", timeout=60)
+    task.expect("tool_started", timeout=60)
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
     assert failed["t"] - sent < GRACE, "an uncooperative tool must not hold the task past the grace"
     assert failed["record"]["stragglers"] == ["sync tool 'ignore_cancellation'"]
-    task.wait_exit(GRACE + 10)
+    assert task.wait_exit(GRACE + 10), task.tail()
     assert "ignore_cancellation" in task.tail(400) and "left behind" in task.tail(400)
     _report("uncooperative sync tool", sent, failed)
 
 
 def test_kill_before_the_run_is_remembered(spawn_task: Any, model_server: ScriptedModelServer) -> None:
     task = spawn_task("before_run")
-    task.wait_for("pre_execute", timeout=60)
+    task.expect("pre_execute", timeout=60)
     before = model_server.request_count
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
-    task.wait_exit(GRACE + 5)
+    assert task.wait_exit(GRACE + 5), task.tail()
     assert model_server.request_count == before, "a killed task must not call the model"
     events = [e["event"] for e in failed["record"]["timeline"]]
     assert "execute_refused" in events and "run_started" not in events
@@ -127,12 +127,12 @@ def test_kill_before_the_run_is_remembered(spawn_task: Any, model_server: Script
 
 def test_kill_after_the_run_is_a_logged_no_op(spawn_task: Any) -> None:
     task = spawn_task("after_run")
-    task.wait_for("post_execute", timeout=60)
+    task.expect("post_execute", timeout=60)
     task.sigterm()
-    succeeded = task.wait_for("task_succeeded", timeout=GRACE + 5)
+    succeeded = task.expect("task_succeeded", timeout=GRACE + 5)
     events = [e["event"] for e in succeeded["record"]["timeline"]]
     assert "cancel_ignored" in events and "kill_received" not in events
-    task.wait_exit(GRACE + 5)
+    assert task.wait_exit(GRACE + 5), task.tail()
     assert task.event("task_failed") is None
 
 
@@ -146,7 +146,7 @@ def test_sigterm_burst_cancels_once(spawn_task: Any, model_server: ScriptedModel
     events = [e["event"] for e in failed["record"]["timeline"]]
     assert events.count("kill_received") == 1
     assert events.count("token_cancelled") == 1
-    task.wait_exit(GRACE + 5)
+    assert task.wait_exit(GRACE + 5), task.tail()
     assert "on_kill failed" not in task.tail(400)
     assert len(_logged_records(task)) == 1, "20 SIGTERMs, one cancellation, one record line"
     _report("20 SIGTERMs", sent, failed)
@@ -156,7 +156,7 @@ def test_execution_timeout_unwinds_before_sigalrm(spawn_task: Any, model_server:
     before = model_server.request_count
     task = spawn_task("timeout")
     assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
-    failed = task.wait_for("task_failed", timeout=30)
+    failed = task.expect("task_failed", timeout=30)
     assert failed["exc_type"] == "TaskCancelled", task.tail()
     assert failed["cause"] == "timeout"
     assert model_server.wait_for_disconnect(timeout=GRACE) is not None
@@ -165,10 +165,10 @@ def test_execution_timeout_unwinds_before_sigalrm(spawn_task: Any, model_server:
 
 def test_on_kill_after_sigalrm_records_timeout_and_releases(spawn_task: Any) -> None:
     task = spawn_task("timeout_sigalrm")
-    task.wait_for("busy_started", timeout=60)
-    failed = task.wait_for("task_failed", timeout=30)
+    task.expect("busy_started", timeout=60)
+    failed = task.expect("task_failed", timeout=30)
     assert failed["exc_type"] == "AirflowTaskTimeout"
-    task.wait_for("resource_released", timeout=1)
+    task.expect("resource_released", timeout=1)
     record = failed["record"]
     assert record["cause"] == "timeout"
     assert "on_kill failed" not in task.tail(400)

@@ -43,7 +43,7 @@ def _kill_blocked_chain(spawn_task: Any, server: ScriptedModelServer, depth: int
     assert server.wait_for_request(depth, timeout=60), task.tail()
     assert server.wait_for_tokens(5, timeout=20), task.tail()
     sent = task.sigterm()
-    failed = task.wait_for("task_failed", timeout=GRACE + 5)
+    failed = task.expect("task_failed", timeout=GRACE + 5)
     assert failed["exc_type"] == "TaskCancelled", task.tail()
     assert failed["t"] - sent < GRACE, "the task must end inside Airflow's grace window"
 
@@ -68,7 +68,7 @@ def _kill_blocked_chain(spawn_task: Any, server: ScriptedModelServer, depth: int
     overlap = max(e["t"] for e in starts) < min(e["t"] for e in ends)
     assert overlap, "every level's teardown must start before any of them ends (no adding up)"
 
-    task.wait_exit(GRACE + 10)
+    assert task.wait_exit(GRACE + 10), task.tail()
     return {
         "teardown_ms": starts[0]["seconds"] * 1000,
         "unwind_ms": _event_ms(record, "run_unwound"),
@@ -97,13 +97,13 @@ def test_thread_driven_child_is_cancelled_and_leaves_no_working_thread(
     spawn_task: Any, model_server: ScriptedModelServer
 ) -> None:
     task = spawn_task("subagent_thread")
-    started = task.wait_for("work_started", timeout=60)
+    started = task.expect("work_started", timeout=60)
     assert started["scope"] == "worker", "the child's sync tool must see the child's scope"
-    task.wait_for("work_tick", timeout=5)
+    task.expect("work_tick", timeout=5)
     sent = task.sigterm()
 
-    stopped = task.wait_for("work_stopped", timeout=GRACE)
-    failed = task.wait_for("task_failed", timeout=GRACE + 5)
+    stopped = task.expect("work_stopped", timeout=GRACE)
+    failed = task.expect("task_failed", timeout=GRACE + 5)
     assert failed["exc_type"] == "TaskCancelled", task.tail()
     assert failed["t"] - sent < GRACE
     assert stopped["t"] < failed["t"], "the child's tool must stop before the task reports"
@@ -113,12 +113,12 @@ def test_thread_driven_child_is_cancelled_and_leaves_no_working_thread(
     assert child["root_cause"] == failed["record"]["cause"]
     assert failed["record"]["stragglers"] == [] and child["stragglers"] == []
 
-    after = task.wait_for("threads_after", timeout=5)
+    after = task.expect("threads_after", timeout=5)
     working = [name for name in after["names"] if name.startswith(("tool-", "subagent-"))]
     assert working == [], f"threads still alive 1 s after the task raised: {working}"
     ticks = [e["t"] for e in task.events if e["event"] == "work_tick"]
     assert max(ticks) < failed["t"], "the child's tool kept working after the task raised"
-    task.wait_exit(GRACE + 10)
+    assert task.wait_exit(GRACE + 10), task.tail()
     stop_ms, report_ms = (stopped["t"] - sent) * 1000, (failed["t"] - sent) * 1000
     print(
         f"\n[latency] thread-driven sub-agent: SIGTERM -> child tool stopped {stop_ms:.1f} ms, "

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from cancellable_agents.airflow.adapter import (
     GRACE_SECONDS,
+    TaskInstanceKey,
     base_operator,
     classify_sigterm,
     has_retry_policies,
@@ -27,6 +28,8 @@ from cancellable_agents.airflow.adapter import (
     ti_key,
 )
 from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outlook
+from cancellable_agents.airflow.metrics import emit_kill, emit_run_completed, genai_spans_capability
+from cancellable_agents.airflow.server_stop import server_stop_verdict
 from cancellable_agents.airflow.supervisor import notice_exit_at_once, watch_supervisor
 from cancellable_agents.airflow.task_scope import scope_for
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
@@ -134,6 +137,10 @@ class CancellableAgentMixin:
         3.1/3.2; default on 3.3+: the task state store).
     :param resume_after_clear: resume also after a user's Clear (default: a Clear starts fresh).
     :param usage_limits_span_tries: a durable run's ``usage_limits`` count earlier tries too.
+    :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for this task's runs (agent run,
+        model requests, tool calls), without message content: ``True``, ``False``, or a pydantic-ai
+        ``InstrumentationSettings``. Default: Airflow's ``[cancellable_agents] genai_spans``
+        (off). See docs/content/metrics.md.
     """
 
     cancellation_budget: float = DEFAULT_BUDGET
@@ -144,6 +151,7 @@ class CancellableAgentMixin:
     durable_path: Any = None
     resume_after_clear: bool = False
     usage_limits_span_tries: bool = False
+    genai_spans: Any = None
     #: Whether ``durable=`` and friends are this provider's. ``False`` where the operator class
     #: has a ``durable`` of its own (common.ai's): then they are passed on to it, untouched.
     owns_durable: ClassVar[bool] = True
@@ -160,6 +168,7 @@ class CancellableAgentMixin:
         classify_timeout: float | None = None,
         reap_descendants: bool | None = None,
         cancellation_retry_policy: bool = True,
+        genai_spans: Any = None,
         **kwargs: Any,
     ) -> None:
         durable_settings = {}
@@ -171,6 +180,7 @@ class CancellableAgentMixin:
             "timeout_margin": timeout_margin,
             "classify_timeout": classify_timeout,
             "reap_descendants": reap_descendants,
+            "genai_spans": genai_spans,
             **durable_settings,
         }
         for name, value in settings.items():
@@ -241,22 +251,13 @@ class CancellableAgentMixin:
         deadline = self._run_timeout()
         if deadline is not None and run_kwargs.get("timeout") is None:
             run_kwargs["timeout"] = deadline
-        journal = self._journal()
-        try:
-            result = run_agent_in_scope(scope, agent, user_prompt, journal=journal, **run_kwargs)
-        except TaskCancelled as exc:
-            if journal is not None:  # after the unwind, on the main thread: its facts into the record
-                journal.cancelled(exc)
-            self._log_record(exc)
-            if journal is not None:  # then the store, which may be slow: the record is in already
-                journal.write_end()
-            raise
-        except BaseException:
-            if journal is not None:
-                journal.detach()
-            raise
-        if journal is not None:
-            journal.completed(result)
+        if (spans := genai_spans_capability(self.genai_spans)) is not None:
+            run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), spans]
+        # The runner ends the journal, and logs the kill record (on_cancelled) before its end is written.
+        result = run_agent_in_scope(
+            scope, agent, user_prompt, journal=self._journal(), on_cancelled=self._log_record, **run_kwargs
+        )
+        emit_run_completed(self, getattr(result, "usage", None))
         return result
 
     def _journal(self) -> Any:
@@ -311,7 +312,7 @@ class CancellableAgentMixin:
         key = self.__dict__.get("_ti_key")
         if key is None:
             return None
-        return functools.partial(classify_sigterm, *key)
+        return functools.partial(_classify, key)
 
     def _finish_reaper(self) -> None:
         reaper = self.__dict__.get("_reaper")
@@ -357,6 +358,7 @@ class CancellableAgentMixin:
         )
         log.warning("%s", summary_line(report))
         log.warning("%s", render_record(report.full_record()))
+        emit_kill(self, report)  # after the record: metrics can never delay or hide it
         _exit_promptly()
 
 
@@ -412,6 +414,14 @@ def _cancellation_aware(policy: Any) -> Any:
     from cancellable_agents.airflow.retry import wrap_retry_policy
 
     return wrap_retry_policy(policy)
+
+
+def _classify(key: TaskInstanceKey) -> CauseVerdict:
+    """Why a SIGTERM came (on the cause thread): from the try's log file, where the supervisor
+    logs a refused heartbeat before it signals (``server_stop``); only where that cannot tell,
+    the server's view through ``classify_sigterm`` (a round trip that queues behind every other
+    task's requests at a busy API server, so the cause must not depend on it)."""
+    return server_stop_verdict() or classify_sigterm(*key)
 
 
 def _exit_promptly() -> None:
