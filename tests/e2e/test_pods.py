@@ -16,6 +16,7 @@ call, with no entry of the stale try after the retry took the record over.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,9 +53,7 @@ from tests.e2e.test_kill_paths import _the_record, explained
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        not __import__("os").path.exists(DUMB_INIT), reason="dumb-init not installed (make system-deps)"
-    ),
+    pytest.mark.skipif(not os.path.exists(DUMB_INIT), reason="dumb-init not installed (make system-deps)"),
 ]
 
 DAG_ID = "e2e_pod"

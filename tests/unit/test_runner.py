@@ -20,6 +20,7 @@ from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.run.tracker import current_run_tracker
+from tests.unit.scopes import cancel_when
 
 
 class CallOnce:
@@ -33,16 +34,6 @@ class CallOnce:
         if self.requests == 1 and info.function_tools:
             return ModelResponse(parts=[ToolCallPart(info.function_tools[0].name, {})])
         return ModelResponse(parts=[TextPart("done")])
-
-
-def _cancel_when(
-    event: threading.Event, scope: TaskCancellation, cause: CancelCause = CancelCause.USER
-) -> None:
-    def fire() -> None:
-        if event.wait(10):
-            scope.cancel(cause)
-
-    threading.Thread(target=fire, daemon=True).start()
 
 
 def test_completed_run_returns_the_result() -> None:
@@ -92,7 +83,7 @@ def test_async_tool_is_cancelled_before_toolset_teardown() -> None:
         return "never"
 
     scope = TaskCancellation()
-    _cancel_when(started, scope)
+    cancel_when(started, scope)
     with pytest.raises(TaskCancelled) as info:
         run_agent_in_scope(scope, Agent(FunctionModel(CallOnce()), toolsets=[toolset]), "go")
     assert order == ["tool cancelled", "toolset teardown"]
@@ -115,7 +106,7 @@ def test_non_streaming_model_request_is_stopped_before_toolset_teardown() -> Non
 
     agent = Agent(FunctionModel(slow_request), toolsets=[RecordingToolset(order)])
     scope = TaskCancellation()
-    _cancel_when(started, scope)
+    cancel_when(started, scope)
     with pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, agent, "go")
     assert order == ["request stopped", "toolset teardown"]
@@ -169,7 +160,7 @@ def test_cooperative_sync_tool_sees_the_scope_and_stops() -> None:
         return "unreachable"
 
     scope = TaskCancellation()
-    _cancel_when(started, scope)
+    cancel_when(started, scope)
     begun = time.monotonic()
     with pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, agent, "go")
@@ -224,7 +215,7 @@ def test_uncooperative_sync_tool_is_named_and_left_behind(caplog: pytest.LogCapt
         return "late"
 
     scope = TaskCancellation(budget=4.0)
-    _cancel_when(started, scope)
+    cancel_when(started, scope)
     begun = time.monotonic()
     with caplog.at_level("WARNING"), pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, agent, "go")
@@ -318,7 +309,7 @@ def test_cancelled_error_carries_usage_and_timeline() -> None:
         return "never"
 
     scope = TaskCancellation()
-    _cancel_when(started, scope)
+    cancel_when(started, scope)
     with pytest.raises(TaskCancelled) as info:
         run_agent_in_scope(scope, agent, "go")
     assert info.value.usage is not None and info.value.usage.requests == 1
@@ -361,7 +352,7 @@ def test_the_token_cancel_is_in_the_timeline_before_what_the_run_did_about_it(
 
     monkeypatch.setattr(type(TaskCancellation().token), "cancel", cancel_then_lose_the_cpu)
     scope = TaskCancellation()
-    _cancel_when(started, scope)
+    cancel_when(started, scope)
     with pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, Agent(FunctionModel(CallOnce()), toolsets=[toolset]), "go")
     assert scope.wait_released(5)

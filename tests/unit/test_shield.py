@@ -196,21 +196,27 @@ def test_before_any_cancel_the_wait_has_no_bound_of_its_own() -> None:
     asyncio.run(main())
 
 
+async def shielded_under_an_expired_timeout(work: Work) -> asyncio.Task[None]:
+    """A task shielding ``work`` inside ``asyncio.timeout(0)``, once that timeout has fired."""
+    scopes: list[asyncio.Timeout] = []
+
+    async def under_timeout() -> None:
+        async with asyncio.timeout(0) as timeout:
+            scopes.append(timeout)
+            await wait_shielded(work(), "work")
+
+    caller = await started(under_timeout, work)
+    await expired(scopes[0])
+    return caller
+
+
 def test_a_cancel_that_is_not_ours_is_not_swallowed_by_an_enclosing_timeout() -> None:
     """The timeout's own cancel and an outside one both land in the shield: the timeout takes
     back its own, and the outside one must still end the caller as a cancel."""
 
     async def main() -> None:
         work = Work()
-        scopes: list[asyncio.Timeout] = []
-
-        async def under_timeout() -> None:
-            async with asyncio.timeout(0) as timeout:
-                scopes.append(timeout)
-                await wait_shielded(work(), "work")
-
-        caller = await started(under_timeout, work)
-        await expired(scopes[0])
+        caller = await shielded_under_an_expired_timeout(work)
         caller.cancel()
         await turns()
         work.release.set()
@@ -224,15 +230,7 @@ def test_a_cancel_that_is_not_ours_is_not_swallowed_by_an_enclosing_timeout() ->
 def test_an_enclosing_timeouts_own_cancel_still_comes_out_as_its_timeout() -> None:
     async def main() -> None:
         work = Work()
-        scopes: list[asyncio.Timeout] = []
-
-        async def under_timeout() -> None:
-            async with asyncio.timeout(0) as timeout:
-                scopes.append(timeout)
-                await wait_shielded(work(), "work")
-
-        caller = await started(under_timeout, work)
-        await expired(scopes[0])
+        caller = await shielded_under_an_expired_timeout(work)
         assert not caller.done(), "the timeout's cancel cut the shielded wait short"
         work.release.set()
         with pytest.raises(TimeoutError):

@@ -43,6 +43,7 @@ from cancellable_agents.toolsets.subagents import (
     run_subagent,
     run_subagent_sync,
 )
+from tests.unit.scopes import cancel_when
 
 #: Each level's toolset teardown in the depth tests (seconds).
 TEARDOWN = 0.3
@@ -139,16 +140,6 @@ class SlowTeardown(FunctionToolset[Any]):
                 await asyncio.shield(done)
         self.log.append((time.monotonic(), f"teardown end {self.level}"))
         return await super().__aexit__(*args)
-
-
-def _cancel_when(
-    event: threading.Event, scope: TaskCancellation, cause: CancelCause = CancelCause.USER
-) -> None:
-    def fire() -> None:
-        if event.wait(10):
-            scope.cancel(cause)
-
-    threading.Thread(target=fire, daemon=True).start()
 
 
 def _chain(depth: int, leaf: Blocked, log: list[tuple[float, str]]) -> Agent[Any, Any]:
@@ -282,7 +273,7 @@ def test_parent_cancel_reaches_every_level_with_parent_cause_and_root_cause() ->
     log: list[tuple[float, str]] = []
     leaf = Blocked(log)
     scope = TaskCancellation("task")
-    _cancel_when(leaf.started, scope, CancelCause.EVICTION)
+    cancel_when(leaf.started, scope, CancelCause.EVICTION)
 
     with pytest.raises(TaskCancelled) as info:
         run_agent_in_scope(scope, _chain(3, leaf, log), "go")
@@ -309,7 +300,7 @@ def test_in_flight_work_stops_before_any_teardown_and_teardowns_overlap() -> Non
     log: list[tuple[float, str]] = []
     leaf = Blocked(log)
     scope = TaskCancellation()
-    _cancel_when(leaf.started, scope)
+    cancel_when(leaf.started, scope)
     with pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, _chain(3, leaf, log), "go")
     cancelled_at = next(t for t, what in log if what == "leaf request cancelled")
@@ -326,7 +317,7 @@ def test_unwind_time_does_not_grow_with_depth() -> None:
         log: list[tuple[float, str]] = []
         leaf = Blocked(log)
         scope = TaskCancellation()
-        _cancel_when(leaf.started, scope)
+        cancel_when(leaf.started, scope)
         with pytest.raises(TaskCancelled):
             run_agent_in_scope(scope, _chain(depth, leaf, log), "go")
         timings[depth] = time.monotonic() - _at(scope, "kill_received")
@@ -554,7 +545,7 @@ def test_sync_tool_of_a_child_sees_its_scope_and_stops_with_the_parent(threaded:
         toolsets=[SubagentToolset({"worker": _polling_child(log, started)}, threaded=threaded)],
     )
     scope = TaskCancellation()
-    _cancel_when(started, scope, CancelCause.USER)
+    cancel_when(started, scope, CancelCause.USER)
     begun = time.monotonic()
     with pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, parent, "go")
