@@ -18,7 +18,8 @@ one), then stops it two ways:
 (scanned every ~1 ms); "returned" is when ``stop()`` returned / the scope reported release.
 
 It ends with ``run('true')`` in the boundary profile with the seccomp filter on and off,
-interleaved: what the filter adds to each command's start.
+interleaved: what the filter adds to each command's start; then the boundary profile without a
+network against the same with an egress allowlist (start and kill, interleaved).
 
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile]``
 """
@@ -26,6 +27,8 @@ Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--run
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -44,7 +47,7 @@ from pathlib import Path
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.procs.proc import all_pids, command_line, read_proc
-from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox import EgressPolicy, LocalSandbox, bwrap_support
 
 TREE = "setsid sleep {m} & (sleep {m} &) ; sleep {m}"
 
@@ -68,11 +71,13 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def one_run(mode: str, via_scope: bool, profile: str) -> tuple[float, float]:
+def one_run(
+    mode: str, via_scope: bool, profile: str, network: bool | EgressPolicy = False
+) -> tuple[float, float]:
     """Return (seconds until the tree was gone, seconds until the stop call returned)."""
     marker = f"39{uuid.uuid4().int % 10:d}.{uuid.uuid4().int % 10**9:09d}"
     scope = TaskCancellation("bench", budget=4.0)
-    box = LocalSandbox(isolation=mode, profile=profile, scope=scope, stop_grace=1.0)  # type: ignore[arg-type]
+    box = LocalSandbox(isolation=mode, profile=profile, scope=scope, stop_grace=1.0, network=network)  # type: ignore[arg-type]
     try:
         command = box.start(TREE.format(m=marker))
         wait_for(lambda: len(marker_processes(marker, "sleep")) == 3)
@@ -142,6 +147,8 @@ def main() -> None:
         print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
     if support.boundary:
         filter_cost(args.runs)
+        egress_cost(args.runs)
+        limits_cost(args.runs)
     if args.hostile and support.boundary:
         hostile_table()
 
@@ -169,6 +176,82 @@ def filter_cost(runs: int) -> None:
     print(f"run('true'), profile=boundary, seccomp filter on/off interleaved, {runs} runs:")
     for label, samples in took.items():
         print("  " + describe(label, samples))
+
+
+def limits_cost(runs: int) -> None:
+    """The limits per sandbox (its cgroup, the workdir's tmpfs) against the per-process limits of
+    before, boundary profile, interleaved: creating + destroying a sandbox, its first and second
+    ``run('true')`` (the first command in a fresh cgroup costs more), and ``stop()`` of a running
+    ``sleep`` (until it returns: the tree gone and reaped)."""
+    from unittest import mock
+
+    from cancellable_agents.toolsets.sandbox import Limits, cgroups
+
+    if cgroups.cgroup_support().version is None:
+        print(f"limits per sandbox cost skipped: {cgroups.cgroup_support().reason}")
+        return
+    off = cgroups.CgroupSupport(None, reason="off for the benchmark")
+    setups: dict[str, Callable[[], LocalSandbox]] = {
+        "per sandbox": lambda: LocalSandbox(isolation="namespace"),
+        "per process": lambda: LocalSandbox(isolation="namespace", limits=Limits(workdir_bytes=None)),
+    }
+    took: dict[str, dict[str, list[float]]] = {
+        what: {label: [] for label in setups} for what in ("setup", "1st run", "next run", "stop")
+    }
+    with mock.patch.object(cgroups, "_noted", True):  # no fallback note per "per process" sandbox
+        for _ in range(runs):
+            for label, make in setups.items():
+                patch = mock.patch.object(cgroups, "cgroup_support", lambda: off)
+                with patch if label == "per process" else contextlib.nullcontext():
+                    started = time.monotonic()
+                    box = make()
+                    box.destroy()
+                    took["setup"][label].append(time.monotonic() - started)
+                    box = make()
+                try:
+                    took["1st run"][label].append(box.run("true").duration)
+                    took["next run"][label].append(box.run("true").duration)
+                    command = box.start("sleep 60")
+                    wait_for(functools.partial(box.descendants, command))
+                    started = time.monotonic()
+                    box.stop(command)
+                    took["stop"][label].append(time.monotonic() - started)
+                finally:
+                    box.destroy()
+    print(f"limits per sandbox (cgroup + workdir tmpfs) vs per process, profile=boundary, {runs} runs:")
+    for what, samples in took.items():
+        for label, values in samples.items():
+            print("  " + describe(f"{what} {label}", values))
+
+
+def egress_cost(runs: int) -> None:
+    """The boundary profile without a network and with an egress allowlist (its proxy in the
+    task, its forwarder in the sandbox before each command), interleaved so both share the same
+    load: what the allowlist adds to a command's start and to its kill (stop() and scope.cancel())."""
+    policy = EgressPolicy(["pypi.org"])
+    setups: dict[str, bool | EgressPolicy] = {"no network": False, "allowlist": policy}
+    took: dict[str, list[float]] = {label: [] for label in setups}
+    kills: dict[tuple[str, bool], list[tuple[float, float]]] = {
+        (label, via_scope): [] for label in setups for via_scope in (False, True)
+    }
+    boxes = {label: LocalSandbox(isolation="namespace", network=network) for label, network in setups.items()}
+    try:
+        for _ in range(runs):
+            for label, box in boxes.items():
+                took[label].append(box.run("true").duration)
+            for (label, via_scope), samples in kills.items():
+                samples.append(one_run("namespace", via_scope, "boundary", setups[label]))
+    finally:
+        for box in boxes.values():
+            box.destroy()
+    print(f"profile=boundary, no network vs egress allowlist, interleaved, {runs} runs:")
+    for label in setups:
+        print(f"  {label}:")
+        print("    run('true')    " + describe("start", took[label]))
+        for via_scope in (False, True):
+            results = kills[(label, via_scope)]
+            how = "scope.cancel()" if via_scope else "stop()"
+            print(f"    {how:<15}" + describe("gone", [g for g, _ in results]))
 
 
 def hostile_table() -> None:

@@ -59,6 +59,7 @@ _EXPORTS = {
     "LocalSandbox": "cancellable_agents.toolsets.sandbox",
     "SandboxToolset": "cancellable_agents.toolsets.sandbox",
     "Limits": "cancellable_agents.toolsets.sandbox",
+    "EgressPolicy": "cancellable_agents.toolsets.sandbox",
     "attach_sandbox": "cancellable_agents.toolsets.sandbox",
     "SubagentToolset": "cancellable_agents.toolsets.subagents",
     "Subagent": "cancellable_agents.toolsets.subagents",

@@ -7,7 +7,8 @@ Two profiles in namespace mode:
     :data:`HIDDEN_ETC`), the interpreter's installation, ``/dev``, a fresh ``/proc``, a private
     size-capped ``/tmp``, the paths the author listed and the workdir (read-write). New PID, IPC,
     UTS and (unless ``network=True``) network namespaces, no new privileges, no capabilities,
-    and the :class:`Limits` set with ``prlimit`` just before the command runs. Not root: a
+    and the :class:`Limits` (memory and processes in the sandbox's cgroup where it has one,
+    the rest set with ``prlimit`` just before the command runs). Not root: a
     non-root worker gets its own user namespace; a root worker cannot (a user namespace made by
     root maps to host root, which ``RLIMIT_NPROC`` exempts), so each sandbox switches to a uid of
     its own (``setpriv``) after bubblewrap has mounted everything.
@@ -61,18 +62,28 @@ SANDBOX_UID_BASE = 1_900_000_000
 #: no nested user namespaces, no capabilities in it. (--disable-userns needs bubblewrap 0.8+.)
 USERNS_ARGS = ("--unshare-user", "--disable-userns", "--cap-drop", "ALL")
 SANDBOX_UID_SPAN = 100_000_000
+#: CPU seconds between ``Limits.cpu_seconds`` (SIGXCPU, once a second) and the SIGKILL.
+CPU_KILL_GRACE = 2
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits of each command (``None``: unlimited). Set with ``setrlimit`` inside the
-    sandbox, so they bind the command and everything it starts, not the task.
+    """Resource limits of a sandbox's commands (``None``: unlimited); they bind the command and
+    everything it starts, not the task.
 
-    ``max_processes`` is ``RLIMIT_NPROC``: per sandbox on a root worker (its own uid), per
-    command otherwise (its own user namespace). ``memory_bytes`` is address space
-    (``RLIMIT_AS``): a runtime that reserves much more than it uses (the JVM, Go) needs more.
-    ``tmp_bytes`` caps the private ``/tmp`` (a tmpfs, i.e. memory). Output is capped separately
-    (``output_limit``).
+    ``memory_bytes`` and ``max_processes`` are totals for the whole sandbox (all its commands,
+    their ``/tmp``, bubblewrap's two processes per command) where the worker can create a
+    cgroup per sandbox (:mod:`~cancellable_agents.toolsets.sandbox.cgroups`); the kernel's OOM
+    killer ends a process of a sandbox at its memory total (SIGKILL), a fork past the count fails
+    (``EAGAIN``). Elsewhere (logged once) they bind each process: address space
+    (``RLIMIT_AS``; a runtime reserving much more than it uses, the JVM or Go, needs more) and
+    ``RLIMIT_NPROC`` (per sandbox on a root worker, its own uid; per command otherwise).
+    ``cpu_seconds`` is CPU time per process: SIGXCPU at it (a command may catch it to wrap up),
+    SIGKILL :data:`CPU_KILL_GRACE` CPU seconds later. ``file_size_bytes`` caps each file
+    (SIGXFSZ), ``workdir_bytes`` the workdir's total (a tmpfs, on a workdir the sandbox created,
+    where the worker is root; see :mod:`~cancellable_agents.toolsets.sandbox.workdir_size`),
+    ``tmp_bytes`` the private ``/tmp`` (a tmpfs per command): writes past them fail with
+    ``ENOSPC``. Output is capped separately (``output_limit``).
     """
 
     max_processes: int | None = 256
@@ -81,6 +92,7 @@ class Limits:
     file_size_bytes: int | None = 1 * GiB
     open_files: int | None = 1024
     tmp_bytes: int | None = 512 * MiB
+    workdir_bytes: int | None = 1 * GiB
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
@@ -88,15 +100,18 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be a positive int or None, got {value!r}")
 
     def prlimit_args(self) -> list[str]:
-        """``prlimit`` options (soft = hard, so the command cannot raise them)."""
+        """``prlimit`` options: soft = hard (the command cannot raise them), except the CPU time,
+        whose soft limit sends SIGXCPU and whose hard limit, a grace later, SIGKILL."""
         pairs = (
             ("nproc", self.max_processes),
             ("as", self.memory_bytes),
-            ("cpu", self.cpu_seconds),
             ("fsize", self.file_size_bytes),
             ("nofile", self.open_files),
         )
-        return [f"--{name}={value}:{value}" for name, value in pairs if value is not None]
+        args = [f"--{name}={value}:{value}" for name, value in pairs if value is not None]
+        if self.cpu_seconds is not None:
+            args.append(f"--cpu={self.cpu_seconds}:{self.cpu_seconds + CPU_KILL_GRACE}")
+        return args
 
 
 @dataclass(frozen=True)
@@ -277,6 +292,8 @@ class BoundaryProfile:
     limits: Limits
     uid: int | None
     """The uid a root worker's commands run as (``None``: a user namespace instead)."""
+    sockets: tuple[tuple[str, str], ...] = ()
+    """Unix sockets of the host shown inside, ``(host path, path inside)`` (the egress proxy's)."""
 
 
 def boundary_argv(
@@ -312,6 +329,10 @@ def boundary_argv(
         argv += _show(path, writable=False)
     for path in writable:
         argv += _show(path, writable=True)
+    for path in _ancestors([inside for _, inside in profile.sockets]):
+        argv += ["--perms", "0755", "--dir", path]
+    for host_path, inside in profile.sockets:
+        argv += ["--ro-bind", host_path, inside]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--chdir", profile.workdir, "--"]

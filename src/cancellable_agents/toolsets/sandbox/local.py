@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -66,12 +65,21 @@ from cancellable_agents.toolsets.sandbox.bwrap import (
     prlimit_path,
     sandbox_uid,
 )
+from cancellable_agents.toolsets.sandbox.cgroups import SandboxCgroup
 from cancellable_agents.toolsets.sandbox.command import BoundedReader, CommandTree, Mode, stop_bound
+from cancellable_agents.toolsets.sandbox.egress import (
+    EGRESS_SOCKET,
+    EgressPolicy,
+    EgressProxy,
+    forwarder_argv,
+    proxy_env,
+)
 from cancellable_agents.toolsets.sandbox.env import scrubbed_environment
 from cancellable_agents.toolsets.sandbox.files import WorkdirFiles, outside_error
 from cancellable_agents.toolsets.sandbox.isolation import Isolation, Profile, choose_mode, warn_no_boundary
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
 from cancellable_agents.toolsets.sandbox.seccomp import command_filter, warn_if_missing
+from cancellable_agents.toolsets.sandbox.workdir_size import mount_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.workdirs import prepare_workdir
 
 __all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "LocalSandbox"]
@@ -131,7 +139,10 @@ class LocalSandbox:
 
     Namespace mode, ``profile="boundary"`` (default): commands see the system folders, the
     interpreter, ``read_only_paths``, ``writable_paths`` and the workdir (read-write, also their
-    ``HOME``) and nothing else; no network unless ``network=True``; ``limits`` (a
+    ``HOME``) and nothing else; no network, except through the egress proxy to the hosts of an
+    allowlist (``network=["pypi.org", ...]`` or an :class:`EgressPolicy`, see
+    :mod:`~cancellable_agents.toolsets.sandbox.egress`), or the host's network with
+    ``network=True`` (no boundary for the network); ``limits`` (a
     :class:`Limits`, defaults when ``None``). On a root worker the workdir is handed to the
     sandbox's own uid, and ``writable_paths`` must be writable by it. ``profile="host"``: the
     old view (whole host read-only, host network, no limits), for commands that need it.
@@ -146,7 +157,7 @@ class LocalSandbox:
         *,
         isolation: Isolation = "auto",
         profile: Profile = "boundary",
-        network: bool = False,
+        network: bool | EgressPolicy | Iterable[str] = False,
         read_only_paths: Iterable[str | os.PathLike[str]] = (),
         writable_paths: Iterable[str | os.PathLike[str]] = (),
         limits: Limits | None = None,
@@ -162,13 +173,16 @@ class LocalSandbox:
             raise ValueError(f"output_limit must be a positive number of bytes, got {output_limit!r}")
         self.mode: Mode = choose_mode(isolation, profile)
         self.profile: Profile = profile
-        self.network = network
+        policy = EgressPolicy.coerce(network)
+        self.network = policy is True
+        self.egress = _enforceable(policy, self.mode, profile)
+        self._proxy: EgressProxy | None = None
         self.limits = limits if limits is not None else Limits()
         self.id = uuid.uuid4().hex[:8]
         self.workdir, self._owns_workdir = prepare_workdir(workdir)
         if self._owns_workdir:
             # A sandbox nobody destroyed still does not leave its directory behind at exit.
-            weakref.finalize(self, shutil.rmtree, self.workdir, True)
+            weakref.finalize(self, remove_workdir, self.workdir)
         self.stop_grace = stop_grace
         self.output_limit = output_limit
         self.python = python or sys.executable or "python3"
@@ -178,13 +192,16 @@ class LocalSandbox:
         self._destroyed = False
         self._scope: TaskCancellation | None = None
         self._attachment: SandboxAttachment | None = None
+        self.cgroup: SandboxCgroup | None = None
         self._boundary = self._boundary_profile(read_only_paths, writable_paths)
         log.info(
             "LocalSandbox %s: isolation=%s, workdir=%s%s",
             self.id,
             self.mode,
             self.workdir,
-            f" (bubblewrap, profile={profile}, network={network})" if self.mode == "namespace" else "",
+            f" (bubblewrap, profile={profile}, network={self.egress or self.network})"
+            if self.mode == "namespace"
+            else "",
         )
         self._attach(scope or current_cancellation())
 
@@ -194,6 +211,7 @@ class LocalSandbox:
         if self.mode != "namespace" or self.profile != "boundary":
             return None
         warn_if_missing()
+        limits = self._sandbox_limits()
         uid = None if bwrap_support().user_namespace else sandbox_uid()
         if uid is not None:
             # A root worker's commands run as the sandbox's own uid: the workdir must be theirs.
@@ -204,9 +222,34 @@ class LocalSandbox:
             network=self.network,
             read_only_paths=tuple(_absolute(p) for p in read_only),
             writable_paths=tuple(_absolute(p) for p in writable),
-            limits=self.limits,
+            limits=limits,
             uid=uid,
+            sockets=self._egress_sockets(),
         )
+
+    def _egress_sockets(self) -> tuple[tuple[str, str], ...]:
+        """Start the egress proxy of a sandbox with an allowlist; its socket, shown inside."""
+        if self.egress is None:
+            return ()
+        self._proxy = EgressProxy(self.egress, name=self.id).start()
+        # A sandbox nobody destroyed does not leave its proxy listening.
+        weakref.finalize(self, self._proxy.close)
+        return ((self._proxy.socket_path, EGRESS_SOCKET),)
+
+    def _sandbox_limits(self) -> Limits:
+        """Set up the totals (the workdir's tmpfs, the cgroup) and return what is left for
+        ``prlimit``: memory and process count go to the cgroup where there is one (address space
+        per process is the weaker stand-in), else stay per process."""
+        if self._owns_workdir and self.limits.workdir_bytes is not None:
+            mount_workdir(self.workdir, self.limits.workdir_bytes)
+        self.cgroup = SandboxCgroup.create(
+            self.id, memory_bytes=self.limits.memory_bytes, max_processes=self.limits.max_processes
+        )
+        if self.cgroup is None:
+            return self.limits
+        # A sandbox nobody destroyed does not leave its cgroup behind (if its commands are gone).
+        weakref.finalize(self, self.cgroup.remove, 0.0)
+        return replace(self.limits, memory_bytes=None, max_processes=None)
 
     def _boundary_env(self, env: dict[str, str]) -> None:
         """``python`` on PATH is the sandbox's interpreter (a PATH entry such as a pyenv shim
@@ -228,6 +271,8 @@ class LocalSandbox:
             if scope is None or self._scope is not None or self._destroyed:
                 return
             self._scope = scope
+        if self._proxy is not None:
+            self._proxy.scope = scope
         self._attachment = attach_sandbox(
             self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
         )
@@ -256,6 +301,8 @@ class LocalSandbox:
         env = scrubbed_environment(os.environ, self._explicit_env, home=str(self.workdir))
         if self._boundary is not None:
             self._boundary_env(env)
+        if self._proxy is not None:
+            env.update({k: v for k, v in proxy_env().items() if k not in self._explicit_env})
         env[COMMAND_TAG] = tag
         with self._lock:
             if self._destroyed:
@@ -284,7 +331,9 @@ class LocalSandbox:
         support = bwrap_support()
         if self._boundary is None:
             return host_argv(support, str(self.workdir), self.python) + argv
-        return boundary_argv(support, self._boundary, seccomp_fd=seccomp_fd) + argv
+        placement = self.cgroup.placement_prefix() if self.cgroup is not None else []
+        forwarder = forwarder_argv(self.python) if self._proxy is not None else []
+        return placement + boundary_argv(support, self._boundary, seccomp_fd=seccomp_fd) + forwarder + argv
 
     def _spawn(
         self,
@@ -371,10 +420,14 @@ class LocalSandbox:
                 return
             self._destroyed = True
         self.stop_all()
+        if self._proxy is not None:
+            self._proxy.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
         if self._attachment is not None:
             self._attachment.detach()
         if self._owns_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_workdir(self.workdir)
         log.debug("sandbox %s destroyed", self.id)
 
     # -- results -------------------------------------------------------------------------
@@ -471,6 +524,19 @@ class LocalSandbox:
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a directory, sorted; directories end with ``/``."""
         return self._files().list_files(path)
+
+
+def _enforceable(policy: bool | EgressPolicy, mode: Mode, profile: Profile) -> EgressPolicy | None:
+    """The allowlist, where the boundary profile can enforce it. The host profile has the host's
+    network (a contradiction: refused); process-group mode has no boundary at all (warned)."""
+    if not isinstance(policy, EgressPolicy):
+        return None
+    if profile == "host":
+        raise ValueError("an egress allowlist needs profile='boundary' ('host' has the host's network)")
+    if mode != "namespace":
+        log.warning("LocalSandbox: process-group mode has the host's network: no egress allowlist")
+        return None
+    return policy
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:

@@ -18,6 +18,7 @@ from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import Limits
+from cancellable_agents.toolsets.sandbox.egress import EgressPolicy
 from cancellable_agents.toolsets.sandbox.isolation import Isolation, Profile
 from cancellable_agents.toolsets.sandbox.local import DEFAULT_OUTPUT_LIMIT, LocalSandbox
 from cancellable_agents.toolsets.sandbox.protocol import (
@@ -44,7 +45,8 @@ class SandboxToolset(FunctionToolset[Any]):
     """Shell, Python and file tools for a pydantic-ai agent, run in any :class:`Sandbox` backend.
 
     ``Agent(model, toolsets=[SandboxToolset()])``. Without ``sandbox`` a :class:`LocalSandbox`
-    (``isolation``, ``profile``, ``network``, ``limits``) is created on first use, attached to the
+    (``isolation``, ``profile``, ``network``: ``True``, ``False`` or an egress allowlist,
+    ``limits``) is created on first use, attached to the
     run's :func:`current_cancellation`, and destroyed when the toolset is exited; a sandbox passed
     in belongs to the caller and is never destroyed here, but a backend that is not attached to
     the run's scope yet is attached on first use (:func:`attach_sandbox`), so a kill stops its
@@ -61,7 +63,7 @@ class SandboxToolset(FunctionToolset[Any]):
         *,
         isolation: Isolation = "auto",
         profile: Profile = "boundary",
-        network: bool = False,
+        network: bool | EgressPolicy | Sequence[str] = False,
         limits: Limits | None = None,
         command_timeout: float = 60,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
@@ -72,7 +74,7 @@ class SandboxToolset(FunctionToolset[Any]):
         self._owned = False
         self._isolation = isolation
         self._profile: Profile = profile
-        self._network = network
+        self._network = EgressPolicy.coerce(network)
         self._limits = limits
         self._attachment: SandboxAttachment | None = None  # guarded by _lock
         self.command_timeout = command_timeout

@@ -14,19 +14,27 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
 from cancellable_agents.procs.proc import read_proc
+from cancellable_agents.toolsets.sandbox.workdir_size import remove_workdir
 
-__all__ = ["WORKDIR_PREFIX", "new_workdir", "prepare_workdir", "remove_orphaned_workdirs"]
+__all__ = [
+    "WORKDIR_PREFIX",
+    "new_workdir",
+    "owner_gone",
+    "owner_tag",
+    "prepare_workdir",
+    "remove_orphaned_workdirs",
+]
 
 log = logging.getLogger(__name__)
 
 WORKDIR_PREFIX = "cancellable-agents-sandbox-"
 
-_OWNED = re.compile(re.escape(WORKDIR_PREFIX) + r"(?P<ns>\d+)\.(?P<pid>\d+)\.(?P<start>\d+)-")
+_TAG = r"(?P<ns>\d+)\.(?P<pid>\d+)\.(?P<start>\d+)"
+_OWNED = re.compile(re.escape(WORKDIR_PREFIX) + _TAG + "-")
 
 
 def new_workdir() -> Path:
@@ -59,7 +67,7 @@ def remove_orphaned_workdirs(root: str | os.PathLike[str] | None = None) -> list
         match = _OWNED.match(entry.name)
         if match is None or int(match["ns"]) != namespace or _owner_alive(match):
             continue
-        shutil.rmtree(entry, ignore_errors=True)
+        remove_workdir(entry)
         if not entry.exists():
             removed.append(entry)
     if removed:
@@ -69,6 +77,22 @@ def remove_orphaned_workdirs(root: str | os.PathLike[str] | None = None) -> list
             ", ".join(p.name for p in removed),
         )
     return removed
+
+
+def owner_tag() -> str | None:
+    """This process as an owner tag (pid namespace, pid, start time) for the name of something a
+    SIGKILL of the task would leave behind (a workdir, a sandbox cgroup); ``None`` where unknown."""
+    return _owner_tag(os.getpid())
+
+
+def owner_gone(tag: str) -> bool:
+    """Whether the owner ``tag`` names is gone for sure: ``False`` for a malformed tag or one from
+    another pid namespace, whose owner cannot be checked from here."""
+    match = re.fullmatch(_TAG, tag)
+    namespace = _pid_namespace()
+    if match is None or namespace is None or int(match["ns"]) != namespace:
+        return False
+    return not _owner_alive(match)
 
 
 def _owner_alive(match: re.Match[str]) -> bool:
