@@ -15,14 +15,8 @@ import pytest
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox, egress
-from cancellable_agents.toolsets.sandbox.egress import (
-    DEFAULT_PORTS,
-    LOG_BURST,
-    EgressPolicy,
-    EgressProxy,
-    HostRule,
-    proxy_env,
-)
+from cancellable_agents.toolsets.sandbox.egress import LOG_BURST, EgressProxy, proxy_env
+from cancellable_agents.toolsets.sandbox.egress_policy import DEFAULT_PORTS, EgressPolicy, HostRule
 
 pytestmark = pytest.mark.timeout(60)
 

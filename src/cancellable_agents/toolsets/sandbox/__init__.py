@@ -7,8 +7,11 @@
 - :mod:`.isolation`: which isolation mode a local sandbox gets here;
 - :mod:`.bwrap`: bubblewrap's probe and the ``"boundary"`` / ``"host"`` profiles, :class:`Limits`;
 - :mod:`.env`: the environment commands get (an allowlist);
-- :mod:`.egress`: :class:`EgressPolicy`, the hosts a command may reach, and the proxy enforcing it;
+- :mod:`.egress_policy`: :class:`EgressPolicy`, the hosts a command may reach;
+- :mod:`.egress`: the proxy that enforces it, outside the sandbox, and its forwarder inside;
 - :mod:`.seccomp`: the boundary profile's seccomp filter (what a command may not call);
+- :mod:`.cgroups`: a cgroup per sandbox (memory and processes for the whole sandbox);
+- :mod:`.workdir_size`: the workdir's total size (a tmpfs of its own);
 - :mod:`.files`: the file tools' race-free access to the workdir (no symlink followed);
 - :mod:`.toolset`: :class:`SandboxToolset`, the agent's tools on any backend.
 
@@ -18,7 +21,7 @@ This package imports no Airflow.
 
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import BwrapSupport, Limits, bwrap_support
-from cancellable_agents.toolsets.sandbox.egress import EgressPolicy
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.env import is_sensitive, scrubbed_environment
 from cancellable_agents.toolsets.sandbox.local import COMMAND_TAG, DEFAULT_OUTPUT_LIMIT, LocalSandbox
 from cancellable_agents.toolsets.sandbox.protocol import (

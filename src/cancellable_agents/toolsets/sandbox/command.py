@@ -19,10 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Literal, Protocol
+from typing import IO, Literal, Protocol, TypeVar
 
 from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.core.workers import JobThread
 from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,
@@ -459,3 +460,49 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True  # reaped by someone else
+
+
+# -- spawning -------------------------------------------------------------------------------
+
+
+T = TypeVar("T")
+
+
+class _Spawner:
+    """Starts every command from one thread that lives as long as the process.
+
+    ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the
+    child exits, not the process. Sync tools run on one short-lived thread per call, so a
+    command started there would be SIGKILLed (and its namespace orphaned) as the tool returns.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: JobThread | None = None  # guarded by _lock
+        self._owner: int | None = None  # guarded by _lock: the pid the thread belongs to
+
+    def call(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            # After a fork the thread is gone; the child gets its own.
+            if self._thread is None or self._owner != os.getpid():
+                self._thread = JobThread("cancellable-agents-spawner")
+                self._owner = os.getpid()
+            thread = self._thread
+        return thread.submit(fn).result()
+
+
+spawner = _Spawner()
+
+
+def feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
+    """Write ``data`` to a command's stdin on a thread of its own (a full pipe must not block the
+    caller), then close it."""
+
+    def feed() -> None:
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):
+            proc.stdin.write(data)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+
+    threading.Thread(target=feed, name=f"sandbox-stdin-{proc.pid}", daemon=True).start()

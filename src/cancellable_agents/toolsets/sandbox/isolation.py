@@ -4,6 +4,25 @@
 ``isolation="auto"``) ``"process-group"``, which stops commands but is no boundary: that is
 said once per task, loudly, since a DAG author may have counted on one. This module imports no
 Airflow.
+
+Isolation modes (``isolation=``):
+
+``"namespace"`` (Linux with a working bubblewrap)
+    Each command runs under bubblewrap in its own PID namespace: nothing it starts (``setsid``,
+    double forks, daemons) can leave it, when the namespace's init dies the kernel kills every
+    process in it, and ``--die-with-parent`` ends it even when the task process is SIGKILLed.
+    With the default ``profile="boundary"`` it is also a boundary (see
+    :mod:`~cancellable_agents.toolsets.sandbox.bwrap`): no home folders, no Airflow config, no
+    network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
+``"process-group"`` (fallback, any POSIX)
+    Each command starts a new session. A watcher thread records the pid and start time of every
+    descendant every ~20 ms, so processes that later ``setsid`` or are reparented stay known.
+    A stop signals the process group, every tracked process (start time checked, so a recycled
+    pid is never hit) and every process that still carries the command's environment tag
+    (``CANCELLABLE_AGENTS_COMMAND``). Cleanup only, **not a boundary**: the command sees what the
+    task's user sees, and a SIGKILL of the task leaves commands running. Warned once per task.
+``"auto"`` (default)
+    Namespace mode when bubblewrap can give the chosen profile here, else process-group mode.
 """
 
 from __future__ import annotations
@@ -16,9 +35,10 @@ from typing import Literal
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox.bwrap import bwrap_support, unavailable_message
 from cancellable_agents.toolsets.sandbox.command import Mode
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.protocol import SandboxUnavailable
 
-__all__ = ["Isolation", "Profile", "choose_mode", "warn_no_boundary"]
+__all__ = ["Isolation", "Profile", "choose_mode", "enforceable_egress", "warn_no_boundary"]
 
 log = logging.getLogger(__name__)
 
@@ -71,3 +91,16 @@ def warn_no_boundary(scope: TaskCancellation | None) -> None:
         "no limits). For a boundary install bubblewrap (`apt-get install bubblewrap`) and pass "
         "isolation='namespace' to fail instead of falling back."
     )
+
+
+def enforceable_egress(policy: bool | EgressPolicy, mode: Mode, profile: Profile) -> EgressPolicy | None:
+    """The allowlist, where the boundary profile can enforce it. The host profile has the host's
+    network (a contradiction: refused); process-group mode has no boundary at all (warned)."""
+    if not isinstance(policy, EgressPolicy):
+        return None
+    if profile == "host":
+        raise ValueError("an egress allowlist needs profile='boundary' ('host' has the host's network)")
+    if mode != "namespace":
+        log.warning("LocalSandbox: process-group mode has the host's network: no egress allowlist")
+        return None
+    return policy

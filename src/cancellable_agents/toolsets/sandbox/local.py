@@ -7,24 +7,8 @@ what is left, reaps it and records each kill on the task's :class:`TaskCancellat
 command's main process ends, whatever it left running in the background is killed too: a
 command never outlives itself.
 
-Isolation modes (``isolation=``):
-
-``"namespace"`` (Linux with a working bubblewrap)
-    Each command runs under bubblewrap in its own PID namespace: nothing it starts (``setsid``,
-    double forks, daemons) can leave it, when the namespace's init dies the kernel kills every
-    process in it, and ``--die-with-parent`` ends it even when the task process is SIGKILLed.
-    With the default ``profile="boundary"`` it is also a boundary (see
-    :mod:`~cancellable_agents.toolsets.sandbox.bwrap`): no home folders, no Airflow config, no
-    network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
-``"process-group"`` (fallback, any POSIX)
-    Each command starts a new session. A watcher thread records the pid and start time of every
-    descendant every ~20 ms, so processes that later ``setsid`` or are reparented stay known.
-    A stop signals the process group, every tracked process (start time checked, so a recycled
-    pid is never hit) and every process that still carries the command's environment tag
-    (``CANCELLABLE_AGENTS_COMMAND``). Cleanup only, **not a boundary**: the command sees what the
-    task's user sees, and a SIGKILL of the task leaves commands running. Warned once per task.
-``"auto"`` (default)
-    Namespace mode when bubblewrap can give the chosen profile here, else process-group mode.
+Isolation modes (``isolation=``: ``"namespace"``, ``"process-group"``, ``"auto"``) are described in
+:mod:`~cancellable_agents.toolsets.sandbox.isolation`.
 
 Commands get the environment by allowlist in every mode (``PATH``, the locale, ``TERM``, ``TZ``,
 ``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.env`).
@@ -45,14 +29,13 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
-from cancellable_agents.core.workers import JobThread
 from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import (
@@ -66,17 +49,25 @@ from cancellable_agents.toolsets.sandbox.bwrap import (
     sandbox_uid,
 )
 from cancellable_agents.toolsets.sandbox.cgroups import SandboxCgroup
-from cancellable_agents.toolsets.sandbox.command import BoundedReader, CommandTree, Mode, stop_bound
-from cancellable_agents.toolsets.sandbox.egress import (
-    EGRESS_SOCKET,
-    EgressPolicy,
-    EgressProxy,
-    forwarder_argv,
-    proxy_env,
+from cancellable_agents.toolsets.sandbox.command import (
+    BoundedReader,
+    CommandTree,
+    Mode,
+    feed_stdin,
+    spawner,
+    stop_bound,
 )
+from cancellable_agents.toolsets.sandbox.egress import EGRESS_SOCKET, EgressProxy, forwarder_argv, proxy_env
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.env import scrubbed_environment
 from cancellable_agents.toolsets.sandbox.files import WorkdirFiles, outside_error
-from cancellable_agents.toolsets.sandbox.isolation import Isolation, Profile, choose_mode, warn_no_boundary
+from cancellable_agents.toolsets.sandbox.isolation import (
+    Isolation,
+    Profile,
+    choose_mode,
+    enforceable_egress,
+    warn_no_boundary,
+)
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
 from cancellable_agents.toolsets.sandbox.seccomp import command_filter, warn_if_missing
 from cancellable_agents.toolsets.sandbox.workdir_size import mount_workdir, remove_workdir
@@ -93,35 +84,6 @@ DEFAULT_OUTPUT_LIMIT = 64 * 1024
 KEEP_RESULTS = 256
 #: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
-
-
-# -- spawning -------------------------------------------------------------------------------
-
-
-class _Spawner:
-    """Starts every command from one thread that lives as long as the process.
-
-    ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the
-    child exits, not the process. Sync tools run on one short-lived thread per call, so a
-    command started there would be SIGKILLed (and its namespace orphaned) as the tool returns.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: JobThread | None = None  # guarded by _lock
-        self._owner: int | None = None  # guarded by _lock: the pid the thread belongs to
-
-    def call(self, fn: Callable[[], T]) -> T:
-        with self._lock:
-            # After a fork the thread is gone; the child gets its own.
-            if self._thread is None or self._owner != os.getpid():
-                self._thread = JobThread("cancellable-agents-spawner")
-                self._owner = os.getpid()
-            thread = self._thread
-        return thread.submit(fn).result()
-
-
-_spawner = _Spawner()
 
 
 # -- the sandbox ----------------------------------------------------------------------------
@@ -175,7 +137,7 @@ class LocalSandbox:
         self.profile: Profile = profile
         policy = EgressPolicy.coerce(network)
         self.network = policy is True
-        self.egress = _enforceable(policy, self.mode, profile)
+        self.egress = enforceable_egress(policy, self.mode, profile)
         self._proxy: EgressProxy | None = None
         self.limits = limits if limits is not None else Limits()
         self.id = uuid.uuid4().hex[:8]
@@ -361,7 +323,7 @@ class LocalSandbox:
             )
 
         started = time.monotonic()
-        proc = _spawner.call(popen)
+        proc = spawner.call(popen)
         info = read_proc(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
         cmd = CommandTree(
@@ -377,7 +339,7 @@ class LocalSandbox:
             stderr=BoundedReader(proc.stderr, self.output_limit, f"sandbox-{command_id}-stderr"),
         )
         if stdin is not None:
-            _feed_stdin(proc, stdin.encode() if isinstance(stdin, str) else stdin)
+            feed_stdin(proc, stdin.encode() if isinstance(stdin, str) else stdin)
         cmd.watch()
         return cmd
 
@@ -526,32 +488,8 @@ class LocalSandbox:
         return self._files().list_files(path)
 
 
-def _enforceable(policy: bool | EgressPolicy, mode: Mode, profile: Profile) -> EgressPolicy | None:
-    """The allowlist, where the boundary profile can enforce it. The host profile has the host's
-    network (a contradiction: refused); process-group mode has no boundary at all (warned)."""
-    if not isinstance(policy, EgressPolicy):
-        return None
-    if profile == "host":
-        raise ValueError("an egress allowlist needs profile='boundary' ('host' has the host's network)")
-    if mode != "namespace":
-        log.warning("LocalSandbox: process-group mode has the host's network: no egress allowlist")
-        return None
-    return policy
-
-
 def _absolute(path: str | os.PathLike[str]) -> str:
     resolved = Path(path).resolve()
     if not resolved.exists():
         raise ValueError(f"sandbox path {str(path)!r} does not exist")
     return str(resolved)
-
-
-def _feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
-    def feed() -> None:
-        assert proc.stdin is not None
-        with contextlib.suppress(OSError):
-            proc.stdin.write(data)
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-
-    threading.Thread(target=feed, name=f"sandbox-stdin-{proc.pid}", daemon=True).start()

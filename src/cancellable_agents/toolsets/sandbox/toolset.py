@@ -18,7 +18,7 @@ from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.bwrap import Limits
-from cancellable_agents.toolsets.sandbox.egress import EgressPolicy
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.isolation import Isolation, Profile
 from cancellable_agents.toolsets.sandbox.local import DEFAULT_OUTPUT_LIMIT, LocalSandbox
 from cancellable_agents.toolsets.sandbox.protocol import (
