@@ -155,6 +155,9 @@ SCENARIOS = {
         Scenario("warm_delete", WARM, partial(_terminate, DELETE_GRACE_S, "deletion"), False),
         Scenario("warm_drain", WARM, partial(_terminate, DRAIN_GRACE_S, "drain"), False),
         Scenario("warm_prestop", WARM, _pre_stop_then_delete, True),
+        # The warm supervisor forwards no signal it receives; a refused heartbeat still signals.
+        Scenario("warm_mark_failed", WARM, partial(_rest, mark_failed), True, _terminal_run),
+        Scenario("warm_clear", WARM, partial(_rest, clear), True),
     )
 }
 
@@ -371,21 +374,23 @@ def test_a_pod_termination_that_reaches_the_task_evicts_it_and_the_retry_resumes
         _resumed(e2e, outcome, "died without a word" if result.task_pid in left else "ended eviction")
 
 
-@pytest.mark.parametrize("name", ["fwd_mark_failed", "fwd_clear"])
+@pytest.mark.parametrize("name", ["fwd_mark_failed", "fwd_clear", "warm_mark_failed", "warm_clear"])
 def test_a_users_stop_reaches_the_task_in_its_pod(
     e2e: E2EEnv, pod_runs: dict[str, Outcome], name: str
 ) -> None:
     """Mark failed / Clear do not delete the pod: the supervisor's heartbeat gets the news and
-    signals the task's group; the pod then ends by itself."""
+    signals the task's group (with either supervisor: the warm one only stops forwarding the
+    signals it receives); the pod then ends by itself."""
     outcome = pod_runs[name]
     result = outcome.result
     with judged(e2e, outcome):
-        detail = "marked failed" if name == "fwd_mark_failed" else "cleared"
+        marked_failed = name.endswith("mark_failed")
+        detail = "marked failed" if marked_failed else "cleared"
         _the_record(result, "user", detail)
         assert outcome.run.pod is not None and outcome.run.pod.end is None
         assert not outcome.run.pod.alive()
         _nothing_of_try_1_left(outcome)
-        if name == "fwd_mark_failed":
+        if marked_failed:
             assert (result.final_ti["state"], [t["try_number"] for t in result.tries]) == ("failed", [1])
         else:
             assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2)
