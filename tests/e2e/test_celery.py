@@ -459,6 +459,10 @@ class Durable:
         entries = self.journal.get("entries", [])
         return [e for e in entries if e["try"] == try_number and kind in (None, e["kind"])]
 
+    def messages_of(self, try_number: int) -> int:
+        """How many messages the record try 2 followed holds from ``try_number``."""
+        return sum(e["messages"] for e in self.entries_of(try_number))
+
     def repeated_tool_calls(self) -> int:
         return len(self.lines) - len({line["n"] for line in self.lines})
 
@@ -511,14 +515,15 @@ def test_durable_retry_resumes_after_worker_loss(
 def _try_1_wrote_nothing_after_the_takeover(
     result: PathResult, run: Durable, recorded_by_try_1: int = RECORDED_BY_TRY_1
 ) -> None:
-    """Fencing, from the record itself (as try 2's last tool call read it) and the tools' lines;
+    """Fencing, from the record try 2 follows (as its last tool call read it) and the tools' lines;
     ``recorded_by_try_1``: the messages try 1 recorded before it was killed."""
     owner = run.journal.get("owner") or {}
-    assert owner.get("try") == 2, f"try 2 does not own the record: {run.journal}"
+    assert owner.get("try") == 2, f"try 2 wrote no record of its own: {run.journal}"
     entries = run.journal["entries"]
     tries = [e["try"] for e in entries]
     assert tries == sorted(tries), f"a try 1 entry follows try 2's: {entries}"
-    assert len(run.entries_of(1, "message")) == recorded_by_try_1, entries
+    assert run.messages_of(1) == recorded_by_try_1, entries
+    assert run.journal["stale"] == [], f"try 1 appended after try 2 read its record: {run.journal['stale']}"
     late = [e for e in run.entries_of(1) if e["at"] >= owner["at"]]
     assert late == [], f"try 1 appended after try 2 took the record over at {owner['at']}: {late}"
     started_2 = _wall(_try(result, 2)["start_date"])
@@ -562,7 +567,7 @@ def _report_line(env: E2EEnv, result: PathResult) -> str:
             run = _durable(env, result)
             durable = (
                 f"resumed after {len(run.lines_of(1))} of {CELERY_STEPS} tool calls "
-                f"({len(run.entries_of(1, 'message'))} messages); model requests both tries "
+                f"({run.messages_of(1)} messages); model requests both tries "
                 f"{len(run.requests)} (uninterrupted {UNINTERRUPTED}); repeated tool calls "
                 f"{run.repeated_tool_calls()}; "
             )

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.durable.record import KEY_PREFIX
+from cancellable_agents.durable.record import KEY_PREFIX, segment_key
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.conftest import E2EEnv
 from tests.e2e.driver import (
@@ -70,10 +70,9 @@ def sigkill_task(env: E2EEnv, result: PathResult) -> tuple[float, float]:
 def tamper_then_evict(env: E2EEnv, result: PathResult) -> tuple[float, float]:
     """Edit a completed step of the record through the REST API, then evict the task."""
     store = f"{_ti_path(result)}/state-store"
-    header = env.rest.json("GET", f"{store}/{KEY_PREFIX}.0")["value"]
-    key = f"{KEY_PREFIX}.0.{header['generation']}.2"  # the return of tool 1
+    key = segment_key(f"{KEY_PREFIX}.0", 1, 1)  # the return of tool 1, with the response to it
     entry = env.rest.json("GET", f"{store}/{key}")["value"]
-    entry["message"]["parts"][0]["content"] = "line 1 NOT written"
+    entry["messages"][0]["parts"][0]["content"] = "line 1 NOT written"
     env.rest.json("PUT", f"{store}/{key}", json={"value": entry}, expect=(200, 204))
     return evict(env, result)
 
@@ -201,4 +200,4 @@ def test_an_edited_record_starts_fresh_with_one_warning(
         _fresh(run)
         log = run.log(2)
         assert log.count("not resuming from the stored record") == 1, log
-        assert "step 2 does not match its checksum" in log
+        assert "entry 1 does not match its checksum" in log

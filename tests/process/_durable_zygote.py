@@ -6,13 +6,15 @@ running one durable run against the local model server (real HTTP), journaled in
 an ``ObjectStoragePath`` (``PathStore``): the parent SIGKILLs it, really, at the moment it chooses.
 
 Protocol: one JSON command per stdin line, ``{"try": N, "store": URL, "lines": PATH, "stop_after": K,
-"block_in": S, "release": PATH, "wait": true, "parallel": false}``; events
+"block_in": S, "release": PATH, "wait": true, "parallel": false, "flush": F}``; events
 as JSON lines on the fd in ``EVENTS_FD``: ``started`` (pid), ``recorded`` (the child appended its
 K-th entry and now waits to be killed), ``tool_running`` (step S wrote its line and blocks until
 the file ``release`` exists, if given), ``completed``, ``cancelled`` (cause, detail) and ``exited``
 (status as ``os.waitstatus_to_exitcode``; only for ``wait``: the others run beside the next try).
-``parallel``: one model response calls ``fetch`` and ``slow`` at once; ``slow`` (try 1 only) emits
-``tool_running`` and blocks; ``tool_result_recorded`` says a parallel call's result was appended.
+``flush``: the journal's ``returns_flush_s`` (``0``: each tool's return is appended at once, a
+boundary of its own). ``parallel``: one model response calls ``fetch`` and ``slow`` at once;
+``slow`` (try 1 only) emits ``tool_running`` and blocks; ``tool_result_recorded`` says a
+parallel call's result was appended.
 Single-threaded between forks, so forking is safe.
 """
 
@@ -52,8 +54,6 @@ class KilledAtBoundary(PathStore):
 
     def set(self, key: str, value: Any) -> None:
         super().set(key, value)
-        if key.count(".") < 4:  # the header
-            return
         if value["kind"] == "tool_result":
             emit("tool_result_recorded", tool=value["tool"])
         type(self).entries += 1
@@ -63,7 +63,13 @@ class KilledAtBoundary(PathStore):
 
 
 def run_try(
-    try_number: int, store_url: str, lines: Path, block_in: int, release: str | None, parallel: bool = False
+    try_number: int,
+    store_url: str,
+    lines: Path,
+    block_in: int,
+    release: str | None,
+    parallel: bool = False,
+    flush: float | None = None,
 ) -> None:
     behaviour = (
         "tools?names=fetch,slow&then=all+done" if parallel else f"steps?name=step&count={STEPS}&then=all+done"
@@ -103,7 +109,10 @@ def run_try(
         return f"step {n} ok"
 
     scope = TaskCancellation(f"try{try_number}")
-    journal = Journal(KilledAtBoundary(ObjectStoragePath(store_url)), try_number=try_number, scope=scope)
+    store = KilledAtBoundary(ObjectStoragePath(store_url))
+    journal = Journal(store, try_number=try_number, scope=scope)
+    if flush is not None:
+        journal.returns_flush_s = flush
     try:
         with scope.activate():
             result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)
@@ -154,6 +163,7 @@ def main() -> None:
                     command.get("block_in", 0),
                     command.get("release"),
                     command.get("parallel", False),
+                    command.get("flush"),
                 )
             except BaseException as exc:
                 emit("failed", error=repr(exc))

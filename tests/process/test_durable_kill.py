@@ -1,10 +1,11 @@
 """Durable runs killed for real: SIGKILL (no Python runs, nothing written at kill time) at every
 step boundary in turn, and in the middle of a tool; the next try resumes from the files the
-journal wrote under an ``ObjectStoragePath``. Model requests are counted on the local model
-server (real HTTP); tool executions in a file the tool appends to.
+journal wrote under an ``ObjectStoragePath``; two live copies of one task race on that store.
+Model requests are counted on the local model server (real HTTP); tool executions in a file the
+tool appends to.
 
 Each try is a process forked from one zygote that imported everything once (see
-``_durable_zygote.py``), so the nine tries of the boundary test cost milliseconds each.
+``_durable_zygote.py``), so the seven tries of the boundary test cost milliseconds each.
 """
 
 from __future__ import annotations
@@ -100,22 +101,23 @@ def test_sigkill_at_every_step_boundary_redoes_no_completed_step(
 ) -> None:
     """Try k is SIGKILLed right after it appended one more entry; the next try goes on from there.
 
-    2 * STEPS + 2 entries (prompt, a response and the returns per step, the answer): as many
-    killed tries, then one that finishes. Over all of them the model is asked exactly as often
-    as in one uninterrupted run, and every tool runs exactly once.
+    With each tool's return appended at once (``flush: 0``), 2 * STEPS entries (per step: the
+    response that calls the tool, then the tool's return): as many killed tries, then one that
+    finishes. Over all of them the model is asked exactly as often as in one uninterrupted run,
+    and every tool runs exactly once.
     """
-    entries = 2 * STEPS + 2
+    entries = 2 * STEPS
     kinds = []
     for try_number in range(1, entries + 1):
-        pid = zygote.run_try(try_number, stop_after=1)
+        pid = zygote.run_try(try_number, stop_after=1, flush=0)
         recorded = zygote.next_of("recorded", "failed")
         assert recorded["event"] == "recorded", f"{recorded}\n{zygote.tail()}"
         assert recorded["entries"] == try_number, "each try appended exactly the next entry"
         kinds.append(recorded["kind"])
         zygote.kill(pid)
     done = _finish(zygote, entries + 1)
-    assert done["resumed_messages"] == entries
-    assert kinds == ["message"] * entries
+    assert done["resumed_messages"] == entries + 1  # and the prompt
+    assert kinds == ["step"] * entries
     assert model_server.request_count == STEPS + 1, "a completed model request was made again"
     runs = zygote.steps_run()
     assert [r["n"] for r in runs] == list(range(1, STEPS + 1)), f"a completed tool ran again: {runs}"
@@ -152,21 +154,35 @@ def test_sigkill_beside_a_returned_parallel_call_reruns_only_the_call_in_flight(
     assert model_server.request_count == 2, "try 2 asked only for the answer"
 
 
-def test_an_older_try_still_running_is_fenced_off_the_record(
+def test_a_stale_try_cannot_change_what_the_newest_try_resumes_from(
     zygote: Zygote, model_server: ScriptedModelServer
 ) -> None:
-    """Two copies of one task (an orphaned try 1 and its retry): only the newest may append."""
-    release = zygote.tmp / "release-try-1"
+    """Two copies of one task on a real filesystem store: an orphaned try 1 and its retry.
+
+    Try 2 takes the record over from the live try 1 (it reads it, reruns tool 2, records step
+    3). Try 1 then runs on beside it, unaware (nothing reads before a write): it records step 3
+    and its completion under its own keys. Try 2 is SIGKILLed in tool 3; try 3 resumes from what
+    try 2 recorded, exactly, as if try 1 had written nothing after the takeover.
+    """
+    release = zygote.lines.with_name("release-try-1")
     zygote.run_try(1, block_in=2, release=str(release), wait=False)
     assert zygote.next_of("tool_running")["n"] == 2
     second = zygote.run_try(2, block_in=3, wait=False)  # takes the record over from the live try 1
     running = zygote.next_of("tool_running")
     assert (running["pid"], running["n"]) == (second, 3)
-    release.touch()  # try 1's tool returns: its next append finds try 2's token in the header
-    cancelled = zygote.next_of("cancelled")
-    assert cancelled["cause"] == "eviction" and "superseded by try 2" in cancelled["detail"], cancelled
+    release.touch()  # try 1's tool 2 returns: it goes on to the end, beside try 2
+    stale = zygote.next_of("completed")
+    assert stale["pid"] != second and stale["resumed_messages"] == 0, stale
+    late = sorted(p.name for p in zygote.store.iterdir() if ".try1." in p.name)
+    assert late == [f"cancellable_agents.durable.0.try1.{j}.json" for j in range(4)], (
+        "try 1 appended step 3 and its completion after the takeover, and its completion dropped nothing"
+    )
+    requests_before_try_3 = model_server.request_count
     os.kill(second, signal.SIGKILL)  # try 2 dies in tool 3; try 3 goes on from try 2's record
-    _finish(zygote, 3)
+    done = _finish(zygote, 3)
+    assert done["resumed_messages"] == 6, "requests and responses 1..3: what try 2 recorded"
     runs = [(r["n"], r["try"], r["rerun"]) for r in zygote.steps_run()]
-    assert runs == [(1, 1, False), (2, 1, False), (2, 2, True), (3, 2, False), (3, 3, True)], runs
-    assert model_server.request_count == STEPS + 1, "try 1's refused step did not cost try 3 a request"
+    assert runs == [(1, 1, False), (2, 1, False), (2, 2, True), (3, 2, False), (3, 1, False), (3, 3, True)], (
+        runs
+    )
+    assert model_server.request_count == requests_before_try_3 + 1, "try 3 asked only for the answer"

@@ -83,7 +83,7 @@ class Task:
         """One try: the run's result, or the :class:`TaskCancelled` it raised (the runner ended
         the journal either way)."""
         scope = TaskCancellation(f"try{try_number}")
-        names = ("resume_after_clear", "usage_spans_tries", "clear_count")
+        names = ("resume_after_clear", "usage_spans_tries", "clear_count", "returns_flush_s", "owner_check_s")
         options = {k: kwargs.pop(k) for k in names if k in kwargs}
         journal = Journal(store, try_number=try_number, scope=scope, **options)
         with scope.activate():
@@ -94,9 +94,38 @@ class Task:
         return result, journal, scope
 
 
+#: The record of a task's first durable run (``run_key`` "0").
+RECORD = f"{KEY_PREFIX}.0"
+
+
 def entries(data: dict[str, str]) -> int:
-    """How many entries (not headers) the stored ``data`` holds."""
-    return sum(1 for k in data if k.count(".") >= 4 and k.startswith(KEY_PREFIX))
+    """How many entries the stored ``data`` holds (every key of the record is one)."""
+    return sum(1 for k in data if k.startswith(f"{RECORD}."))
+
+
+@dataclass
+class Counting:
+    """A store that counts its calls, each a round trip through Airflow's task state store, and
+    like that store cannot list its keys (so a completed run leaves them)."""
+
+    store: MemoryStore = field(default_factory=MemoryStore)
+    calls: dict[str, int] = field(default_factory=lambda: {"get": 0, "set": 0, "delete": 0})
+
+    def get(self, key: str) -> Any:
+        self.calls["get"] += 1
+        return self.store.get(key)
+
+    def set(self, key: str, value: Any) -> None:
+        self.calls["set"] += 1
+        self.store.set(key, value)
+
+    def delete(self, key: str) -> None:
+        self.calls["delete"] += 1
+        self.store.delete(key)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
 
 
 def first_run_snapshots(**kwargs: Any) -> tuple[Task, list[dict[str, str]]]:
@@ -109,7 +138,8 @@ def first_run_snapshots(**kwargs: Any) -> tuple[Task, list[dict[str, str]]]:
 
 
 def killed_at(count: int) -> dict[str, str]:
-    """The store of a first try SIGKILLed right after its ``count``-th entry."""
+    """The store of a first try SIGKILLed right after its ``count``-th entry: while tool
+    ``count`` ran (one entry per step, holding the response that calls it)."""
     _, snapshots = first_run_snapshots()
     return dict(next(s for s in snapshots if entries(s) == count))
 

@@ -20,6 +20,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, LLMOperator, TaskCancelled
 from cancellable_agents.airflow.adapter import has_task_state_store
+from cancellable_agents.airflow.durable import journal_for
 from cancellable_agents.core.exceptions import ConfigurationError
 
 STEPS = 4
@@ -53,6 +54,7 @@ def test_durable_settings_are_operator_arguments(tmp_path: Path) -> None:
         durable_path=str(tmp_path),
         resume_after_clear=True,
         usage_limits_span_tries=True,
+        durable_flush_after=0,
     )
     assert (op.durable, op.durable_path, op.resume_after_clear, op.usage_limits_span_tries) == (
         True,
@@ -60,7 +62,12 @@ def test_durable_settings_are_operator_arguments(tmp_path: Path) -> None:
         True,
         True,
     )
-    assert LLMOperator(task_id="u", model="test", prompt="p").durable is False
+    assert journal_for(op, {"ti": TI(1)}).returns_flush_s == 0
+    default = LLMOperator(task_id="u", model="test", prompt="p")
+    assert (
+        default.durable is False
+        and journal_for(default, {"ti": TI(1), "task_state_store": {}}).returns_flush_s > 0
+    )
 
 
 def _agent(requests: list[int], kill_at: int | None, op_box: list[Any]) -> Agent[None, str]:

@@ -16,7 +16,7 @@ from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import FreshStart, Journal, MemoryStore, RecordingOff
 from cancellable_agents.run.runner import run_agent_in_scope
-from tests.unit.durable_runs import STEPS, Task, cancelled_try, entries, first_run_snapshots, killed_at
+from tests.unit.durable_runs import STEPS, Task, cancel_on, cancelled_try, entries, killed_at
 
 EVICTED = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
 
@@ -50,7 +50,7 @@ def test_a_user_stop_is_the_reason_a_try_starts_fresh() -> None:
 
 
 def test_a_record_that_fails_its_checks_is_tampered() -> None:
-    data = killed_at(7)
+    data = killed_at(3)
     entry = next(k for k in data if k.count(".") >= 4 and "step 2 ok" in data[k])
     data[entry] = data[entry].replace("step 2 ok", "step 2 FAILED")
     _, journal, _ = Task().run(MemoryStore(data), 2)
@@ -59,16 +59,21 @@ def test_a_record_that_fails_its_checks_is_tampered() -> None:
 
 def test_another_runs_record_is_a_changed_fingerprint_not_tampering() -> None:
     task = Task(prompt="do six other steps")
-    _, journal, scope = task.run(MemoryStore(killed_at(7)), 2)
+    _, journal, scope = task.run(MemoryStore(killed_at(3)), 2)
     assert journal.resume is None and task.script.requests == STEPS + 1
     assert journal.fresh_start is FreshStart.FINGERPRINT_CHANGED
     assert _facts(scope)["fresh_start"] == "fingerprint_changed"
 
 
 def test_a_record_with_no_step_yet_has_nothing_recorded() -> None:
-    _, snapshots = first_run_snapshots()
-    header_only = next(s for s in snapshots if entries(s) == 0 and s)
-    _, journal, _ = Task().run(MemoryStore(dict(header_only)), 2)
+    """Try 1 was stopped before its first tool step: its only entry is its end."""
+    store = MemoryStore()
+    journal = Journal(store, try_number=1)
+    journal.attach(Task().agent(), Task().prompt, {})
+    journal.cancelled(TaskCancelled("worker shutdown", cause=CancelCause.EVICTION))
+    journal.write_end()
+    assert entries(store.data) == 1
+    _, journal, _ = Task().run(store, 2)
     assert journal.fresh_start is FreshStart.NOTHING_RECORDED
 
 
@@ -81,7 +86,7 @@ class Unreadable(MemoryStore):
 
 
 def test_a_store_that_fails_at_the_start_is_named_and_still_reported() -> None:
-    result, journal, scope = Task().run(Unreadable(), 1)
+    result, journal, scope = Task().run(Unreadable(), 2)  # try 1 reads nothing
     assert result.output == "all done", "the run goes on without its record"
     assert journal.fresh_start is FreshStart.STORE_ERROR
     assert journal.recording_off is RecordingOff.STORE_ERROR
@@ -99,13 +104,13 @@ def test_a_try_fenced_off_by_a_newer_try_says_so() -> None:
 
     def newer_try_takes_over(n: int) -> None:
         if n == 2:  # in a thread: its own context, so no resume leaks into this run's
-            newer = Journal(store, try_number=2)
-            thread = threading.Thread(target=lambda: newer.attach(Task().agent(), task.prompt, {}))
+            newer = Task(on_call=cancel_on(3, EVICTED))  # it records step 3, then is evicted
+            thread = threading.Thread(target=lambda: newer.run(store, 2))
             thread.start()
             thread.join(30)
 
     task.on_call = newer_try_takes_over
-    outcome, journal, scope = task.run(store, 1)
+    outcome, journal, scope = task.run(store, 1, owner_check_s=0)
     assert isinstance(outcome, TaskCancelled), "the fenced try cancels itself"
     assert journal.recording_off is RecordingOff.FENCED
     assert _facts(scope)["recording_off"] == "fenced"
@@ -114,7 +119,7 @@ def test_a_try_fenced_off_by_a_newer_try_says_so() -> None:
 def test_a_record_deleted_while_the_run_goes_on_stops_recording() -> None:
     store = MemoryStore()
     task = Task(on_call=lambda n: store.data.clear() if n == 2 else None)
-    result, journal, scope = task.run(store, 1)
+    result, journal, scope = task.run(store, 1, owner_check_s=0)
     assert result.output == "all done"
     assert journal.recording_off is RecordingOff.DELETED and journal.fresh_start is FreshStart.NO_RECORD
     assert _facts(scope)["recording_off"] == "deleted"
@@ -146,8 +151,8 @@ def test_each_recorded_step_hands_over_its_write_time() -> None:
     with scope.activate():
         result = run_agent_in_scope(scope, Task().agent(), Task().prompt, journal=journal)
     assert result.output == "all done"
-    # One sample per step, each covering that step's writes (at least the store's latency each).
-    assert sum(writes for _, writes in samples) == store.entry_writes == 2 * STEPS + 2
+    # One sample per step, each covering that step's one write; then the completed run's end.
+    assert sum(writes for _, writes in samples) == STEPS and store.entry_writes == STEPS + 1
     for ms, writes in samples:
         assert writes >= 1 and ms >= writes * store.latency * 1000, samples
 

@@ -20,6 +20,15 @@ def test_a_path_store_keeps_json_values_in_files_under_its_task(tmp_path: Path) 
     assert store.get("k") is None
 
 
+def test_a_path_store_lists_the_keys_of_one_record(tmp_path: Path) -> None:
+    store = PathStore(tmp_path)
+    assert store.keys_under("r.0") == []
+    for key in ("r.0", "r.0.try1.0", "r.0.try2.3", "r.01.try1.0", "other"):
+        store.set(key, {})
+    assert sorted(store.keys_under("r.0")) == ["r.0", "r.0.try1.0", "r.0.try2.3"]
+    assert PathStore(tmp_path / "absent").keys_under("r.0") == []
+
+
 def test_a_file_that_does_not_parse_reads_back_as_what_it_is(tmp_path: Path) -> None:
     store = PathStore(tmp_path)
     (tmp_path / "k.json").write_text("{not json")

@@ -20,27 +20,131 @@ from pydantic_ai.usage import UsageLimits
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
-from cancellable_agents.durable import Journal, MemoryStore, current_resume
+from cancellable_agents.durable import FreshStart, Journal, MemoryStore, current_resume
 from cancellable_agents.run.runner import run_agent_in_scope
 from tests.unit.durable_runs import (
     STEPS,
+    Counting,
+    Script,
     Snapshots,
     Task,
     cancel_on,
     cancelled_try,
     entries,
     first_run_snapshots,
+    killed_at,
 )
 
 
-def test_every_step_is_in_the_store_before_the_next_step_starts() -> None:
+def test_every_step_is_in_the_store_before_its_tools_run() -> None:
     store = MemoryStore()
     seen: list[int] = []
     task = Task(on_call=lambda n: seen.append(entries(store.data)))
     task.run(store, 1)
-    # Before tool n runs: the prompt, and n model responses plus n-1 tool returns.
-    assert seen == [2 * n for n in range(1, STEPS + 1)]
+    # Before tool n runs: n entries, the n-th ending with the response that calls it.
+    assert seen == list(range(1, STEPS + 1))
     assert task.script.requests == STEPS + 1
+
+
+def test_a_step_costs_one_store_call() -> None:
+    """Through a store that cannot list its keys (as Airflow's task state store): a first try
+    reads nothing, writes one entry per model response that calls tools and one end; a resumed
+    try reads the record once and then costs the same per step."""
+    store = Counting()
+    Task().run(store, 1)
+    requests = STEPS + 1
+    assert store.calls == {"get": 0, "set": STEPS + 1, "delete": 0}, store.calls
+    assert store.total / requests <= 1.1
+    killed = Counting(MemoryStore(killed_at(3)))
+    task = Task()
+    task.run(killed, 2)
+    # Try 1's three entries, the key after them and the one after that (no entry past a gap);
+    # then steps 4..6 and the end.
+    assert killed.calls == {"get": 3 + 2, "set": STEPS - 3 + 1, "delete": 0}, killed.calls
+    assert task.script.requests == STEPS + 1 - 3
+
+
+@pytest.mark.parametrize("model_waits", [False, True])
+def test_tool_returns_ride_with_the_next_response_unless_it_is_slow(model_waits: bool) -> None:
+    """The request carrying tool returns is appended with the response to it; if that response
+    takes longer than ``returns_flush_s``, the returns are appended alone while the model works."""
+    flushed = asyncio.Event()
+
+    @dataclass
+    class Watched(MemoryStore):
+        kept: list[Any] = field(default_factory=list)
+
+        def set(self, key: str, value: Any) -> None:
+            self.kept.append(value)
+            if [m["kind"] for m in value.get("messages", [])] == ["request"]:
+                flushed.set()  # on the run's loop: the flush timer fires there
+            super().set(key, value)
+
+    async def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(isinstance(m, ModelResponse) for m in messages):
+            return ModelResponse(parts=[ToolCallPart("step", {"n": 1})])
+        if model_waits:
+            await asyncio.wait_for(flushed.wait(), 10)
+        return ModelResponse(parts=[TextPart("all done")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(model))
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        return f"step {n} ok"
+
+    store = Watched()
+    scope = TaskCancellation("try1")
+    journal = Journal(store, try_number=1, scope=scope, returns_flush_s=0.05)
+    with scope.activate():
+        assert run_agent_in_scope(scope, agent, "one step", journal=journal).output == "all done"
+    kinds = [(v["kind"], [m["kind"] for m in v.get("messages", [])]) for v in store.kept]
+    returns_alone = [("step", ["request"])] if model_waits else []
+    assert kinds == [("step", ["request", "response"]), *returns_alone, ("end", [])], kinds
+
+
+def test_a_cancelled_try_writes_the_pending_tool_returns_with_its_end() -> None:
+    """Stopped while the model works on the returns of tool 2: the end entry carries them, so
+    the next try does not run tool 2 again and asks the model from request 3 on."""
+    ran: list[tuple[int, int]] = []
+    requests: list[int] = []
+
+    def run(try_number: int) -> tuple[Any, Journal]:
+        script = Script()
+
+        async def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            requests.append(try_number)
+            if try_number == 1 and sum(isinstance(m, ModelResponse) for m in messages) == 2:
+                scope = current_cancellation()
+                assert scope is not None
+                scope.cancel(
+                    CancelCause.EVICTION, classify=lambda: CauseVerdict(CancelCause.EVICTION, "drain")
+                )
+                await asyncio.sleep(30)  # the cancel lands here, while request 3 is unanswered
+            return script(messages, info)
+
+        agent: Agent[None, str] = Agent(FunctionModel(model), system_prompt="be brief")
+
+        @agent.tool_plain
+        def step(n: int) -> str:
+            ran.append((n, try_number))
+            return f"step {n} ok"
+
+        scope = TaskCancellation(f"try{try_number}")
+        journal = Journal(store, try_number=try_number, scope=scope)
+        with scope.activate():
+            try:
+                return run_agent_in_scope(scope, agent, "do six steps", journal=journal), journal
+            except TaskCancelled as exc:
+                return exc, journal
+
+    store = MemoryStore()
+    assert isinstance(run(1)[0], TaskCancelled)
+    result, journal = run(2)
+    assert result.output == "all done"
+    assert journal.resume is not None and journal.resume.messages == 5  # request 3: the returns of 2
+    assert ran == [(1, 1), (2, 1), *((n, 2) for n in range(3, STEPS + 1))]
+    assert requests.count(2) == STEPS + 1 - 2
 
 
 def test_the_record_is_deleted_when_the_run_completes() -> None:
@@ -49,23 +153,35 @@ def test_the_record_is_deleted_when_the_run_completes() -> None:
     assert store.data == {}
 
 
+def test_a_completed_record_left_in_a_store_that_cannot_list_is_not_resumed() -> None:
+    """Where the keys stay (Airflow's task state store), the completed run's end says so: the
+    next try starts fresh."""
+    store = Counting()
+    Task().run(store, 1)
+    assert entries(store.store.data) == STEPS + 1
+    task = Task()
+    _, journal, _ = task.run(store, 2)
+    assert journal.resume is None and journal.fresh_start is FreshStart.NO_RECORD
+    assert task.script.requests == STEPS + 1
+
+
 def test_resume_from_every_step_boundary_redoes_no_completed_step() -> None:
-    first, snapshots = first_run_snapshots()
-    # Drop the snapshots taken after the final delete calls (none: deletes do not snapshot) and the
-    # header-only one; every other snapshot is a SIGKILL right after that many appends.
-    boundaries = [s for s in snapshots if entries(s) >= 1]
-    assert len(boundaries) == 2 * STEPS + 2  # prompt, 6 x (response, returns), the answer
+    # Tool returns appended at once: a boundary after each response and after each tool's return.
+    first, snapshots = first_run_snapshots(returns_flush_s=0)
+    # Every snapshot but the last (the completed run's end) is a SIGKILL right after that many appends.
+    boundaries = snapshots[:-1]
+    assert len(boundaries) == 2 * STEPS  # 6 x (the response calling tool n, tool n's return)
     for taken in boundaries:
         count = entries(taken)
         store = MemoryStore(dict(taken))
         task = Task()
         result, journal, _ = task.run(store, 2)
         assert result.output == "all done"
-        responses = count // 2  # model responses already in the record
+        responses = (count + 1) // 2  # model responses already in the record
         assert task.script.requests == STEPS + 1 - responses, f"after {count} entries"
-        # The record ends with a response whose tool call has no return (or with the answer itself).
-        in_flight = count % 2 == 0 and count < 2 * STEPS + 2
-        assert journal.resume is not None and journal.resume.messages == count
+        # The record ends with a response whose tool call has no return, or with that return.
+        in_flight = count % 2 == 1
+        assert journal.resume is not None and journal.resume.messages == count + 1  # + the prompt
         if in_flight:
             # Exactly the in-flight call runs again, once, and knows it is a re-run.
             assert task.calls[0] == (responses, True)
@@ -79,7 +195,7 @@ def test_resume_from_every_step_boundary_redoes_no_completed_step() -> None:
 
 def test_a_streaming_run_is_journaled_and_resumed_too() -> None:
     _first, snapshots = first_run_snapshots(event_stream_handler=_drain)
-    taken = next(s for s in snapshots if entries(s) == 6)  # killed while tool 3 ran
+    taken = next(s for s in snapshots if entries(s) == 3)  # killed while tool 3 ran
     task = Task()
     result, _journal, _ = task.run(MemoryStore(dict(taken)), 2, event_stream_handler=_drain)
     assert result.output == "all done"
@@ -154,7 +270,7 @@ def test_a_try_cleared_away_without_an_end_is_known_by_the_clear_count() -> None
     sees the DAG run's clear count grew since the old try began."""
     first = Snapshots()
     Task().run(first, 1, clear_count=0)
-    killed = next(s for s in first.taken if entries(s) == 6)
+    killed = next(s for s in first.taken if entries(s) == 3)
     task = Task()
     _, journal, _ = task.run(MemoryStore(dict(killed)), 2, clear_count=1)
     assert journal.resume is None and task.script.requests == STEPS + 1
@@ -188,7 +304,7 @@ def test_an_older_try_may_not_append_once_a_newer_try_took_over(caplog: pytest.L
 
     old = Task(on_call=start_try_2)
     with caplog.at_level(logging.WARNING, logger="cancellable_agents.durable"):
-        outcome, _journal, scope = old.run(store, 1)
+        outcome, _journal, scope = old.run(store, 1, owner_check_s=0)  # it looks before each append
     assert isinstance(outcome, TaskCancelled), "the superseded try cancels itself"
     assert scope.cause is CancelCause.EVICTION and "superseded by try 2" in scope.cause_detail
     assert old.calls == [(1, False), (2, False)], "try 1 went no further"
@@ -198,7 +314,47 @@ def test_an_older_try_may_not_append_once_a_newer_try_took_over(caplog: pytest.L
     assert any("may still be running" in m for m in messages), messages
     assert any("is not the newest" in m for m in messages), messages
     tries = [MemoryStore(store.data).get(k)["try"] for k in store.data if k.count(".") >= 4]
-    assert tries.count(1) == 4, "try 1 appended nothing after try 2 took over (prompt, 2 responses, 1 return)"
+    assert tries.count(1) == 2, "try 1 appended nothing after try 2 took over (responses 1 and 2)"
+
+
+def test_a_stale_try_cannot_change_what_the_newest_try_resumes_from() -> None:
+    """Try 1 runs on after try 2 took over (it does not look: its owner check is not due) and
+    appends its steps and even its completion; try 2 dies without a word in tool 4. Try 3 resumes
+    from exactly what try 2 recorded: try 1's later entries are under its own keys, past the
+    count try 2 froze in its head, and its completion does not drop try 2's record."""
+    store = MemoryStore()
+    died: list[BaseException] = []
+
+    def try_2_dies_in_4(n: int) -> None:
+        if n == 4:
+            raise RuntimeError("SIGKILL")  # no end, no completion: the record stays as it is
+
+    def start_try_2(n: int) -> None:
+        if n == 2 and not died:
+
+            def run() -> None:
+                try:
+                    Task(on_call=try_2_dies_in_4).run(store, 2)
+                except RuntimeError as exc:
+                    died.append(exc)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(30)
+
+    stale = Task(on_call=start_try_2)
+    result, _journal, _ = stale.run(store, 1)
+    assert result.output == "all done" and died, "try 1 ran to the end beside try 2"
+    late = [
+        v for k, v in MemoryStore(store.data).data.items() if ".try1." in k and int(k.rsplit(".", 1)[1]) >= 2
+    ]
+    assert len(late) == STEPS - 2 + 1, "try 1 appended steps 3..6 and its end after try 2 took over"
+    task = Task()
+    result, journal, _ = task.run(store, 3)
+    assert result.output == "all done"
+    assert journal.resume is not None and journal.resume.from_try == 2
+    assert journal.resume.messages == 8, "requests and responses 1..4: what try 2 had recorded"
+    assert task.calls[0] == (4, True) and task.script.requests == STEPS + 1 - 4
 
 
 def test_a_resumed_run_with_a_sandbox_is_told_its_workspace_is_gone() -> None:
@@ -228,7 +384,7 @@ def test_a_resumed_run_with_a_sandbox_is_told_its_workspace_is_gone() -> None:
     for sandbox in (False, True):
         first = Snapshots()
         run(first, 1, sandbox)
-        killed = next(s for s in first.taken if entries(s) == 2)  # while the tool call ran
+        killed = next(s for s in first.taken if entries(s) == 1)  # while the tool call ran
         instructions.clear()
         assert run(MemoryStore(dict(killed)), 2, sandbox).resume is not None
         told = ["sandbox workspace of the previous try is gone" in i for i in instructions]

@@ -255,16 +255,23 @@ def test_a_run_that_stopped_recording_says_why(statsd: StatsdReceiver, tmp_path:
     from tests.unit.test_durable_operator import TI
 
     def step(n: int) -> str:
-        """Deletes the record while the run goes on."""
-        for path in tmp_path.rglob("*.json"):
-            path.unlink()
+        """Puts a file where the record's directory is: this call's result cannot be written."""
+        (record,) = {path.parent for path in tmp_path.rglob("*.json")}
+        record.rename(record.with_name("moved away"))  # at once, though the sibling may be writing
+        record.write_text("in the way")
         return f"step {n} ok"
 
-    agent: Agent[None, str] = Agent(TestModel(call_tools=["step"]), tools=[step])
+    def other(n: int) -> str:
+        return f"other {n} ok"
+
+    # One response calls both: each result is appended as it returns, beside its sibling.
+    agent: Agent[None, str] = Agent(TestModel(call_tools=["step", "other"]), tools=[step, other])
     op = AgentOperator(task_id="agent", agent=agent, prompt="go", durable=True, durable_path=str(tmp_path))
     op.execute({"ti": TI(1)})
     line = statsd.wait_line("durable.recording_off,")
-    assert (metric_tags(line)["reason"], metric_tags(line)["end"]) == ("deleted", "completed"), statsd.seen
+    assert (metric_tags(line)["reason"], metric_tags(line)["end"]) == ("store_error", "completed"), (
+        statsd.seen
+    )
 
 
 # -- pydantic-ai's GenAI spans (opt-in) -------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 from cancellable_agents.airflow.adapter import has_task_state_store
 from cancellable_agents.airflow.metrics import step_write_timer
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.journal import Journal
+from cancellable_agents.durable.journal import RETURNS_FLUSH_S, Journal
 from cancellable_agents.durable.stores import PathStore, Store, TaskStateStore
 
 
@@ -56,7 +56,14 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
         scope=operator.cancellation,
         clear_count=_clear_number(context),
         on_step_written=step_write_timer(operator),
+        returns_flush_s=_flush_after(operator),
     )
+
+
+def _flush_after(operator: Any) -> float:
+    """``durable_flush_after=``, or the journal's default when the operator leaves it unset."""
+    value = getattr(operator, "durable_flush_after", None)
+    return RETURNS_FLUSH_S if value is None else float(value)
 
 
 def storage_path(value: Any) -> Any:

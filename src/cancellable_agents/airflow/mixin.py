@@ -107,7 +107,13 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
 
 
 #: The mixin's ``durable=True`` settings (see ``owns_durable``).
-_DURABLE_SETTINGS = ("durable", "durable_path", "resume_after_clear", "usage_limits_span_tries")
+_DURABLE_SETTINGS = (
+    "durable",
+    "durable_path",
+    "resume_after_clear",
+    "usage_limits_span_tries",
+    "durable_flush_after",
+)
 
 
 class CancellableAgentMixin:
@@ -137,6 +143,10 @@ class CancellableAgentMixin:
         3.1/3.2; default on 3.3+: the task state store).
     :param resume_after_clear: resume also after a user's Clear (default: a Clear starts fresh).
     :param usage_limits_span_tries: a durable run's ``usage_limits`` count earlier tries too.
+    :param durable_flush_after: seconds a step's tool returns wait to be written with the next
+        model response (one store call per step) before they are written alone; only a SIGKILL
+        in that window reruns a tool that had returned. ``0``: at once (two calls per step).
+        Default: ``cancellable_agents.durable.journal.RETURNS_FLUSH_S`` (1 s).
     :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for this task's runs (agent run,
         model requests, tool calls), without message content: ``True``, ``False``, or a pydantic-ai
         ``InstrumentationSettings``. Default: Airflow's ``[cancellable_agents] genai_spans``
@@ -151,6 +161,7 @@ class CancellableAgentMixin:
     durable_path: Any = None
     resume_after_clear: bool = False
     usage_limits_span_tries: bool = False
+    durable_flush_after: float | None = None
     genai_spans: Any = None
     #: Whether ``durable=`` and friends are this provider's. ``False`` where the operator class
     #: has a ``durable`` of its own (common.ai's): then they are passed on to it, untouched.

@@ -3,11 +3,16 @@ continues an earlier one (``durable=True``).
 
 The record lives in a key-value store that survives the task's retries (Airflow 3.3's task state
 store, or files under an ``ObjectStoragePath``). It is written while the run goes, never at kill
-time (a SIGKILL leaves no time): after every graph step the messages that step completed (the
-model's response; the tool returns) are appended as one entry each, before the next step starts.
-An entry holds one message, so the cost of a step does not grow with the history. Of a model
-response with several tool calls (parallel calls), each call's result is also appended as it
-arrives, while its siblings still run: a kill then reruns only the calls that had not returned.
+time (a SIGKILL leaves no time), one store call per step: when a model response calls tools, the
+messages not yet written (the tool returns the request carried, and the response) are appended
+as one entry, before the tools run. So a kill never costs a model request that was answered,
+and the cost of a step does not grow with the history. The tool returns wait for the next
+response to ride along, unless that request is still unanswered after ``returns_flush_s`` (then
+they are appended alone, while the model works); a cancelled try writes them with its end. So
+only a SIGKILL in that window reruns a call that had returned (and the call knows it is a
+rerun). Of a model response with several tool calls (parallel calls), each call's result is also
+appended as it arrives, while its siblings still run: a kill then reruns only the calls that had
+not returned. Each try writes only keys of its own, so fencing needs no read before a write.
 The layout and its checks: :mod:`cancellable_agents.durable.record`.
 
 The next try resumes from the record when the previous one was evicted, timed out, ended for an
@@ -20,16 +25,16 @@ Airflow-free: the store is anything with ``get``/``set``/``delete`` of JSON valu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic_ai.agent import ModelRequestNode
+from pydantic_ai.agent import CallToolsNode, ModelRequestNode
 from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart, ToolReturn
 from pydantic_core import to_jsonable_python
 
@@ -46,15 +51,21 @@ from cancellable_agents.durable.record import (
     chain,
     dump_message,
     load_record,
+    segment_key,
+    segment_try,
 )
 from cancellable_agents.durable.resume import ResumeInfo, active_resume
-from cancellable_agents.durable.stores import Store
+from cancellable_agents.durable.stores import ListableStore, Store
 from cancellable_agents.durable.usage import TryUsage, add_usage, minus_usage, total_usage
 
 log = logging.getLogger(__name__)
 
 #: An older try whose last entry is younger than this and that wrote no end may still be alive.
 LIVE_WINDOW_S = 30.0
+#: How long the tool returns wait for the next model response before they are appended alone.
+RETURNS_FLUSH_S = 1.0
+#: How often a try looks whether a newer try took over (its only reads while the run goes).
+OWNER_CHECK_S = 10.0
 #: Told to a resumed run whose toolsets' workspace did not survive the try (a sandbox's).
 SANDBOX_NOTE = (
     "This run was resumed after the task's previous try was stopped (try {previous} -> try {current}). "
@@ -81,9 +92,16 @@ class Journal:
         ``dag_run.clear_number``); a try cleared away cannot write its end, so a count that grew
         since the previous try began means that try was cleared.
     :param on_step_written: called with the milliseconds each recorded step took to write
-        (the fencing read and its appends), on the run's loop: how the Airflow side times the
-        journal without this module knowing about metrics. It must be quick; what it raises is
-        ignored.
+        (one store call; with the ownership check when it is due), on the run's loop: how the
+        Airflow side times the journal without this module knowing about metrics. It must be
+        quick; what it raises is ignored.
+    :param returns_flush_s: how long tool returns wait to ride along with the next model
+        response's entry before they are appended on their own (``0``: at once, two store calls
+        per step). It bounds the window in which a SIGKILL reruns a call that had returned.
+    :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
+        the task took over, and cancels itself if so (``0``: before every append). Fencing does
+        not depend on it: a stale try's appends never reach what a newer try resumes from; this
+        only stops its wasted work sooner than Airflow's heartbeat does.
     """
 
     store: Store
@@ -95,14 +113,19 @@ class Journal:
     clear_count: int | None = None
     clock: Any = time.time
     on_step_written: Callable[[float], None] | None = None
+    returns_flush_s: float = RETURNS_FLUSH_S
+    owner_check_s: float = OWNER_CHECK_S
     resume: ResumeInfo | None = None
     earlier: list[TryUsage] = field(default_factory=list)
     # Run state (main thread only).
-    _token: str = field(default_factory=lambda: uuid.uuid4().hex)
-    _generation: str = ""
-    _seq: int = 0
+    _head: dict[str, Any] = field(default_factory=dict)
+    _seq: int = 0  # the next entry's index in the whole record
+    _own: int = 0  # entries this try appended (its segment's next index)
     _prev: str = ""
     _written: int = 0
+    _pending: list[ModelMessage] = field(default_factory=list)  # tool returns not yet appended
+    _flush_timer: asyncio.TimerHandle | None = None
+    _next_check: float = 0.0
     _off: str | None = None
     _off_reason: RecordingOff | None = None
     _fresh: FreshStart | None = None
@@ -132,18 +155,15 @@ class Journal:
         """Take over the record; return the prompt and run kwargs that resume it (or start fresh).
 
         Adds the capability that appends each step. Raises nothing for a bad record (fresh
-        start, one warning); a store that fails here disables the journal (one warning).
+        start, one warning); a store that fails here disables the journal (one warning). Writes
+        nothing: this try's first entry carries its head (a given ``message_history`` rides
+        along with it too).
         """
         run_kwargs = dict(run_kwargs)
-        given_history = list(run_kwargs.get("message_history") or ())
         fp = fingerprint(agent, user_prompt, run_kwargs)
         try:
             loaded = self._usable(self._load(fp))
             self._take_over(fp, loaded)
-            if loaded is None:
-                for message in given_history:
-                    self._append({"kind": "message", "message": dump_message(message)})
-                self._written = len(given_history)
         except Exception as exc:
             # Whatever was decided before the store failed is void: this try runs fresh.
             self.resume, self._replay, self._fresh = None, {}, FreshStart.STORE_ERROR
@@ -168,7 +188,7 @@ class Journal:
         """:func:`~cancellable_agents.durable.record.load_record`, failing closed: a bad record is
         a fresh start with one warning naming why. Notes why there is nothing to resume."""
         try:
-            loaded = load_record(self.store, self.key, fp)
+            loaded = load_record(self.store, self.key, self.try_number, fp)
         except RecordProblem as problem:
             log.warning("durable: not resuming from the stored record: %s; starting fresh", problem)
             self._fresh = problem.reason
@@ -220,7 +240,7 @@ class Journal:
         try can no longer write: its task instance is gone) the clear count grew since it began."""
         if end is not None and end.get("cause") == CancelCause.USER.value:
             return str(end.get("action") or "user")
-        before = loaded.header["owner"].get("clears")
+        before = loaded.head.get("clears")
         if self.clear_count is not None and isinstance(before, int) and self.clear_count > before:
             return f"cleared: the DAG run's clear count went from {before} to {self.clear_count}"
         return ""
@@ -230,70 +250,87 @@ class Journal:
         if age is not None and age < LIVE_WINDOW_S:
             log.warning(
                 "durable: try %s wrote no end and its last step is %.0f s old: it may still be running. "
-                "It is fenced off: its further appends are refused, and it cancels itself when it tries.",
+                "It is fenced off: its further appends land under its own keys, which no newer try reads, "
+                "and it cancels itself when it next looks.",
                 previous,
                 age,
             )
 
     def _take_over(self, fp: str, loaded: LoadedRecord | None) -> None:
-        """Write this try's header: from now on older tries' appends are refused."""
-        if loaded is None:
-            old = self.store.get(self.key)
-            self._generation = uuid.uuid4().hex[:12]
-            self._write_header(fp)
-            if isinstance(old, dict) and "generation" in old:
-                self._drop_entries(f"{self.key}.{old['generation']}")
-            return
-        self.earlier = [t for t in loaded.tries() if t.try_number != self.try_number]
-        self._generation = str(loaded.header["generation"])
-        self._seq = len(loaded.entries)
-        self._prev = loaded.last_hash
-        self._write_header(fp)
-
-    def _write_header(self, fp: str) -> None:
-        header = {
+        """This try's head, for its first entry: from then on later tries read this try's
+        record, and what older tries append after the count frozen in ``base`` is never read."""
+        base: list[list[int]] = []
+        if loaded is not None:
+            self.earlier = [t for t in loaded.tries() if t.try_number != self.try_number]
+            base = loaded.segments
+            self._seq = len(loaded.entries)
+            self._prev = loaded.last_hash
+        self._head = {
             "format": FORMAT,
             "fingerprint": fp,
-            "generation": self._generation,
-            "owner": {
-                "try": self.try_number,
-                "token": self._token,
-                "at": self.clock(),
-                "clears": self.clear_count,
-            },
+            "clears": self.clear_count,
             "tries": [t.as_dict() for t in self.earlier],
+            "base": base,
         }
-        self.store.set(self.key, header)
+        self._next_check = self.clock() + self.owner_check_s
 
     # -- while the run goes ------------------------------------------------------------------
 
     def step(self, messages: Sequence[ModelMessage], result: Any) -> None:
-        """After a graph step: append the messages it completed (called on the run's loop).
+        """After a graph step (called on the run's loop): when tools are about to run, append
+        the messages not yet written, the response that calls them last, as one entry.
 
         A step that leads to a model request has its request (the tool returns) in the next
-        node, not yet in ``messages``: it is appended now, before that request goes out.
+        node, not yet in ``messages``: it waits for that request's response (one entry for
+        both), or ``returns_flush_s``, whichever comes first. Any other step writes nothing: the
+        prompt before the first response, and the answer that ends the run, cost a kill nothing.
         """
         if self._off is not None:
             return
-        new = list(messages[self._written :])
-        pending = isinstance(result, ModelRequestNode) and (
-            not messages or isinstance(messages[-1], ModelResponse)
-        )
-        if pending:
-            new.append(result.request)
-        if not new:
+        self._stop_flush_timer()
+        calls_tools = bool(messages) and _calls_tools(messages[-1])
+        if calls_tools and isinstance(result, CallToolsNode):
+            self._write_step([*messages[self._written :]], len(messages))
+        elif calls_tools and isinstance(result, ModelRequestNode):
+            self._pending = [*messages[self._written :], result.request]
+            self._flush_returns_later()
+
+    def _write_step(self, new: list[ModelMessage], written: int) -> None:
+        if not new:  # a resumed response whose tools run again: already in the record
             return
         started = time.perf_counter()
         try:
             if not self._still_owner():
                 return
-            for message in new:
-                self._append({"kind": "message", "message": dump_message(message)})
+            self._append({"kind": "step", "messages": [dump_message(m) for m in new]})
         except Exception as exc:
             self._disable(f"appending a step failed ({exc!r}); later steps are not recorded")
             return
-        self._written = len(messages) + (1 if pending else 0)
+        self._written, self._pending = written, []
         self._step_written((time.perf_counter() - started) * 1000)
+
+    def _flush_returns_later(self) -> None:
+        """Append the pending tool returns ``returns_flush_s`` from now unless the response comes
+        first (on the run's loop, so the store is called from the thread that runs the steps)."""
+        if self.returns_flush_s <= 0:
+            self._flush_returns()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without a loop: nothing can wait
+            self._flush_returns()
+            return
+        self._flush_timer = loop.call_later(self.returns_flush_s, self._flush_returns)
+
+    def _flush_returns(self) -> None:
+        self._flush_timer = None
+        if self._off is None and self._pending:
+            self._write_step(self._pending, self._written + len(self._pending))
+
+    def _stop_flush_timer(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
 
     def _step_written(self, ms: float) -> None:
         if self.on_step_written is not None:
@@ -334,22 +371,26 @@ class Journal:
             self._disable(f"appending a tool result failed ({exc!r}); later steps are not recorded")
 
     def _still_owner(self) -> bool:
-        """Fencing: the header must still name this try's token, checked before every append."""
-        header = self.store.get(self.key)
-        owner = header.get("owner", {}) if isinstance(header, dict) else {}
-        if owner.get("token") == self._token:
+        """No newer try took over, looked up at most every ``owner_check_s``: fencing does not
+        need this (a stale try's appends land under its own keys, past what any newer try
+        reads), it only stops a stale try's wasted work. Two reads when due, none otherwise."""
+        now = self.clock()
+        if now < self._next_check:
             return True
-        if header is None:
-            self._disable(
-                "the record was deleted while the run went on; later steps are not recorded",
-                RecordingOff.DELETED,
-            )
-            return False
-        newer = owner.get("try")
+        self._next_check = now + self.owner_check_s
+        newer = self.try_number + 1
+        if self.store.get(segment_key(self.key, newer, 0)) is None:
+            if self._own and self.store.get(segment_key(self.key, self.try_number, 0)) is None:
+                self._disable(
+                    "the record was deleted while the run went on; later steps are not recorded",
+                    RecordingOff.DELETED,
+                )
+                return False
+            return True
         self._off, self._off_reason = "superseded", RecordingOff.FENCED
         log.error(
-            "durable: try %s is not the newest: try %s owns the record now, so this try's appends are "
-            "refused and it cancels itself (two copies of one task were running)",
+            "durable: try %s is not the newest: try %s wrote a record of its own, so this try's appends "
+            "no longer count and it cancels itself (two copies of one task were running)",
             self.try_number,
             newer,
         )
@@ -358,6 +399,7 @@ class Journal:
         return False
 
     def _append(self, body: dict[str, Any]) -> None:
+        """One entry, chained, under this try's own key; the first carries the head."""
         body = {
             **body,
             "i": self._seq,
@@ -365,9 +407,12 @@ class Journal:
             "at": round(self.clock(), 3),
             "prev": self._prev,
         }
+        if self._own == 0:
+            body["head"] = self._head
         digest = chain(self._prev, body)
-        self.store.set(f"{self.key}.{self._generation}.{self._seq}", {**body, "h": digest})
+        self.store.set(segment_key(self.key, self.try_number, self._own), {**body, "h": digest})
         self._seq += 1
+        self._own += 1
         self._prev = digest
 
     # -- after the run -----------------------------------------------------------------------
@@ -376,6 +421,7 @@ class Journal:
         """The run unwound cancelled (main thread, after the unwind): its usage into the kill
         record's facts, its cause and usage kept for :meth:`write_end`. Touches no store: the
         kill record is logged right after this and must not wait for one."""
+        self._stop_flush_timer()
         usage = self._this_try(getattr(exc, "usage", None))
         self._attach_facts(usage)
         self._reset_resume()
@@ -390,21 +436,24 @@ class Journal:
         }
 
     def write_end(self) -> None:
-        """Append the end :meth:`cancelled` noted, once the kill record is in the task log: a
-        fencing read and a write, which through Airflow's task state store are API calls that a
-        busy API server answers seconds later (measured 3.7 s under load, 5 s when it stalls on
-        SQLite), and the task is SIGKILLed 5 s after the SIGTERM."""
+        """Append the end :meth:`cancelled` noted, once the kill record is in the task log, with
+        the tool returns still pending: one write, which through Airflow's task state store is an
+        API call that a busy API server answers seconds later (measured 3.7 s under load, 5 s
+        when it stalls on SQLite), and the task is SIGKILLed 5 s after the SIGTERM."""
         end, self._end = self._end, None
         if end is None or self._off is not None:
             return
+        if self._pending:
+            end["messages"] = [dump_message(m) for m in self._pending]
         try:
-            if self._still_owner():
-                self._append(end)
+            self._append(end)
         except Exception as exc_:
             self._disable(f"appending the end failed ({exc_!r})")
 
     def completed(self, result: Any) -> None:
-        """The run completed: the record is deleted (a later try of the task starts fresh)."""
+        """The run completed: one entry says so (a later try of the task starts fresh), then the
+        record's keys are dropped where listing them is cheap (see :meth:`_drop_record`)."""
+        self._stop_flush_timer()
         usage = self._this_try(getattr(result, "usage", None))
         self._attach_facts(usage)
         self._reset_resume()
@@ -414,14 +463,25 @@ class Journal:
             facts["usage_this_try"],
             facts["usage_total"],
         )
-        if self._off is not None:
-            return
+        if self._off is not None or (self._own == 0 and self.resume is None):
+            return  # nothing of this run is where a later try looks
         try:
-            if self._still_owner():
-                self.store.delete(self.key)
-                self._drop_entries(f"{self.key}.{self._generation}", self._seq)
+            self._append({"kind": "end", "state": "completed", "usage": usage.as_dict()})
+            self._drop_record()
         except Exception as exc:
-            log.warning("durable: could not delete the record of a completed run: %r", exc)
+            log.warning("durable: could not end the record of a completed run: %r", exc)
+
+    def _drop_record(self) -> None:
+        """Delete a completed run's keys, if the store lists them cheaply and no newer try wrote
+        a segment (its base may hold this try's entries: then they are the newer try's to keep).
+        Elsewhere they stay, unreachable, until the store expires them."""
+        if not isinstance(self.store, ListableStore):
+            return
+        keys = self.store.keys_under(self.key)
+        if any((segment_try(self.key, k) or 0) > self.try_number for k in keys):
+            return
+        for key in keys:
+            self.store.delete(key)
 
     def _this_try(self, usage: Any) -> TryUsage:
         this_try = TryUsage.of_run(self.try_number, usage)
@@ -431,15 +491,8 @@ class Journal:
 
     def detach(self) -> None:
         """The run ended any other way (an ordinary failure): keep the record, forget the resume."""
+        self._stop_flush_timer()
         self._reset_resume()
-
-    def _drop_entries(self, base: str, count: int | None = None) -> None:
-        i = 0
-        while (count is None and self.store.get(f"{base}.{i}") is not None) or (
-            count is not None and i < count
-        ):
-            self.store.delete(f"{base}.{i}")
-            i += 1
 
     def _reset_resume(self) -> None:
         if self._resume_token is not None:
@@ -470,6 +523,11 @@ class Journal:
     def _attach_facts(self, this_try: TryUsage | None = None) -> None:
         if self.scope is not None:
             self.scope.attach(durable=self._facts(this_try))
+
+
+def _calls_tools(message: ModelMessage) -> bool:
+    """``message`` is a model response that calls tools (they run next)."""
+    return isinstance(message, ModelResponse) and any(isinstance(p, ToolCallPart) for p in message.parts)
 
 
 def _calls_beside(messages: Sequence[ModelMessage], call: ToolCallPart) -> int:

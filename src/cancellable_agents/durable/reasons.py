@@ -14,15 +14,16 @@ import enum
 class FreshStart(str, enum.Enum):
     """Why a try of a ``durable=True`` run started fresh instead of resuming an earlier try."""
 
-    #: The store holds no record: the first try, or the run's last try completed (its record was
-    #: deleted).
+    #: The store holds no record: the first try, no earlier try wrote anything, or the run's
+    #: last try completed (its record ends there).
     NO_RECORD = "no_record"
     #: A record exists but holds no message yet: the earlier try stopped before its first step.
     NOTHING_RECORDED = "nothing_recorded"
     #: The earlier try was stopped by a user (marked, cleared) and ``resume_after_clear`` is off.
     USER_STOP = "user_stop"
     #: The record failed its checks: edited, reordered, missing an entry, unparsable, another
-    #: format. A partial or altered transcript is never fed to the model.
+    #: format (a format-1 record of an older version). A partial or altered transcript is never
+    #: fed to the model.
     TAMPERED = "tampered"
     #: The record is another run's: the prompt, system prompt, instructions, model or tools changed.
     FINGERPRINT_CHANGED = "fingerprint_changed"
@@ -33,10 +34,11 @@ class FreshStart(str, enum.Enum):
 class RecordingOff(str, enum.Enum):
     """Why a try stopped writing its continuity record (the run itself went on, or cancelled)."""
 
-    #: A newer try of the same task owns the record (two copies were running): this try's appends
-    #: are refused and it cancels itself.
+    #: A newer try of the same task wrote a record of its own (two copies were running): this
+    #: try's appends no longer count (none is part of what the newer try resumes from) and it
+    #: cancels itself. Seen at the periodic ownership check.
     FENCED = "fenced"
-    #: The record was deleted while the run went on.
+    #: The record was deleted while the run went on (seen at the periodic ownership check).
     DELETED = "deleted"
-    #: A store call failed (read, write, or the fencing check).
+    #: A store call failed (read, write, or the ownership check).
     STORE_ERROR = "store_error"

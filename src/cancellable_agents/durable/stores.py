@@ -9,6 +9,12 @@ holds JSON values by key and survives the task's retries.
   for Airflow 3.1/3.2 (``durable_path=``), or by choice on 3.3; or under a ``pathlib.Path``.
 - :class:`MemoryStore`: a dict, for tests and benchmarks.
 
+A completed run's keys are dropped where listing them is cheap (:class:`ListableStore`:
+``MemoryStore``, ``PathStore``); Airflow's task state store cannot list a task instance's keys and
+its ``clear()`` would also drop other runs' records and the task's own keys, so there they stay
+until ``[state_store] clear_on_success`` or ``default_retention_days`` removes them (unreachable:
+the completed run's end entry tells every later try to start fresh).
+
 Airflow-free: a ``durable_path=`` given as a string becomes an ``ObjectStoragePath`` in
 :mod:`cancellable_agents.airflow.durable`, before it reaches :class:`PathStore`.
 """
@@ -19,7 +25,7 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class Store(Protocol):
@@ -32,6 +38,14 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove the key; no error if it does not exist."""
+
+
+@runtime_checkable
+class ListableStore(Store, Protocol):
+    """A store that lists its keys without a round trip per key (a dict, a directory)."""
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Every key that is ``prefix`` or starts with ``prefix.``."""
 
 
 @dataclass
@@ -54,6 +68,9 @@ class MemoryStore:
 
     def delete(self, key: str) -> None:
         self.data.pop(key, None)
+
+    def keys_under(self, prefix: str) -> list[str]:
+        return [k for k in self.data if k == prefix or k.startswith(f"{prefix}.")]
 
 
 @dataclass
@@ -121,6 +138,17 @@ class PathStore:
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._file(key).unlink()
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """The keys whose files are in ``base`` (keys are stored under their :func:`_safe` form,
+        which is the key itself for the journal's keys)."""
+        safe = _safe(prefix)
+        try:
+            names = [p.name for p in self.base.iterdir()]
+        except FileNotFoundError:
+            return []
+        keys = [n.removesuffix(".json") for n in names if n.endswith(".json") and not n.startswith(".")]
+        return [k for k in keys if k == safe or k.startswith(f"{safe}.")]
 
 
 def _path(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """What each try of a durable run spent, and the sums across tries the record keeps.
 
-The header holds every earlier try's usage; a run with ``usage_limits_span_tries`` starts from
-their sum, and what this try spent is its own usage minus that sum.
+The head of each try's entries holds every earlier try's usage; a run with
+``usage_limits_span_tries`` starts from their sum, and what this try spent is its own usage minus
+that sum.
 """
 
 from __future__ import annotations

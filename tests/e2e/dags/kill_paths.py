@@ -31,7 +31,7 @@ from pydantic_ai import RunContext
 
 from cancellable_agents import AgentOperator, LocalSandbox, current_cancellation
 from cancellable_agents.durable import current_resume
-from cancellable_agents.durable.record import KEY_PREFIX
+from cancellable_agents.durable.record import KEY_PREFIX, segment_key
 
 log = logging.getLogger("e2e")
 
@@ -233,19 +233,30 @@ def append_line(ctx: RunContext[None], n: int) -> str:
     with run_file(ti, "lines").open("a") as out:
         out.write(json.dumps(line) + "\n")
     if n == CELERY_STEPS:
-        _snapshot_journal(context["task_state_store"], run_file(ti, "journal.json"))
+        _snapshot_journal(context["task_state_store"], ti.try_number, run_file(ti, "journal.json"))
     if n == CELERY_STALL_AFTER:
         return f"line {n} written [{ti.dag_id}/{ti.run_id}/try{ti.try_number}]"
     return f"line {n} written"
 
 
-def _snapshot_journal(store: Any, path: Path) -> None:
-    key = f"{KEY_PREFIX}.0"  # the task's first (only) durable run
-    header = store.get(key) or {}
+def _snapshot_journal(store: Any, try_number: int, path: Path) -> None:
+    """The record try ``try_number`` follows (the earlier segments its head names, each up to the
+    count it froze, then its own), entry by entry: which try wrote it, when, how many messages;
+    and what older tries wrote past those counts (never part of it)."""
+    record = f"{KEY_PREFIX}.0"  # the task's first (only) durable run
+    first = store.get(segment_key(record, try_number, 0)) or {}
+    base = (first.get("head") or {}).get("base", [])
     entries: list[dict[str, Any]] = []
-    while (entry := store.get(f"{key}.{header.get('generation')}.{len(entries)}")) is not None:
-        entries.append({k: entry.get(k) for k in ("i", "kind", "try", "at")})
-    snapshot = {"owner": header.get("owner"), "entries": entries}
+    stale: list[dict[str, Any]] = []
+    for segment, count in [*base, [try_number, None]]:
+        j = 0
+        while (entry := store.get(segment_key(record, segment, j))) is not None:
+            summary = {k: entry.get(k) for k in ("i", "kind", "try", "at")}
+            (entries if count is None or j < count else stale).append(
+                {**summary, "messages": len(entry.get("messages", []))}
+            )
+            j += 1
+    snapshot = {"owner": {"try": try_number, "at": first.get("at")}, "entries": entries, "stale": stale}
     path.with_suffix(".tmp").write_text(json.dumps(snapshot))
     path.with_suffix(".tmp").replace(path)
 
@@ -265,6 +276,7 @@ for _mode in CELERY_WORKER_KILLS:
             model=CELERY_MODEL,
             tools=[append_line],
             durable=True,
+            durable_flush_after=0,  # a tool's return is recorded before the request that carries it
         )
 
 
@@ -300,6 +312,7 @@ if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
             model=CELERY_MODEL,
             tools=[append_line],
             durable=True,
+            durable_flush_after=0,
             executor=POD_EXECUTOR,
         )
     with _dag("e2e_pod_tool", "Run in a pod, killed while a sync tool runs."):
@@ -311,5 +324,6 @@ if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
             ),
             tools=[append_line_after_a_long_job],
             durable=True,
+            durable_flush_after=0,
             executor=POD_EXECUTOR,
         )
