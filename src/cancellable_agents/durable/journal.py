@@ -20,7 +20,10 @@ unknown reason, or died without a word; a user's stop (Clear) starts fresh unles
 ``resume_after_clear``. Any doubt about the record (another task's, incomplete, unparsable,
 edited) starts fresh with one warning: a partial transcript is never fed to the model silently.
 
-Airflow-free: the store is anything with ``get``/``set``/``delete`` of JSON values.
+Airflow-free: the store is anything with ``get``/``set``/``delete`` of JSON values. One module
+of ~550 lines because :class:`Journal` is one try's state (its keys, what it has written, the
+pending returns and their flush, its resume) that the resume decision and the writer share; the
+record's format, fingerprint, usage, reasons and the pydantic-ai hook live in modules of their own.
 """
 
 from __future__ import annotations
