@@ -22,7 +22,8 @@ Where each idea lives. Layers, lowest first: each imports only its own and those
   and ``subagents``.
 - ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
   shim), ``task_scope`` (where an operator keeps its scope), ``mixin``
-  (``CancellableAgentMixin``), ``retry`` (``CancellationAwareRetryPolicy``), ``supervisor`` (a
+  (``CancellableAgentMixin``: the operator surface and ``on_kill``), ``guard`` (``execute`` ends
+  as ``TaskCancelled`` after a kill), ``kill_log`` (the record written once), ``retry`` (``CancellationAwareRetryPolicy``), ``supervisor`` (a
   lost supervisor is a kill), ``server_stop`` (the cause read from the supervisor's own log line,
   no round trip), ``durable`` (the store and try of a task), ``kill_report`` (what Airflow logs
   after our record), ``metrics`` (Stats, the kill's span, opt-in GenAI spans).

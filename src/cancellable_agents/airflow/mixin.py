@@ -11,7 +11,6 @@ helper thread and returns; the run unwinds on the main thread and ``execute`` ra
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import sys
 from collections.abc import Callable
@@ -27,83 +26,19 @@ from cancellable_agents.airflow.adapter import (
     is_execution_timeout,
     ti_key,
 )
-from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outlook
-from cancellable_agents.airflow.metrics import emit_kill, emit_run_completed, genai_spans_capability
+from cancellable_agents.airflow.guard import guard_execute
+from cancellable_agents.airflow.kill_log import log_kill_record
+from cancellable_agents.airflow.metrics import emit_run_completed, genai_spans_capability
 from cancellable_agents.airflow.server_stop import server_stop_verdict
-from cancellable_agents.airflow.supervisor import notice_exit_at_once, watch_supervisor
+from cancellable_agents.airflow.supervisor import watch_supervisor
 from cancellable_agents.airflow.task_scope import scope_for
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
-from cancellable_agents.core.report import KillReport, hide_unwind_chain, render_record, summary_line
 from cancellable_agents.core.scope import DEFAULT_BUDGET, Outcome, TaskCancellation
-from cancellable_agents.core.usage import usage_dict
-from cancellable_agents.procs.proc import read_proc
 from cancellable_agents.procs.reaper import DescendantReaper
 from cancellable_agents.run.runner import run_agent_in_scope
 
 log = logging.getLogger(__name__)
-
-
-def _guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``execute`` end as ``TaskCancelled`` if a kill landed before it returned."""
-    if getattr(execute, "_cancellable_agents_guard", False):
-        return execute
-
-    @functools.wraps(execute)
-    def guarded(self: CancellableAgentMixin, context: Any) -> Any:
-        if self.__dict__.get("_in_execute"):
-            return execute(self, context)  # a subclass's execute calling super(): guard once
-        self.__dict__["_in_execute"] = True
-        try:
-            return _run_guarded(self, execute, context)
-        except TaskCancelled as exc:
-            # Airflow logs the chain: unless a real error is in it, show our frames, not anyio's.
-            hide_unwind_chain(exc)
-            raise
-        finally:
-            self.__dict__["_in_execute"] = False
-
-    guarded._cancellable_agents_guard = True  # type: ignore[attr-defined]
-    return guarded
-
-
-def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], context: Any) -> Any:
-    scope = operator.cancellation
-    operator._know_task_instance(context)
-    # Here, not only in pre_execute: an operator that overrides pre_execute without super()
-    # must not silently lose the reaping of what its tools leave behind.
-    operator._start_reaper()
-    if scope.cancelled:
-        # Killed before execute began (while rendering templates, in pre_execute): don't build
-        # agents or open clients only to tear them down again.
-        scope.record("execute_refused", reason="cancelled before execute started")
-        scope.settle(Outcome.CANCELLED)
-        raise operator.cancelled_error("killed before execute started; no work was done")
-    try:
-        # Active for all of execute, so tools and sandboxes find the scope outside a run too.
-        with scope.activate():
-            result = execute(operator, context)
-    except TaskCancelled:
-        scope.settle(Outcome.CANCELLED)
-        raise
-    except Exception as exc:
-        if scope.cancelled:
-            # Whatever broke after the kill (a tool whose process the unwind killed, a closed
-            # client) is the kill's consequence: the outcome is cancelled, with the error chained.
-            scope.settle(Outcome.CANCELLED)
-            raise operator.cancelled_error(f"killed; then execute failed with {exc!r}") from exc
-        scope.settle(Outcome.FAILED)
-        operator._finish_reaper()  # a failed task leaves nothing running behind it
-        raise
-    except BaseException as exc:
-        scope.settle(Outcome.FAILED)
-        if not is_execution_timeout(exc):  # on the timeout path on_kill unwinds and reaps
-            operator._finish_reaper()  # a failed task leaves nothing running behind it
-        raise
-    if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
-        raise operator.cancelled_error("killed before execute returned; its result is discarded")
-    operator._close_reaper()
-    return result
 
 
 #: The mixin's ``durable=True`` settings (see ``owns_durable``).
@@ -215,7 +150,7 @@ class CancellableAgentMixin:
         # Also an execute inherited from a plain operator (``class X(Mixin, PythonOperator)``).
         execute = cls.__dict__.get("execute", getattr(cls, "execute", None))
         if callable(execute):
-            cls.execute = _guard_execute(execute)  # type: ignore[attr-defined]
+            cls.execute = guard_execute(execute)  # type: ignore[attr-defined]
 
     # -- the scope -----------------------------------------------------------------------
 
@@ -348,29 +283,8 @@ class CancellableAgentMixin:
         return exc
 
     def _log_record(self, exc: TaskCancelled | None = None) -> None:
-        """Once per task instance: wait for the unwind (within the budget), then write what
-        happened for the task log in the UI: one human line, then the structured record."""
-        if self.__dict__.setdefault("_record_logged", False):
-            return
-        self.__dict__["_record_logged"] = True
-        scope = self.cancellation
-        scope.wait_released(scope.remaining())
-        self._finish_reaper()
-        record = scope.summary()
-        record["usage"] = usage_dict(exc.usage if exc else None)
-        record["messages"] = len(exc.messages) if exc else 0
-        cause, action = scope.cause, scope.user_action
-        report = KillReport(
-            record,
-            action=action,
-            processes_left=_still_running(record["killed"]),
-            retry=retry_outlook(self, cause, action),
-            airflow_logs_next=airflow_logs_next(cause, action),
-        )
-        log.warning("%s", summary_line(report))
-        log.warning("%s", render_record(report.full_record()))
-        emit_kill(self, report)  # after the record: metrics can never delay or hide it
-        _exit_promptly()
+        """Once per task instance, after the unwind: the kill record into the task log."""
+        log_kill_record(self, exc)
 
 
 def _check_bases(cls: type) -> None:
@@ -433,20 +347,3 @@ def _classify(key: TaskInstanceKey) -> CauseVerdict:
     the server's view through ``classify_sigterm`` (a round trip that queues behind every other
     task's requests at a busy API server, so the cause must not depend on it)."""
     return server_stop_verdict() or classify_sigterm(*key)
-
-
-def _exit_promptly() -> None:
-    """Spare the killed task process the interpreter's final garbage collection.
-
-    With Airflow, pydantic-ai and the model SDKs imported, that last collection takes 1.5-5 s
-    (measured on 2 cores): enough to push a cancelled task past Airflow's 5 s SIGKILL even
-    though its unwind took milliseconds. Frozen objects are left to the OS at exit.
-    """
-    gc.freeze()
-    notice_exit_at_once()  # and spare it Airflow's supervisor sleeping through its exit
-
-
-def _still_running(killed: list[dict[str, Any]]) -> int:
-    """How many of the processes the unwind signalled still run code (zombies count as gone)."""
-    pids = {k["pid"] for k in killed if isinstance(k.get("pid"), int)}
-    return sum(1 for pid in pids if (info := read_proc(pid)) is not None and not info.exited)

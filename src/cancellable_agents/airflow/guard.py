@@ -1,0 +1,82 @@
+"""The execute guard: ``execute`` ends as ``TaskCancelled`` whenever a kill landed before it
+returned, and the scope's one outcome is settled there.
+
+Wrapped around every ``execute`` of an operator with the mixin (its own, or one inherited from a
+plain operator) by :meth:`CancellableAgentMixin.__init_subclass__`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from cancellable_agents.airflow.adapter import is_execution_timeout
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.report import hide_unwind_chain
+from cancellable_agents.core.scope import Outcome
+
+if TYPE_CHECKING:
+    from cancellable_agents.airflow.mixin import CancellableAgentMixin
+
+
+def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``execute`` end as ``TaskCancelled`` if a kill landed before it returned."""
+    if getattr(execute, "_cancellable_agents_guard", False):
+        return execute
+
+    @functools.wraps(execute)
+    def guarded(self: CancellableAgentMixin, context: Any) -> Any:
+        if self.__dict__.get("_in_execute"):
+            return execute(self, context)  # a subclass's execute calling super(): guard once
+        self.__dict__["_in_execute"] = True
+        try:
+            return _run_guarded(self, execute, context)
+        except TaskCancelled as exc:
+            # Airflow logs the chain: unless a real error is in it, show our frames, not anyio's.
+            hide_unwind_chain(exc)
+            raise
+        finally:
+            self.__dict__["_in_execute"] = False
+
+    guarded._cancellable_agents_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], context: Any) -> Any:
+    scope = operator.cancellation
+    operator._know_task_instance(context)
+    # Here, not only in pre_execute: an operator that overrides pre_execute without super()
+    # must not silently lose the reaping of what its tools leave behind.
+    operator._start_reaper()
+    if scope.cancelled:
+        # Killed before execute began (while rendering templates, in pre_execute): don't build
+        # agents or open clients only to tear them down again.
+        scope.record("execute_refused", reason="cancelled before execute started")
+        scope.settle(Outcome.CANCELLED)
+        raise operator.cancelled_error("killed before execute started; no work was done")
+    try:
+        # Active for all of execute, so tools and sandboxes find the scope outside a run too.
+        with scope.activate():
+            result = execute(operator, context)
+    except TaskCancelled:
+        scope.settle(Outcome.CANCELLED)
+        raise
+    except Exception as exc:
+        if scope.cancelled:
+            # Whatever broke after the kill (a tool whose process the unwind killed, a closed
+            # client) is the kill's consequence: the outcome is cancelled, with the error chained.
+            scope.settle(Outcome.CANCELLED)
+            raise operator.cancelled_error(f"killed; then execute failed with {exc!r}") from exc
+        scope.settle(Outcome.FAILED)
+        operator._finish_reaper()  # a failed task leaves nothing running behind it
+        raise
+    except BaseException as exc:
+        scope.settle(Outcome.FAILED)
+        if not is_execution_timeout(exc):  # on the timeout path on_kill unwinds and reaps
+            operator._finish_reaper()  # a failed task leaves nothing running behind it
+        raise
+    if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
+        raise operator.cancelled_error("killed before execute returned; its result is discarded")
+    operator._close_reaper()
+    return result
