@@ -320,7 +320,7 @@ def _in_a_new_pod(outcome: Outcome) -> None:
     _nothing_of_try_1_left(outcome)
 
 
-def _resumed(e2e: E2EEnv, outcome: Outcome, ended: str) -> None:
+def _resumed(e2e: E2EEnv, outcome: Outcome, *ended: str) -> None:
     """Try 2 went on after try 1's two completed tool calls; try 1 wrote nothing once try 2 owned
     the record. Killed in a sync tool, try 1 had also recorded the model's call of that tool: try 2
     runs that call again (it never completed) and asks the model nothing it already answered."""
@@ -331,11 +331,12 @@ def _resumed(e2e: E2EEnv, outcome: Outcome, ended: str) -> None:
     assert len(run.requests) <= UNINTERRUPTED + 1, f"{len(run.requests)} model requests over both tries"
     in_tool = _scenario_of(result.run_id).in_tool
     recorded = RECORDED_BY_TRY_1 + 1 if in_tool else RECORDED_BY_TRY_1
-    resuming = (
-        f"durable: resuming from try 1 ({ended}): {recorded} messages restored, "
+    resuming = [
+        f"durable: resuming from try 1 ({end}): {recorded} messages restored, "
         f"{1 if in_tool else 0} tool call(s) in flight run again"
-    )
-    assert resuming in result.log_text(2), result.log_text(2)
+        for end in ended
+    ]
+    assert any(line in result.log_text(2) for line in resuming), result.log_text(2)
     assert [line["n"] for line in run.lines if line["rerun"]] == ([POD_TOOL_AT] if in_tool else [])
     if in_tool:
         assert len(run.requests) == UNINTERRUPTED, "a model request was repeated"
@@ -357,7 +358,7 @@ def test_a_pod_termination_that_reaches_the_task_evicts_it_and_the_retry_resumes
     the task is allowed: our unwind must fit in it (it takes tens of ms), but what Airflow does
     after it in the task process (the failure report, the callbacks: 0.2-1.7 s measured under
     load) may not, nor the supervisor's exit. When the task itself was SIGKILLed, its end entry may
-    be missing from the record, and the retry must then say "died without a word"."""
+    be missing from the record, and the retry then says "died without a word"."""
     outcome = pod_runs[name]
     result, end = outcome.result, outcome.run.end
     with judged(e2e, outcome):
@@ -371,7 +372,10 @@ def test_a_pod_termination_that_reaches_the_task_evicts_it_and_the_retry_resumes
         else:
             assert left == [], f"the pod was SIGKILLed with {end}"
         _in_a_new_pod(outcome)
-        _resumed(e2e, outcome, "died without a word" if result.task_pid in left else "ended eviction")
+        # A task SIGKILLed at the drain may have written its end entry before (one store call,
+        # right after its unwind) or not: the retry says which.
+        ends = ("died without a word", "ended eviction") if result.task_pid in left else ("ended eviction",)
+        _resumed(e2e, outcome, *ends)
 
 
 @pytest.mark.parametrize("name", ["fwd_mark_failed", "fwd_clear", "warm_mark_failed", "warm_clear"])
