@@ -18,15 +18,16 @@ Where each idea lives. Layers, lowest first: each imports only its own and those
   and ``runner`` (an agent run under a scope: in-flight work stopped before teardown; a durable
   run's journal attached, stepped and ended in one place).
 - ``toolsets/``: ``sandbox/`` (protocol, ``attach_sandbox``, the local backend, one command's
-  process tree, bubblewrap profiles, seccomp filter, environment allowlist, race-free file access)
-  and ``subagents``.
+  process tree, bubblewrap profiles, seccomp filter, environment allowlist, race-free file
+  access, egress allowlist, limits per sandbox) and ``subagents``.
 - ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
   shim), ``task_scope`` (where an operator keeps its scope), ``mixin``
-  (``CancellableAgentMixin``: the operator surface and ``on_kill``), ``guard`` (``execute`` ends
-  as ``TaskCancelled`` after a kill), ``kill_log`` (the record written once), ``retry`` (``CancellationAwareRetryPolicy``), ``supervisor`` (a
-  lost supervisor is a kill), ``server_stop`` (the cause read from the supervisor's own log line,
-  no round trip), ``durable`` (the store and try of a task), ``kill_report`` (what Airflow logs
-  after our record), ``metrics`` (Stats, the kill's span, opt-in GenAI spans).
+  (``CancellableAgentMixin``: the operator surface and ``on_kill``), ``guard`` (``execute``
+  ends as ``TaskCancelled`` after a kill), ``kill_log`` (the record, written once), ``retry``
+  (``CancellationAwareRetryPolicy``), ``supervisor`` (a lost supervisor is a kill),
+  ``server_stop`` (the cause read from the supervisor's own log line, no round trip),
+  ``durable`` (the store and try of a task), ``kill_report`` (what Airflow logs after our
+  record), ``metrics`` (Stats, the kill's span, opt-in GenAI spans).
 - ``operators/``, ``decorators/``, ``hooks/``: what DAG authors use; ``common_ai``: common.ai's
   operators with these semantics (optional extra). ``testing/``: the scripted OpenAI-compatible
   model server (leaf: imports nothing of the package).
