@@ -35,6 +35,8 @@ E2E_DAG_IDS = (
     "e2e_timeout",
     "e2e_evict_in_comms",
     "e2e_durable",
+    "e2e_approval",
+    "e2e_approval_timeout",
 )
 
 

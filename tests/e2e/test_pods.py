@@ -358,24 +358,31 @@ def test_a_pod_termination_that_reaches_the_task_evicts_it_and_the_retry_resumes
     the task is allowed: our unwind must fit in it (it takes tens of ms), but what Airflow does
     after it in the task process (the failure report, the callbacks: 0.2-1.7 s measured under
     load) may not, nor the supervisor's exit. When the task itself was SIGKILLed, its end entry may
-    be missing from the record, and the retry then says "died without a word"."""
+    be missing from the record, and the retry then says "died without a word". Nor can the drain
+    promise the task *log* its record line: the supervisor ships the task's log lines, and it is
+    SIGKILLed at 2 s with whatever it had not written yet (seen under CI load); the cause is then
+    what the record's end entry says, which the retry names."""
     outcome = pod_runs[name]
     result, end = outcome.result, outcome.run.end
     with judged(e2e, outcome):
-        record = _the_record(result, "eviction", "worker shutdown")
+        drained = name == "fwd_drain"
+        record = (
+            _the_record(result, "eviction", "worker shutdown") if not drained or result.records(1) else None
+        )
         assert end is not None
         left = _task_left_at_sigkill(outcome)
         assert not outcome.run.tree & set(left), f"the sandbox was SIGKILLed with the pod: {end}"
-        if name == "fwd_drain":
+        if drained and record is not None:
             released = result.event_ms(record, "resources_released")
             assert released is not None and released < DRAIN_GRACE_S * 1000, record["timeline"]
-        else:
+        elif not drained:
             assert left == [], f"the pod was SIGKILLed with {end}"
         _in_a_new_pod(outcome)
         # A task SIGKILLed at the drain may have written its end entry before (one store call,
-        # right after its unwind) or not: the retry says which.
+        # right after its unwind) or not: the retry says which. Without a logged record, the end
+        # entry is the only word of the cause, so it must be there.
         ends = ("died without a word", "ended eviction") if result.task_pid in left else ("ended eviction",)
-        _resumed(e2e, outcome, *ends)
+        _resumed(e2e, outcome, *(ends if record is not None else ("ended eviction",)))
 
 
 @pytest.mark.parametrize("name", ["fwd_mark_failed", "fwd_clear", "warm_mark_failed", "warm_clear"])

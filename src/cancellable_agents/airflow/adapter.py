@@ -108,6 +108,16 @@ def has_task_state_store() -> bool:
     return True
 
 
+@functools.cache
+def has_task_awaiting_input() -> bool:
+    """Airflow 3.3+ parks a task waiting for a person in AWAITING_INPUT (no worker slot, no trigger)."""
+    try:
+        from airflow.sdk.exceptions import TaskAwaitingInput  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def base_operator() -> type:
     from airflow.sdk.bases.operator import BaseOperator
 

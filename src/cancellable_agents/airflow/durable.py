@@ -57,7 +57,17 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
         clear_count=_clear_number(context),
         on_step_written=step_write_timer(operator),
         returns_flush_s=_flush_after(operator),
+        answers=_answers(operator, str(run_index)),
     )
+
+
+def _answers(operator: Any, run_key: str) -> Any:
+    """The reviewer's decisions if this execution resumes the run ``run_key`` after its approval
+    pause (``resume_after_approval`` put them there); ``None`` otherwise."""
+    approval = operator.__dict__.get("_approval")
+    if approval is None or approval[0].run_key != run_key:
+        return None
+    return approval[1]
 
 
 def _flush_after(operator: Any) -> float:

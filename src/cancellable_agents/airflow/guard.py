@@ -12,9 +12,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import is_execution_timeout
+from cancellable_agents.airflow.approval import park
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.report import hide_unwind_chain
 from cancellable_agents.core.scope import Outcome
+from cancellable_agents.durable.approval import AwaitingApproval
 
 if TYPE_CHECKING:
     from cancellable_agents.airflow.mixin import CancellableAgentMixin
@@ -62,6 +64,12 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
     except TaskCancelled:
         scope.settle(Outcome.CANCELLED)
         raise
+    except AwaitingApproval as paused:
+        # The run stopped at a step boundary with its record written: this execution's work is
+        # done, and nothing of it may keep running while the task waits without a worker.
+        scope.settle(Outcome.COMPLETED)
+        operator._finish_reaper()
+        raise park(operator, paused.request, context) from None
     except Exception as exc:
         if scope.cancelled:
             # Whatever broke after the kill (a tool whose process the unwind killed, a closed

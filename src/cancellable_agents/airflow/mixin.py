@@ -48,6 +48,8 @@ _DURABLE_SETTINGS = (
     "resume_after_clear",
     "usage_limits_span_tries",
     "durable_flush_after",
+    "approval_timeout",
+    "approval_timeout_default",
 )
 
 
@@ -82,6 +84,10 @@ class CancellableAgentMixin:
         model response (one store call per step) before they are written alone; only a SIGKILL
         in that window reruns a tool that had returned. ``0``: at once (two calls per step).
         Default: ``cancellable_agents.durable.journal.RETURNS_FLUSH_S`` (1 s).
+    :param approval_timeout: how long a task whose run awaits a tool's approval waits for the
+        answer (a ``timedelta``; default: no limit). docs/content/approvals.md.
+    :param approval_timeout_default: when nobody answers in time: ``"reject"`` (the model is
+        told so and goes on; default) or ``"fail"`` (the task fails).
     :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for this task's runs (agent run,
         model requests, tool calls), without message content: ``True``, ``False``, or a pydantic-ai
         ``InstrumentationSettings``. Default: Airflow's ``[cancellable_agents] genai_spans``
@@ -97,6 +103,8 @@ class CancellableAgentMixin:
     resume_after_clear: bool = False
     usage_limits_span_tries: bool = False
     durable_flush_after: float | None = None
+    approval_timeout: timedelta | None = None
+    approval_timeout_default: str = "reject"
     genai_spans: Any = None
     #: Whether ``durable=`` and friends are this provider's. ``False`` where the operator class
     #: has a ``durable`` of its own (common.ai's): then they are passed on to it, untouched.
@@ -213,6 +221,17 @@ class CancellableAgentMixin:
         from cancellable_agents.airflow.durable import journal_for
 
         return journal_for(self, self.__dict__.get("_context"))
+
+    def resume_after_approval(self, context: Any, request: dict[str, Any], event: dict[str, Any]) -> Any:
+        """Airflow calls this instead of ``execute`` once the reviewer answered (or the wait timed
+        out): ``execute`` runs again, and the run that stopped continues from its record with
+        the answer (``durable.approval``); runs before it in ``execute`` start afresh."""
+        from cancellable_agents.airflow.approval import decisions_from_event
+        from cancellable_agents.durable.approval import ApprovalRequest
+
+        paused = ApprovalRequest.from_dict(request)
+        self.__dict__["_approval"] = (paused, decisions_from_event(event, paused))
+        return self.execute(context)  # type: ignore[attr-defined]
 
     def _run_timeout(self) -> float | None:
         """Seconds the run may take so it ends before ``execution_timeout`` fires."""

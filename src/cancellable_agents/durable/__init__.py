@@ -7,6 +7,7 @@ ran there (at-least-once for the step that was in flight).
 
 from __future__ import annotations
 
+from cancellable_agents.durable.approval import ApprovalRequest, AwaitingApproval, Decision, PendingCall
 from cancellable_agents.durable.capability import JournalCapability
 from cancellable_agents.durable.fingerprint import fingerprint
 from cancellable_agents.durable.journal import Journal
@@ -17,11 +18,15 @@ from cancellable_agents.durable.stores import MemoryStore, PathStore, Store, Tas
 from cancellable_agents.durable.usage import TryUsage
 
 __all__ = [
+    "ApprovalRequest",
+    "AwaitingApproval",
+    "Decision",
     "FreshStart",
     "Journal",
     "JournalCapability",
     "MemoryStore",
     "PathStore",
+    "PendingCall",
     "RecordProblem",
     "RecordingOff",
     "ResumeInfo",

@@ -12,6 +12,8 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from pydantic_ai.toolsets import ApprovalRequiredToolset
+
 from cancellable_agents.durable.record import canonical
 
 #: The class attribute by which a toolset says whether what its tools wrote is still there on
@@ -97,3 +99,26 @@ def _jsonable(value: Any) -> Any:
     except (TypeError, ValueError):
         return repr(value)
     return value
+
+
+def tools_requiring_approval(
+    tools: Iterable[Any] = (), toolsets: Iterable[Any] = (), agent: Any = None
+) -> list[str]:
+    """Names of the tools (plain ``Tool`` objects, an agent's, or in toolsets) that require
+    approval (at DAG parse time, and before a durable run: it must be able to stop there). A
+    toolset that decides per call at run time (``ApprovalRequiredToolset``) counts by its class
+    name."""
+    found: list[str] = []
+    all_toolsets = [*toolsets, *(getattr(agent, "toolsets", ()) if agent is not None else ())]
+    for tool in [*tools, *_toolset_tools(all_toolsets)]:
+        if getattr(tool, "requires_approval", False):
+            found.append(str(getattr(tool, "name", tool)))
+    found += [type(t).__name__ for t in walk_toolsets(all_toolsets) if isinstance(t, ApprovalRequiredToolset)]
+    return found
+
+
+def _toolset_tools(toolsets: Iterable[Any]) -> Iterator[Any]:
+    for toolset in walk_toolsets(toolsets):
+        tools = getattr(toolset, "tools", None)
+        if isinstance(tools, dict):
+            yield from tools.values()

@@ -21,8 +21,8 @@ unknown reason, or died without a word; a user's stop (Clear) starts fresh unles
 edited) starts fresh with one warning: a partial transcript is never fed to the model silently.
 
 Airflow-free: the store is anything with ``get``/``set``/``delete`` of JSON values. One module
-of ~550 lines because :class:`Journal` is one try's state (its keys, what it has written, the
-pending returns and their flush, its resume) that the resume decision and the writer share; the
+of ~650 lines because :class:`Journal` is one try's state (its keys, what it has written, the
+pending returns and their flush, its resume, a pause for approval) that the resume decision and the writer share; the
 record's format, fingerprint, usage, reasons and the pydantic-ai hook live in modules of their own.
 """
 
@@ -43,10 +43,25 @@ from pydantic_core import to_jsonable_python
 
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.durable.approval import (
+    ApprovalNotPossible,
+    ApprovalRequest,
+    AwaitingApproval,
+    Decision,
+    deferred_results,
+    request_of,
+    with_deferred_output,
+)
 from cancellable_agents.durable.capability import JournalCapability
-from cancellable_agents.durable.fingerprint import fingerprint, run_toolsets, workspace_lost_on_retry
+from cancellable_agents.durable.fingerprint import (
+    fingerprint,
+    run_toolsets,
+    tools_requiring_approval,
+    workspace_lost_on_retry,
+)
 from cancellable_agents.durable.reasons import FreshStart, RecordingOff
 from cancellable_agents.durable.record import (
+    AWAITING,
     FORMAT,
     KEY_PREFIX,
     LoadedRecord,
@@ -105,6 +120,11 @@ class Journal:
         the task took over, and cancels itself if so (``0``: before every append). Fencing does
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
         only stops its wasted work sooner than Airflow's heartbeat does.
+    :param answers: a reviewer's decisions, by tool call id, for the approval the record is
+        stopped at (see :mod:`cancellable_agents.durable.approval`): this execution continues
+        the same try after its pause (its own segment is read too) and the answer is recorded
+        before the run goes on. A record stopped at an approval with no answers, here or in
+        the record, raises :class:`AwaitingApproval` again from :meth:`attach`, with no request.
     """
 
     store: Store
@@ -118,6 +138,7 @@ class Journal:
     on_step_written: Callable[[float], None] | None = None
     returns_flush_s: float = RETURNS_FLUSH_S
     owner_check_s: float = OWNER_CHECK_S
+    answers: dict[str, Decision] | None = None
     resume: ResumeInfo | None = None
     earlier: list[TryUsage] = field(default_factory=list)
     # Run state (main thread only).
@@ -137,6 +158,8 @@ class Journal:
     #: Results of the resumed response's calls that had returned, by tool call id; each is
     #: handed back once, instead of running the call (the run's loop only).
     _replay: dict[str, Any] = field(default_factory=dict)
+    #: This try's usage before an approval pause it continues (added to the run's own).
+    _paused: TryUsage | None = None
 
     @property
     def key(self) -> str:
@@ -164,9 +187,13 @@ class Journal:
         """
         run_kwargs = dict(run_kwargs)
         fp = fingerprint(agent, user_prompt, run_kwargs)
+        self._allow_approvals(agent, run_kwargs)
         try:
             loaded = self._usable(self._load(fp))
             self._take_over(fp, loaded)
+            decisions = self._answered(loaded)
+        except ApprovalNotPossible:
+            raise
         except Exception as exc:
             # Whatever was decided before the store failed is void: this try runs fresh.
             self.resume, self._replay, self._fresh = None, {}, FreshStart.STORE_ERROR
@@ -178,6 +205,8 @@ class Journal:
             user_prompt = None
             run_kwargs["message_history"] = loaded.messages
             self._written = len(loaded.messages)
+            if decisions is not None:
+                run_kwargs["deferred_tool_results"] = deferred_results(decisions)
             if workspace_lost_on_retry(run_toolsets(agent, run_kwargs)):
                 note = SANDBOX_NOTE.format(previous=self.resume.from_try, current=self.try_number)
                 run_kwargs["instructions"] = _with_note(run_kwargs.get("instructions"), note)
@@ -187,11 +216,22 @@ class Journal:
         self._attach_facts()
         return user_prompt, run_kwargs
 
+    @staticmethod
+    def _allow_approvals(agent: Any, run_kwargs: dict[str, Any]) -> None:
+        """Let a run with tools that require approval end asking for it (``DeferredToolRequests``
+        among its output types), where pydantic-ai allows a run's own ``output_type``: not for an
+        agent with output validators (its own error then names the fix)."""
+        toolsets = run_toolsets(agent, run_kwargs)
+        if tools_requiring_approval(toolsets=toolsets) and not getattr(agent, "_output_validators", None):
+            run_kwargs["output_type"] = with_deferred_output(
+                run_kwargs.get("output_type") or agent.output_type
+            )
+
     def _load(self, fp: str) -> LoadedRecord | None:
         """:func:`~cancellable_agents.durable.record.load_record`, failing closed: a bad record is
         a fresh start with one warning naming why. Notes why there is nothing to resume."""
         try:
-            loaded = load_record(self.store, self.key, self.try_number, fp)
+            loaded = load_record(self.store, self.key, self.try_number, fp, own=self.answers is not None)
         except RecordProblem as problem:
             log.warning("durable: not resuming from the stored record: %s; starting fresh", problem)
             self._fresh = problem.reason
@@ -227,11 +267,16 @@ class Journal:
             calls = frozenset(p.tool_call_id for p in last.parts if isinstance(p, ToolCallPart))
         self._replay = loaded.returned_in_flight()
         replayed = frozenset(self._replay)
+        approval = loaded.approval()
+        if approval is not None:
+            # Calls still waiting never ran; approved ones ran only if an execution took the
+            # answer in (its decisions are in the record) and stopped before its next step.
+            calls = frozenset(d for d, v in (approval[1] or {}).items() if v.approved)
         self.resume = ResumeInfo(self.try_number, previous, len(loaded.messages), calls - replayed, replayed)
         log.warning(
             "durable: resuming from try %s (%s): %d messages restored, %d tool call(s) in flight run again%s",
             previous,
-            f"ended {end.get('cause')}" if end else "died without a word",
+            f"ended {end.get('cause') or end.get('state')}" if end else "died without a word",
             len(loaded.messages),
             len(calls - replayed),
             f", {len(replayed)} that had returned get their recorded result" if replayed else "",
@@ -264,10 +309,14 @@ class Journal:
         record, and what older tries append after the count frozen in ``base`` is never read."""
         base: list[list[int]] = []
         if loaded is not None:
-            self.earlier = [t for t in loaded.tries() if t.try_number != self.try_number]
+            tries = loaded.tries()
+            self.earlier = [t for t in tries if t.try_number != self.try_number]
             base = loaded.segments
             self._seq = len(loaded.entries)
             self._prev = loaded.last_hash
+            if loaded.owner_try == self.try_number:  # continuing this try after an approval pause
+                base, self._own = loaded.head["base"], loaded.segments[-1][1]
+                self._paused = next((t for t in tries if t.try_number == self.try_number), None)
         self._head = {
             "format": FORMAT,
             "fingerprint": fp,
@@ -276,6 +325,31 @@ class Journal:
             "base": base,
         }
         self._next_check = self.clock() + self.owner_check_s
+
+    def _answered(self, loaded: LoadedRecord | None) -> dict[str, Decision] | None:
+        """The decisions the resumed run continues with, if the record is stopped at an approval:
+        from the record, else this execution's :attr:`answers` (recorded first, one store call).
+        Raises :class:`AwaitingApproval` when there are none yet: nothing runs, nothing is written."""
+        approval = loaded.approval() if loaded is not None and self.resume is not None else None
+        if approval is None:
+            return None
+        request, recorded = approval
+        if recorded is not None:
+            return recorded
+        if self.answers is None:
+            log.info(
+                "durable: the run is still awaiting approval of %s", [c.tool_name for c in request.calls]
+            )
+            raise AwaitingApproval(request)
+        decisions = {
+            c.tool_call_id: self.answers[c.tool_call_id]
+            for c in request.calls
+            if c.tool_call_id in self.answers
+        }
+        if missing := [c.tool_name for c in request.calls if c.tool_call_id not in decisions]:
+            raise ApprovalNotPossible(f"no decision for the pending call(s) {missing}")
+        self._append({"kind": "answer", "decisions": {k: d.as_dict() for k, d in decisions.items()}})
+        return decisions
 
     # -- while the run goes ------------------------------------------------------------------
 
@@ -453,6 +527,33 @@ class Journal:
         except Exception as exc_:
             self._disable(f"appending the end failed ({exc_!r})")
 
+    def awaiting_approval(self, result: Any) -> ApprovalRequest:
+        """The run ended asking for approval (its output is ``DeferredToolRequests``): append the
+        end that stops it there, with the messages not yet written (the returns of its calls
+        that needed no approval), and return what the reviewer is asked. Raises
+        :class:`ApprovalNotPossible` if the record is not being written: a pause whose record is
+        lost could never continue."""
+        self._stop_flush_timer()
+        messages = result.all_messages()
+        request = request_of(result.output, messages, self.try_number, self.run_key)
+        usage = self._this_try(getattr(result, "usage", None))
+        self._attach_facts(usage)
+        self._reset_resume()
+        if self._off is not None:
+            raise ApprovalNotPossible(f"the run cannot wait for approval: its record is off ({self._off})")
+        self._append(
+            {
+                "kind": "end",
+                "state": AWAITING,
+                "messages": [dump_message(m) for m in messages[self._written :]],
+                "request": request.as_dict(),
+                "usage": usage.as_dict(),
+            }
+        )
+        self._written, self._pending = len(messages), []
+        log.info("durable: run stopped awaiting approval of %s", [c.tool_name for c in request.calls])
+        return request
+
     def completed(self, result: Any) -> None:
         """The run completed: one entry says so (a later try of the task starts fresh), then the
         record's keys are dropped where listing them is cheap (see :meth:`_drop_record`)."""
@@ -490,6 +591,8 @@ class Journal:
         this_try = TryUsage.of_run(self.try_number, usage)
         if self.usage_spans_tries and self.earlier:  # the run started from the earlier tries' usage
             this_try = minus_usage(this_try, self.earlier)
+        if self._paused is not None:  # the part of this try before its approval pause
+            this_try = TryUsage(self.try_number, **total_usage([this_try, self._paused]))
         return this_try
 
     def detach(self) -> None:

@@ -7,7 +7,9 @@ each try writes only keys of its own, ``<p>.try<N>.<j>`` (its segment), one entr
 - a graph step's messages (``kind: step``: the model response that calls tools, with the request
   before it that no earlier entry holds), one parallel call's result (``kind: tool_result``), or
   how a try ended (``kind: end``: cancelled, with cause, what the user did, usage and the tool
-  returns not yet written; or completed);
+  returns not yet written; completed; or ``awaiting_approval``: the run stopped until a reviewer
+  answers its ``request``, which a later ``kind: answer`` entry holds the decisions for — the
+  same try continues its own segment after that pause);
 - each with its try, its index ``i`` in the whole record and a hash chained over the previous
   entry (across segments), so an edited, missing or reordered entry is detected;
 - the segment's first entry also holds the head: format, fingerprint of the run's inputs
@@ -37,6 +39,7 @@ from pydantic_ai.messages import (
     ToolCallPart,
 )
 
+from cancellable_agents.durable.approval import ApprovalRequest, Decision
 from cancellable_agents.durable.reasons import FreshStart
 from cancellable_agents.durable.stores import Store
 from cancellable_agents.durable.usage import TryUsage
@@ -46,7 +49,9 @@ from cancellable_agents.durable.usage import TryUsage
 FORMAT = 2
 KEY_PREFIX = "cancellable_agents.durable"
 #: The kinds of entry; any other does not parse.
-ENTRY_KINDS = ("step", "tool_result", "end")
+ENTRY_KINDS = ("step", "tool_result", "end", "answer")
+#: The state of an end entry that stops the run until a reviewer answers (not an end of the run).
+AWAITING = "awaiting_approval"
 
 
 class RecordProblem(Exception):
@@ -120,6 +125,25 @@ class LoadedRecord:
                 usage.tool_calls += sum(isinstance(p, ToolCallPart) for p in message.parts)
         return [*earlier, usage]
 
+    def approval(self) -> tuple[ApprovalRequest, dict[str, Decision] | None] | None:
+        """The approval the run is stopped at: its request and, if an execution already took the
+        answers in, the decisions; ``None`` if the record is not stopped at one (none, or the run
+        went on after its answer: an entry after it holds messages). An execution killed while
+        the approved calls ran leaves the answer without messages after it: the next try runs
+        them again with the same decisions (at-least-once, as any call in flight)."""
+        at = [i for i, e in enumerate(self.entries) if e["kind"] == "end" and e.get("state") == AWAITING]
+        if not at:
+            return None
+        after = self.entries[at[-1] + 1 :]
+        if any(e.get("messages") for e in after):  # the answered calls' returns are recorded
+            return None
+        request = ApprovalRequest.from_dict(self.entries[at[-1]].get("request") or {})
+        answers = [e for e in after if e["kind"] == "answer"]
+        if not answers:
+            return request, None
+        decisions = answers[-1].get("decisions") or {}
+        return request, {call_id: Decision.from_dict(d) for call_id, d in decisions.items()}
+
     def returned_in_flight(self) -> dict[str, Any]:
         """Results recorded for tool calls of the last message (a model response whose step did
         not complete), by tool call id: the siblings that returned before the try stopped."""
@@ -135,15 +159,18 @@ class LoadedRecord:
         }
 
 
-def load_record(store: Store, key: str, try_number: int, fp: str) -> LoadedRecord | None:
+def load_record(
+    store: Store, key: str, try_number: int, fp: str, *, own: bool = False
+) -> LoadedRecord | None:
     """The record under ``key`` as try ``try_number`` finds it, checked; ``None`` if there is none
     (or its run completed). Raises :class:`RecordProblem`.
 
     Reads back from the try before this one to the first that wrote anything; a first try reads
-    nothing (no earlier try can have written). A format-1 record (an older version of this
-    package wrote it) is looked for only when no segment was found.
+    nothing (no earlier try can have written). ``own``: start at this try's own segment (an
+    execution that continues its try after an approval pause). A format-1 record (an older
+    version of this package wrote it) is looked for only when no segment was found.
     """
-    for earlier in range(try_number - 1, 0, -1):
+    for earlier in range(try_number if own else try_number - 1, 0, -1):
         first = store.get(segment_key(key, earlier, 0))
         if first is not None:
             return _load_from(store, key, earlier, first, fp)
@@ -215,14 +242,17 @@ def _checked(entry: Any, i: int, before: Sequence[dict[str, Any]], try_number: i
 
 
 def _parse_messages(dumped: Sequence[Any]) -> list[ModelMessage]:
-    """The recorded messages, which must alternate request, response, ... as a run writes them:
-    anything else is not a transcript to feed the model."""
+    """The recorded messages, which must alternate request, response, ... as a run writes them
+    (two requests in a row where a run continued after an approval: the returns of the calls
+    that needed none, then those of the answered ones): anything else is not a transcript to
+    feed the model."""
     try:
         messages = ModelMessagesTypeAdapter.validate_python(list(dumped))
     except Exception as exc:
         raise RecordProblem(f"its messages do not parse ({type(exc).__name__})") from exc
     for i, message in enumerate(messages):
-        expected = ModelRequest if i % 2 == 0 else ModelResponse
+        after_response = i > 0 and isinstance(messages[i - 1], ModelResponse)
+        expected = ModelRequest if after_response or i == 0 else (ModelRequest, ModelResponse)
         if not isinstance(message, expected):
-            raise RecordProblem(f"message {i} is a {type(message).__name__}, expected a {expected.__name__}")
+            raise RecordProblem(f"message {i} is a {type(message).__name__} where a run writes none")
     return messages

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cancellable_agents.airflow.approval import check_approvals
 from cancellable_agents.operators.llm import LLMOperator
 
 
@@ -40,6 +41,7 @@ class AgentOperator(LLMOperator):
         self.deps = deps
         self.agent = agent
         self.usage_limits = usage_limits
+        check_approvals(self, self.tools, self.toolsets, agent)
 
     def build_agent(self) -> Any:
         if self.agent is not None:

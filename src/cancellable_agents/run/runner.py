@@ -18,13 +18,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic_ai import Agent
+from pydantic_ai import Agent, DeferredToolRequests
 from pydantic_ai.agent import AbstractAgent
 from pydantic_ai.exceptions import RunCancelled, RunTimedOut
 
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
+from cancellable_agents.durable.approval import AwaitingApproval
 
 if TYPE_CHECKING:
     from cancellable_agents.durable.journal import Journal
@@ -138,7 +139,9 @@ def run_agent_in_scope(
     scope as ``COMPLETED`` is left to its owner, whose unit of work may hold several runs.
 
     ``journal`` (``durable=True``, opened by the caller): attached before the run, appended to
-    after each step, and ended here as the run ends (see :func:`_run_journaled`).
+    after each step, and ended here as the run ends (see :func:`_run_journaled`). A journaled
+    run whose model calls a tool that requires approval stops there and raises
+    :class:`~cancellable_agents.durable.approval.AwaitingApproval` instead of returning.
     ``on_cancelled``: called with the :class:`TaskCancelled` before it is raised (an operator
     logs its kill record there), before the journal's end is written.
     """
@@ -165,6 +168,8 @@ def _run_journaled(
     All on this (the main) thread, never from a signal handler: the store may be an API call.
     A cancelled run's end is written last, after ``on_cancelled``, because the store may answer
     seconds later and the task is SIGKILLed 5 s after the SIGTERM: the kill record comes first.
+    A run that ends asking for approval (output ``DeferredToolRequests``) is recorded as stopped
+    there and raises :class:`AwaitingApproval` (so is a record still stopped there, from attach).
     """
     try:
         if not scope.cancelled:  # a cancelled scope makes no request: nothing to take over
@@ -179,6 +184,8 @@ def _run_journaled(
     except BaseException:
         journal.detach()
         raise
+    if isinstance(result.output, DeferredToolRequests):
+        raise AwaitingApproval(journal.awaiting_approval(result))
     journal.completed(result)
     return result
 
