@@ -22,8 +22,9 @@ edited) starts fresh with one warning: a partial transcript is never fed to the 
 
 Airflow-free: the store is anything with ``get``/``set``/``delete`` of JSON values. One module
 of ~650 lines because :class:`Journal` is one try's state (its keys, what it has written, the
-pending returns and their flush, its resume, a pause for approval) that the resume decision and the writer share; the
-record's format, fingerprint, usage, reasons and the pydantic-ai hook live in modules of their own.
+pending returns and their flush, its resume, a pause for approval) that the resume decision and
+the writer share; the record's format, fingerprint, usage, reasons, approvals and the pydantic-ai
+hook live in modules of their own.
 """
 
 from __future__ import annotations
