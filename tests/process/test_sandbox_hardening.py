@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.core.once import Once
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
 from cancellable_agents.toolsets.sandbox import seccomp as seccomp_module
 from cancellable_agents.toolsets.sandbox.files import WorkdirFiles, openat2_supported
@@ -143,7 +144,7 @@ def test_keyrings_ptrace_process_vm_and_io_uring_are_denied_with_eperm() -> None
 def no_libseccomp(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """libseccomp (its binding) missing: the filter and the once-only warning start afresh."""
     monkeypatch.setitem(sys.modules, "pyseccomp", None)  # the import raises ImportError
-    monkeypatch.setattr(seccomp_module, "_warned", threading.Event())
+    monkeypatch.setattr(seccomp_module, "_warned", Once())
     seccomp_module.seccomp_filter.cache_clear()
     yield
     seccomp_module.seccomp_filter.cache_clear()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support, cgroups
 from cancellable_agents.toolsets.sandbox.bwrap import CPU_KILL_GRACE, MiB
@@ -65,7 +66,7 @@ def without_cgroups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         cgroups, "cgroup_support", lambda: CgroupSupport(None, reason="switched off by the test")
     )
-    monkeypatch.setattr(cgroups, "_noted", False)
+    monkeypatch.setattr(cgroups, "_noted", Once())
 
 
 @pytest.fixture

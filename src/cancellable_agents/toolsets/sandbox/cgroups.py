@@ -25,11 +25,11 @@ import errno
 import functools
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cancellable_agents.core.once import Once
 from cancellable_agents.toolsets.sandbox.workdirs import owner_gone, owner_tag
 
 __all__ = ["PLACEMENT_FAILED", "CgroupSupport", "SandboxCgroup", "cgroup_support", "note_if_missing"]
@@ -179,8 +179,7 @@ def _read_key(path: Path, key: str) -> int:
 
 # -- probing ---------------------------------------------------------------------------------
 
-_noted_lock = threading.Lock()
-_noted = False  # guarded by _noted_lock
+_noted = Once()
 
 
 def note_if_missing() -> None:
@@ -191,11 +190,8 @@ def note_if_missing() -> None:
 
 
 def _note(reason: str) -> None:
-    global _noted
-    with _noted_lock:
-        if _noted:
-            return
-        _noted = True
+    if not _noted.first():
+        return
     log.warning(
         "LocalSandbox: no cgroup per sandbox here (%s): Limits.memory_bytes and max_processes bind "
         "each process (address space, RLIMIT_NPROC), not the sandbox as a whole. For totals run the "

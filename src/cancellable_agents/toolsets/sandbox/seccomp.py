@@ -23,7 +23,6 @@ import errno
 import functools
 import logging
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +37,8 @@ __all__ = [
     "seccomp_filter",
     "warn_if_missing",
 ]
+
+from cancellable_agents.core.once import Once
 
 log = logging.getLogger(__name__)
 
@@ -229,15 +230,14 @@ def command_filter(wanted: bool) -> Iterator[int | None]:
         yield fd
 
 
-_warned = threading.Event()
+_warned = Once()
 
 
 def warn_if_missing() -> SeccompFilter:
     """The filter; without one, a warning once per process naming the protections that are off
     (the boundary still has its namespaces, no capabilities, no new privileges and limits)."""
     found = seccomp_filter()
-    if found.program is None and not _warned.is_set():
-        _warned.set()
+    if found.program is None and _warned.first():
         log.warning(
             "LocalSandbox: %s; boundary-profile commands run WITHOUT the seccomp filter, so these "
             "protections are off: %s. Fix: install libseccomp (`apt-get install libseccomp2`).",

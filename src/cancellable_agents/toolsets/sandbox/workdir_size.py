@@ -21,10 +21,11 @@ import functools
 import logging
 import os
 import shutil
-import threading
 from pathlib import Path
 
 __all__ = ["mount_workdir", "remove_workdir", "unmount_workdir"]
+
+from cancellable_agents.core.once import Once
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,7 @@ _MNT_DETACH = 2
 _MS_NOSUID = 2
 _MS_NODEV = 4
 
-_noted_lock = threading.Lock()
-_noted = False  # guarded by _noted_lock
+_noted = Once()
 
 
 @functools.cache
@@ -75,11 +75,8 @@ def remove_workdir(workdir: Path) -> None:
 
 
 def _note(reason: str) -> None:
-    global _noted
-    with _noted_lock:
-        if _noted:
-            return
-        _noted = True
+    if not _noted.first():
+        return
     log.warning(
         "LocalSandbox: the workdir has no total size here (%s); each file is capped at "
         "Limits.file_size_bytes, not their sum. A root worker mounts a tmpfs of Limits.workdir_bytes.",
