@@ -43,6 +43,12 @@ EVENTS_FD_ENV = "BENCH_EVENTS_FD"
 #: Airflow SIGKILLs a task this long after the SIGTERM (user stops); the supervisor's grace.
 GRACE = 5.0
 
+#: Longest a task child may take to reach the moment a test kills it (import Airflow, parse the
+#: DAG, start the task, reach the tool). About 5 s on an idle 2-core machine; a CI machine running
+#: the Airflow suites beside this one took 60 s. Not what any test measures: a kill is timed from
+#: its signal, with its own tight bound.
+STARTUP = 240.0
+
 # -- child side: the Task SDK's kill paths -------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from benchmarks.taskproc import STARTUP
 
 from cancellable_agents.testing.openai_server import RequestRecord, ScriptedModelServer
 from tests.process.harness import TaskProcess
@@ -178,7 +179,7 @@ def _kill_one(
         if end["raised_t"] - sent > GRACE:
             result.problems.append("failed after the grace")
     if scenario == "durable" and result.outcome != "succeeded":  # the retry: replay, then the answer
-        retried = _terminal_event(task, scenario, timeout=60, after=end)
+        retried = _terminal_event(task, scenario, timeout=STARTUP, after=end)
         result.retried = retried
         if retried is None or retried["event"] != "task_succeeded":
             result.problems.append("the retry did not succeed")
@@ -269,13 +270,13 @@ def _ready_for(scenario: str) -> Callable[[TaskProcess, ScriptedModelServer, str
         name = event[scenario]
 
         def ready(task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str) -> None:
-            task.expect(name, timeout=90, scenario=scenario)
+            task.expect(name, timeout=STARTUP, scenario=scenario)
 
         return ready
     if scenario == "sync_tool":
 
         def tool(task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str) -> None:
-            task.expect("tool_started", timeout=90, scenario=scenario)
+            task.expect("tool_started", timeout=STARTUP, scenario=scenario)
 
         return tool
     if scenario in ("stream", "fallback"):
@@ -289,7 +290,7 @@ def _ready_for(scenario: str) -> Callable[[TaskProcess, ScriptedModelServer, str
         def in_flight(
             task: TaskProcess, server: ScriptedModelServer, _: str, since: float, marker: str
         ) -> None:
-            task.expect("tool_started", timeout=90, scenario=scenario, tool="summarize_orders")
+            task.expect("tool_started", timeout=STARTUP, scenario=scenario, tool="summarize_orders")
 
         return in_flight
     raise KeyError(scenario)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks.taskproc import TaskChild
+from benchmarks.taskproc import STARTUP, TaskChild
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -36,7 +36,7 @@ class Zygote(TaskChild):
         self.tmp = tmp
         env = {**os.environ, "STEPS": str(STEPS), "BASE_URL": base_url}
         super().__init__([sys.executable, str(ZYGOTE)], env, tmp / "zygote.log", events_env="EVENTS_FD")
-        self.next_of("ready", timeout=120)
+        self.next_of("ready", timeout=STARTUP)
 
     def next_of(self, *names: str, timeout: float = 30) -> dict[str, Any]:
         """The next event; it must be one of ``names``."""

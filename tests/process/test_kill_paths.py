@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from benchmarks.taskproc import STARTUP
 
 from cancellable_agents.core.report import parse_records
 from cancellable_agents.testing.openai_server import ScriptedModelServer
@@ -46,7 +47,7 @@ def _report(name: str, sent: float, failed: dict[str, Any]) -> float:
 def test_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedModelServer) -> None:
     before = model_server.request_count
     task = spawn_task("stream")
-    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    assert model_server.wait_for_request(before + 1, timeout=STARTUP), task.tail()
     assert model_server.wait_for_tokens(5, timeout=20)
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
@@ -69,7 +70,7 @@ def test_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedMode
 def test_non_streaming_request_is_closed(spawn_task: Any, model_server: ScriptedModelServer) -> None:
     before = model_server.request_count
     task = spawn_task("nonstream")
-    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    assert model_server.wait_for_request(before + 1, timeout=STARTUP), task.tail()
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
     record = model_server.wait_for_disconnect(timeout=GRACE)
@@ -79,7 +80,7 @@ def test_non_streaming_request_is_closed(spawn_task: Any, model_server: Scripted
 
 def test_async_tool_gets_cancelled_error(spawn_task: Any) -> None:
     task = spawn_task("async_tool")
-    task.expect("tool_started", timeout=60)
+    task.expect("tool_started", timeout=STARTUP)
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
     cancelled = task.expect("tool_cancelled", timeout=1)
@@ -91,7 +92,7 @@ def test_async_tool_gets_cancelled_error(spawn_task: Any) -> None:
 
 def test_cooperative_sync_tool_notices(spawn_task: Any) -> None:
     task = spawn_task("sync_coop")
-    task.expect("tool_started", timeout=60)
+    task.expect("tool_started", timeout=STARTUP)
     sent = task.sigterm()
     noticed = task.expect("tool_noticed", timeout=GRACE)
     assert noticed["noticed"] is True
@@ -102,7 +103,7 @@ def test_cooperative_sync_tool_notices(spawn_task: Any) -> None:
 
 def test_uncooperative_sync_tool_is_named_and_does_not_block(spawn_task: Any) -> None:
     task = spawn_task("sync_uncoop")
-    task.expect("tool_started", timeout=60)
+    task.expect("tool_started", timeout=STARTUP)
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
     assert failed["t"] - sent < GRACE, "an uncooperative tool must not hold the task past the grace"
@@ -114,7 +115,7 @@ def test_uncooperative_sync_tool_is_named_and_does_not_block(spawn_task: Any) ->
 
 def test_kill_before_the_run_is_remembered(spawn_task: Any, model_server: ScriptedModelServer) -> None:
     task = spawn_task("before_run")
-    task.expect("pre_execute", timeout=60)
+    task.expect("pre_execute", timeout=STARTUP)
     before = model_server.request_count
     sent = task.sigterm()
     failed = _failed_with_task_cancelled(task)
@@ -127,7 +128,7 @@ def test_kill_before_the_run_is_remembered(spawn_task: Any, model_server: Script
 
 def test_kill_after_the_run_is_a_logged_no_op(spawn_task: Any) -> None:
     task = spawn_task("after_run")
-    task.expect("post_execute", timeout=60)
+    task.expect("post_execute", timeout=STARTUP)
     task.sigterm()
     succeeded = task.expect("task_succeeded", timeout=GRACE + 5)
     events = [e["event"] for e in succeeded["record"]["timeline"]]
@@ -139,7 +140,7 @@ def test_kill_after_the_run_is_a_logged_no_op(spawn_task: Any) -> None:
 def test_sigterm_burst_cancels_once(spawn_task: Any, model_server: ScriptedModelServer) -> None:
     before = model_server.request_count
     task = spawn_task("burst")
-    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    assert model_server.wait_for_request(before + 1, timeout=STARTUP), task.tail()
     assert model_server.wait_for_tokens(5, timeout=20)
     sent = task.sigterm(times=20)
     failed = _failed_with_task_cancelled(task)
@@ -155,7 +156,7 @@ def test_sigterm_burst_cancels_once(spawn_task: Any, model_server: ScriptedModel
 def test_execution_timeout_unwinds_before_sigalrm(spawn_task: Any, model_server: ScriptedModelServer) -> None:
     before = model_server.request_count
     task = spawn_task("timeout")
-    assert model_server.wait_for_request(before + 1, timeout=60), task.tail()
+    assert model_server.wait_for_request(before + 1, timeout=STARTUP), task.tail()
     failed = task.expect("task_failed", timeout=30)
     assert failed["exc_type"] == "TaskCancelled", task.tail()
     assert failed["cause"] == "timeout"
@@ -165,7 +166,7 @@ def test_execution_timeout_unwinds_before_sigalrm(spawn_task: Any, model_server:
 
 def test_on_kill_after_sigalrm_records_timeout_and_releases(spawn_task: Any) -> None:
     task = spawn_task("timeout_sigalrm")
-    task.expect("busy_started", timeout=60)
+    task.expect("busy_started", timeout=STARTUP)
     failed = task.expect("task_failed", timeout=30)
     assert failed["exc_type"] == "AirflowTaskTimeout"
     task.expect("resource_released", timeout=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from benchmarks.taskproc import STARTUP
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -40,7 +41,7 @@ def _kill_blocked_chain(spawn_task: Any, server: ScriptedModelServer, depth: int
     server.reset()
     task = spawn_task(f"subagent_depth{depth}")
     # depth - 1 delegation requests complete, then the leaf's stream starts sending tokens.
-    assert server.wait_for_request(depth, timeout=60), task.tail()
+    assert server.wait_for_request(depth, timeout=STARTUP), task.tail()
     assert server.wait_for_tokens(5, timeout=20), task.tail()
     sent = task.sigterm()
     failed = task.expect("task_failed", timeout=GRACE + 5)
@@ -97,7 +98,7 @@ def test_thread_driven_child_is_cancelled_and_leaves_no_working_thread(
     spawn_task: Any, model_server: ScriptedModelServer
 ) -> None:
     task = spawn_task("subagent_thread")
-    started = task.expect("work_started", timeout=60)
+    started = task.expect("work_started", timeout=STARTUP)
     assert started["scope"] == "worker", "the child's sync tool must see the child's scope"
     task.expect("work_tick", timeout=5)
     sent = task.sigterm()
