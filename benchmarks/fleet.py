@@ -6,9 +6,10 @@ scheduler, dag-processor, LocalExecutor: ``tests/e2e/airflow_stack.py``; Postgre
 model server. For each N (ascending), N members at once:
 
 1. **steady**: N durable runs, then N control runs (``durable=False``), each a 6-step job whose
-   tool takes 0.2 s. Measured: every task state store call (``TimedStore``: op and latency),
-   store calls per step (per model request), and step time (one tool start to the next) durable
-   vs control.
+   tool takes 0.2 s; between them N durable runs written ahead (``durable_write_ahead=True``:
+   each step stored before its tool starts). Measured: every task state store call
+   (``TimedStore``: op and latency), store calls per step (per model request), and step time (one
+   tool start to the next) durable vs written ahead vs control.
 2. **eviction storm**: N durable runs, all mid-stream in their 4th model request; then every
    supervisor is SIGTERMed at once. From each try-1 record: unwound (``resources_released``) and
    when the cause was decided; the task process gone before Airflow's SIGKILL (5 s); whether the
@@ -157,7 +158,14 @@ def fleet_stack(db: str, parallelism: int) -> Iterator[Fleet]:
 
 
 def _await_dags(stack: AirflowStack, rest: RestClient, timeout: float = 120) -> None:
-    wanted = {"fleet_durable", "fleet_control", "fleet_storm", "fleet_mark_failed", "fleet_bare"}
+    wanted = {
+        "fleet_durable",
+        "fleet_write_ahead",
+        "fleet_control",
+        "fleet_storm",
+        "fleet_mark_failed",
+        "fleet_bare",
+    }
 
     def parsed() -> bool:
         stack.check_alive()
@@ -295,6 +303,7 @@ class Row:
     calls_per_step: list[float] = field(default_factory=list)
     step_durable_ms: list[float] = field(default_factory=list)
     step_control_ms: list[float] = field(default_factory=list)
+    step_write_ahead_ms: list[float] = field(default_factory=list)
     evict: dict[str, Any] = field(default_factory=dict)
     mark_failed: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, Any] = field(default_factory=dict)
@@ -302,15 +311,19 @@ class Row:
 
 
 def steady(fleet: Fleet, row: Row, timeout: float) -> None:
-    """N durable runs, then N control runs: store calls and step times."""
-    for dag_id, durable in (("fleet_durable", True), ("fleet_control", False)):
-        runs = trigger(fleet, dag_id, row.n, "durable" if durable else "control")
+    """N durable runs, N written ahead, then N control runs: store calls and step times."""
+    variants = (
+        ("fleet_durable", "durable", row.step_durable_ms),
+        ("fleet_write_ahead", "ahead", row.step_write_ahead_ms),
+        ("fleet_control", "control", row.step_control_ms),
+    )
+    for dag_id, name, step_ms in variants:
+        runs = trigger(fleet, dag_id, row.n, name)
         await_runs(fleet, dag_id, runs, timeout)
         for run_id in runs:
             starts = sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
-            steps = [(b - a) * 1000 for a, b in itertools.pairwise(starts)]
-            (row.step_durable_ms if durable else row.step_control_ms).extend(steps)
-            if not durable:
+            step_ms.extend((b - a) * 1000 for a, b in itertools.pairwise(starts))
+            if dag_id != "fleet_durable":
                 continue
             calls = fleet.jsonl(f"{run_id}.try1.store.jsonl")
             row.store_ms.extend(c["ms"] for c in calls)
@@ -467,6 +480,7 @@ def summary(row: Row) -> dict[str, Any]:
         "calls_per_step": statistics.fmean(row.calls_per_step) if row.calls_per_step else None,
         "step_durable_p50_ms": pct(row.step_durable_ms, 0.5),
         "step_control_p50_ms": pct(row.step_control_ms, 0.5),
+        "step_write_ahead_p50_ms": pct(row.step_write_ahead_ms, 0.5),
         "evict_unwound_p50_ms": pct(ev.get("unwound_ms", []), 0.5),
         "evict_unwound_max_ms": pct(ev.get("unwound_ms", []), 1.0),
         "evict_cause_p50_ms": pct(ev.get("cause_decided_ms", []), 0.5),
@@ -492,7 +506,7 @@ def summary(row: Row) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     """One markdown table (all databases, all N)."""
     head = (
-        "| db | N | store call p50/p95 ms | calls/step | step p50 durable / control ms "
+        "| db | N | store call p50/p95 ms | calls/step | step p50 durable / written ahead / control ms "
         "| evict: unwound p50/max ms | cause decided p50 ms | gone < SIGKILL | resumed | requests "
         "| mark failed: PATCH ok | → kill / → gone p50 ms | its cause decided p50/max ms "
         "| not user | retried | RSS/PSS per task MiB (bare) |"
@@ -503,7 +517,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {s['db']} | {n} | {_fmt(s['store_p50_ms'], 1)} / {_fmt(s['store_p95_ms'], 1)} "
             f"| {_fmt(s['calls_per_step'], 2)} "
-            f"| {_fmt(s['step_durable_p50_ms'])} / {_fmt(s['step_control_p50_ms'])} "
+            f"| {_fmt(s['step_durable_p50_ms'])} / {_fmt(s.get('step_write_ahead_p50_ms'))} "
+            f"/ {_fmt(s['step_control_p50_ms'])} "
             f"| {_fmt(s['evict_unwound_p50_ms'])} / {_fmt(s['evict_unwound_max_ms'])} "
             f"| {_fmt(s['evict_cause_p50_ms'])} | {s['evict_gone_before_sigkill']}/{n} "
             f"| {s['evict_resumed']}/{n} "
@@ -521,6 +536,7 @@ PLOTTED = (
     ("store_p50_ms", "journal store call p50 (ms)"),
     ("calls_per_step", "store calls per step"),
     ("step_durable_p50_ms", "step p50 durable (ms)"),
+    ("step_write_ahead_p50_ms", "step p50 durable, written ahead (ms)"),
     ("step_control_p50_ms", "step p50 control (ms)"),
     ("evict_unwound_max_ms", "eviction storm: unwound max (ms)"),
     ("mf_reached_p50_ms", "mark failed → kill reached p50 (ms)"),

@@ -4,7 +4,9 @@ The job: a 6-step agent against the local model server (``steps``: one ``work`` 
 response, then an answer; 7 model requests uninterrupted), whose tool takes ``FLEET_TOOL_S``
 (0.2 s). Each DAG is triggered once per fleet member (one run each, all at once):
 
-* ``fleet_durable`` / ``fleet_control``: the job with ``durable=True`` / ``False``, uninterrupted.
+* ``fleet_durable`` / ``fleet_control``: the job with ``durable=True`` / ``False``, uninterrupted;
+  ``fleet_write_ahead``: durable with ``durable_write_ahead=True`` (each step stored before its
+  tool starts, as every step was before the journal wrote beside the tools).
 * ``fleet_storm``: durable; the model response after step 3 streams slowly the first time, so
   every member is mid-stream when the benchmark SIGTERMs all supervisors (an eviction storm); the
   retry resumes.
@@ -109,7 +111,7 @@ def _dag(dag_id: str, retries: int) -> DAG:
     )
 
 
-def _agent(model: str, durable: bool) -> AgentOperator:
+def _agent(model: str, durable: bool, write_ahead: bool = False) -> AgentOperator:
     return AgentOperator(
         task_id="agent",
         prompt=PROMPT,
@@ -118,12 +120,16 @@ def _agent(model: str, durable: bool) -> AgentOperator:
         stream=True,
         tools=[work],
         durable=durable,
+        durable_write_ahead=write_ahead,
         pre_execute=begin_try,
     )
 
 
 with _dag("fleet_durable", retries=0):
     _agent(MODEL, durable=True)
+
+with _dag("fleet_write_ahead", retries=0):
+    _agent(MODEL, durable=True, write_ahead=True)
 
 with _dag("fleet_control", retries=0):
     _agent(MODEL, durable=False)

@@ -5,16 +5,17 @@ machine; forking a process that has them loaded takes milliseconds. Each try is 
 running one durable run against the local model server (real HTTP), journaled into files under
 an ``ObjectStoragePath`` (``PathStore``): the parent SIGKILLs it, really, at the moment it chooses.
 
-Protocol: one JSON command per stdin line, ``{"try": N, "store": URL, "lines": PATH, "stop_after": K,
-"block_in": S, "release": PATH, "wait": true, "parallel": false, "flush": F}``; events
-as JSON lines on the fd in ``EVENTS_FD``: ``started`` (pid), ``recorded`` (the child appended its
-K-th entry and now waits to be killed), ``tool_running`` (step S wrote its line and blocks until
-the file ``release`` exists, if given), ``completed``, ``cancelled`` (cause, detail) and ``exited``
-(status as ``os.waitstatus_to_exitcode``; only for ``wait``: the others run beside the next try).
-``flush``: the journal's ``returns_flush_s`` (``0``: each tool's return is appended at once, a
-boundary of its own). ``parallel``: one model response calls ``fetch`` and ``slow`` at once;
-``slow`` (try 1 only) emits ``tool_running`` and blocks; ``tool_result_recorded`` says a
-parallel call's result was appended.
+Protocol: one JSON command per stdin line, ``{"try": N, "store": URL, "lines": PATH, "stop_after":
+K, "block_in": S, "release": PATH, "wait": true, "parallel": false, "flush": F, "write_ahead":
+false}``; events as JSON lines on the fd in ``EVENTS_FD``: ``started`` (pid), ``recorded`` (the
+child appended its K-th entry and now waits to be killed), ``tool_running`` (step S wrote its line
+and blocks until the file ``release`` exists, if given), ``completed``, ``cancelled`` (cause,
+detail) and ``exited`` (status as ``os.waitstatus_to_exitcode``; only for ``wait``: the others run
+beside the next try). ``flush``: the journal's ``returns_flush_s`` (``0``: each tool's return is
+appended at once, a boundary of its own). ``write_ahead``: the journal's (each step stored before
+its tools start, so the run stops dead at a boundary a ``stop_after`` store sleeps in).
+``parallel``: one model response calls ``fetch`` and ``slow`` at once; ``slow`` (try 1 only) emits
+``tool_running`` and blocks; ``tool_result_recorded`` says a parallel call's result was appended.
 Single-threaded between forks, so forking is safe.
 """
 
@@ -70,6 +71,7 @@ def run_try(
     release: str | None,
     parallel: bool = False,
     flush: float | None = None,
+    write_ahead: bool = False,
 ) -> None:
     behaviour = (
         "tools?names=fetch,slow&then=all+done" if parallel else f"steps?name=step&count={STEPS}&then=all+done"
@@ -110,7 +112,7 @@ def run_try(
 
     scope = TaskCancellation(f"try{try_number}")
     store = KilledAtBoundary(ObjectStoragePath(store_url))
-    journal = Journal(store, try_number=try_number, scope=scope)
+    journal = Journal(store, try_number=try_number, scope=scope, write_ahead=write_ahead)
     if flush is not None:
         journal.returns_flush_s = flush
     try:
@@ -164,6 +166,7 @@ def main() -> None:
                     command.get("release"),
                     command.get("parallel", False),
                     command.get("flush"),
+                    command.get("write_ahead", False),
                 )
             except BaseException as exc:
                 emit("failed", error=repr(exc))

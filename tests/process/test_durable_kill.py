@@ -22,6 +22,7 @@ import pytest
 from benchmarks.taskproc import STARTUP, TaskChild
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
+from tests.process.trees import eventually
 
 pytestmark = pytest.mark.process
 
@@ -101,7 +102,9 @@ def test_sigkill_at_every_step_boundary_redoes_no_completed_step(
 ) -> None:
     """Try k is SIGKILLed right after it appended one more entry; the next try goes on from there.
 
-    With each tool's return appended at once (``flush: 0``), 2 * STEPS entries (per step: the
+    Written ahead (each entry stored before the run goes on, so the store that sleeps after its
+    k-th entry stops the run right at that boundary) and with each tool's return appended at
+    once (``flush: 0``): 2 * STEPS entries (per step: the
     response that calls the tool, then the tool's return): as many killed tries, then one that
     finishes. Over all of them the model is asked exactly as often as in one uninterrupted run,
     and every tool runs exactly once.
@@ -109,13 +112,13 @@ def test_sigkill_at_every_step_boundary_redoes_no_completed_step(
     entries = 2 * STEPS
     kinds = []
     for try_number in range(1, entries + 1):
-        pid = zygote.run_try(try_number, stop_after=1, flush=0)
+        pid = zygote.run_try(try_number, stop_after=1, flush=0, write_ahead=True)
         recorded = zygote.next_of("recorded", "failed")
         assert recorded["event"] == "recorded", f"{recorded}\n{zygote.tail()}"
         assert recorded["entries"] == try_number, "each try appended exactly the next entry"
         kinds.append(recorded["kind"])
         zygote.kill(pid)
-    done = _finish(zygote, entries + 1)
+    done = _finish(zygote, entries + 1, write_ahead=True)
     assert done["resumed_messages"] == entries + 1  # and the prompt
     assert kinds == ["step"] * entries
     assert model_server.request_count == STEPS + 1, "a completed model request was made again"
@@ -124,11 +127,18 @@ def test_sigkill_at_every_step_boundary_redoes_no_completed_step(
     print(f"\n[durable] {entries} SIGKILLs at step boundaries: {model_server.request_count} model requests")
 
 
+@pytest.mark.parametrize("write_ahead", [True, False])
 def test_sigkill_during_a_tool_reruns_exactly_that_tool_once(
-    zygote: Zygote, model_server: ScriptedModelServer
+    zygote: Zygote, model_server: ScriptedModelServer, write_ahead: bool
 ) -> None:
-    pid = zygote.run_try(1, block_in=2)
+    """Written ahead, the tool's step is stored before the tool starts: a SIGKILL at its first
+    line reruns it as a known re-run. Otherwise the step is stored while the tool runs: killed
+    once it is there, the same."""
+    pid = zygote.run_try(1, block_in=2, write_ahead=write_ahead)
     zygote.next_of("tool_running")
+    step_2 = zygote.store / "cancellable_agents.durable.0.try1.1.json"
+    assert write_ahead is False or step_2.exists(), "written ahead: stored before the tool started"
+    assert eventually(step_2.exists, timeout=30), "the step that runs tool 2 was never stored"
     zygote.kill(pid)
     assert model_server.request_count == 2
     _finish(zygote, 2)

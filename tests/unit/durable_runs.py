@@ -83,7 +83,14 @@ class Task:
         """One try: the run's result, or the :class:`TaskCancelled` it raised (the runner ended
         the journal either way)."""
         scope = TaskCancellation(f"try{try_number}")
-        names = ("resume_after_clear", "usage_spans_tries", "clear_count", "returns_flush_s", "owner_check_s")
+        names = (
+            "resume_after_clear",
+            "usage_spans_tries",
+            "clear_count",
+            "returns_flush_s",
+            "owner_check_s",
+            "write_ahead",
+        )
         options = {k: kwargs.pop(k) for k in names if k in kwargs}
         journal = Journal(store, try_number=try_number, scope=scope, **options)
         with scope.activate():

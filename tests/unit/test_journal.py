@@ -36,11 +36,11 @@ from tests.unit.durable_runs import (
 )
 
 
-def test_every_step_is_in_the_store_before_its_tools_run() -> None:
+def test_written_ahead_every_step_is_in_the_store_before_its_tools_run() -> None:
     store = MemoryStore()
     seen: list[int] = []
     task = Task(on_call=lambda n: seen.append(entries(store.data)))
-    task.run(store, 1)
+    task.run(store, 1, write_ahead=True)
     # Before tool n runs: n entries, the n-th ending with the response that calls it.
     assert seen == list(range(1, STEPS + 1))
     assert task.script.requests == STEPS + 1
@@ -290,7 +290,10 @@ def test_usage_limits_can_span_tries() -> None:
     assert result.output == "all done", "without the option, the limit counts this try only"
 
 
-def test_an_older_try_may_not_append_once_a_newer_try_took_over(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("write_ahead", [True, False])
+def test_an_older_try_may_not_append_once_a_newer_try_took_over(
+    caplog: pytest.LogCaptureFixture, write_ahead: bool
+) -> None:
     store = MemoryStore()
     newer: list[Any] = []
     evicted = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
@@ -304,10 +307,13 @@ def test_an_older_try_may_not_append_once_a_newer_try_took_over(caplog: pytest.L
 
     old = Task(on_call=start_try_2)
     with caplog.at_level(logging.WARNING, logger="cancellable_agents.durable"):
-        outcome, _journal, scope = old.run(store, 1, owner_check_s=0)  # it looks before each append
+        outcome, _journal, scope = old.run(store, 1, owner_check_s=0, write_ahead=write_ahead)
     assert isinstance(outcome, TaskCancelled), "the superseded try cancels itself"
     assert scope.cause is CancelCause.EVICTION and "superseded by try 2" in scope.cause_detail
-    assert old.calls == [(1, False), (2, False)], "try 1 went no further"
+    # It looks before each append: written ahead, before the step's tool starts; otherwise beside
+    # the tool, which may have started and is then cancelled.
+    assert old.calls[:2] == [(1, False), (2, False)], old.calls
+    assert len(old.calls) == 2 if write_ahead else len(old.calls) <= 3, "try 1 went no further"
     exc, journal2, _ = newer[0]
     assert isinstance(exc, TaskCancelled) and journal2.resume is not None
     messages = [r.getMessage() for r in caplog.records]
@@ -469,3 +475,28 @@ def test_a_lone_tool_call_adds_no_entry_of_its_own() -> None:
     store = Snapshots()
     Task().run(store, 1)
     assert not any('"tool_result"' in value for snapshot in store.taken for value in snapshot.values())
+
+
+def test_a_step_is_stored_while_its_tool_runs() -> None:
+    """By default a step's store call is off the step's path: this store's call for step n
+    waits until tool n has started, which only a journal that writes beside the tools lets
+    happen (one that writes first would wait 2 s per step here, and fail)."""
+    started = {n: threading.Event() for n in range(1, STEPS + 1)}
+    overlapped: list[bool] = []
+
+    @dataclass
+    class WaitsForTheTool(MemoryStore):
+        steps: int = 0
+
+        def set(self, key: str, value: Any) -> None:
+            if value["kind"] == "step":
+                self.steps += 1
+                overlapped.append(started[self.steps].wait(2))
+            super().set(key, value)
+
+    store = WaitsForTheTool()
+    task = Task(on_call=lambda n: started[n].set())
+    result, _, _ = task.run(store, 1)
+    assert result.output == "all done" and [n for n, _ in task.calls] == list(range(1, STEPS + 1))
+    assert overlapped == [True] * STEPS, "each step's store call was still going when its tool started"
+    assert store.writes == STEPS + 1, "every step and the end stored"

@@ -57,6 +57,7 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
         clear_count=_clear_number(context),
         on_step_written=step_write_timer(operator),
         returns_flush_s=_flush_after(operator),
+        write_ahead=bool(getattr(operator, "durable_write_ahead", False)),
         answers=_answers(operator, str(run_index)),
     )
 

@@ -48,6 +48,7 @@ _DURABLE_SETTINGS = (
     "resume_after_clear",
     "usage_limits_span_tries",
     "durable_flush_after",
+    "durable_write_ahead",
     "approval_timeout",
     "approval_timeout_default",
 )
@@ -84,6 +85,9 @@ class CancellableAgentMixin:
         model response (one store call per step) before they are written alone; only a SIGKILL
         in that window reruns a tool that had returned. ``0``: at once (two calls per step).
         Default: ``cancellable_agents.durable.journal.RETURNS_FLUSH_S`` (1 s).
+    :param durable_write_ahead: write each step before its tools start instead of while they
+        run (default ``False``): a tool started just before a SIGKILL is then always known to
+        the next try as a re-run, for one store round trip on every step's path.
     :param approval_timeout: how long a task whose run awaits a tool's approval waits for the
         answer (a ``timedelta``; default: no limit). docs/content/approvals.md.
     :param approval_timeout_default: when nobody answers in time: ``"reject"`` (the model is
@@ -103,6 +107,7 @@ class CancellableAgentMixin:
     resume_after_clear: bool = False
     usage_limits_span_tries: bool = False
     durable_flush_after: float | None = None
+    durable_write_ahead: bool = False
     approval_timeout: timedelta | None = None
     approval_timeout_default: str = "reject"
     genai_spans: Any = None

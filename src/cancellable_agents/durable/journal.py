@@ -5,15 +5,19 @@ The record lives in a key-value store that survives the task's retries (Airflow 
 store, or files under an ``ObjectStoragePath``). It is written while the run goes, never at kill
 time (a SIGKILL leaves no time), one store call per step: when a model response calls tools, the
 messages not yet written (the tool returns the request carried, and the response) are appended
-as one entry, before the tools run. So a kill never costs a model request that was answered,
-and the cost of a step does not grow with the history. The tool returns wait for the next
-response to ride along, unless that request is still unanswered after ``returns_flush_s`` (then
-they are appended alone, while the model works); a cancelled try writes them with its end. So
-only a SIGKILL in that window reruns a call that had returned (and the call knows it is a
-rerun). Of a model response with several tool calls (parallel calls), each call's result is also
-appended as it arrives, while its siblings still run: a kill then reruns only the calls that had
-not returned. Each try writes only keys of its own, so fencing needs no read before a write.
-The layout and its checks: :mod:`cancellable_agents.durable.record`.
+as one entry, written while the tools run (:mod:`~cancellable_agents.durable.writer`: the next
+append, and every end, waits for it). So a stop that lets the try unwind never costs a model
+request that was answered; a SIGKILL within that write (tens of ms) asks the model again, and a
+call started in it is not known to the next try as a rerun (``write_ahead=True`` writes before
+the tools start, one round trip on each step's path). The cost of a step does not grow with the
+history. The tool returns wait for the next response to ride along, unless that request is still
+unanswered after ``returns_flush_s`` (then they are appended alone, while the model works); a
+cancelled try writes them with its end. So only a SIGKILL in that window reruns a call that had
+returned (and the call knows it is a rerun). Of a model response with several tool calls
+(parallel calls), each call's result is also appended as it arrives, while its siblings still
+run: a kill then reruns only the calls that had not returned. Each try writes only keys of its
+own, so fencing needs no read before a write. The layout and its checks:
+:mod:`cancellable_agents.durable.record`.
 
 The next try resumes from the record when the previous one was evicted, timed out, ended for an
 unknown reason, or died without a word; a user's stop (Clear) starts fresh unless
@@ -76,6 +80,7 @@ from cancellable_agents.durable.record import (
 from cancellable_agents.durable.resume import ResumeInfo, active_resume
 from cancellable_agents.durable.stores import ListableStore, Store
 from cancellable_agents.durable.usage import TryUsage, add_usage, minus_usage, total_usage
+from cancellable_agents.durable.writer import StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +102,8 @@ SANDBOX_NOTE = (
 class Journal:
     """One run's continuity record in one try: resume from it, append to it, end it.
 
-    Used from the run's main thread only (the store may not be called from a signal handler):
+    Used from the run's main thread only (the store may not be called from a signal handler;
+    appends are stored by a :class:`StoreWriter` thread, one at a time, in order):
     :meth:`attach` before the run, :meth:`step` after each graph step (by the capability it
     adds), :meth:`cancelled` then :meth:`write_end`, or :meth:`completed`, after the run. That
     order is kept in one place, ``run.runner._run_journaled``: pass the journal to
@@ -111,12 +117,15 @@ class Journal:
         ``dag_run.clear_number``); a try cleared away cannot write its end, so a count that grew
         since the previous try began means that try was cleared.
     :param on_step_written: called with the milliseconds each recorded step took to write
-        (one store call; with the ownership check when it is due), on the run's loop: how the
+        (one store call; with the ownership check when it is due), on the writer's thread: how the
         Airflow side times the journal without this module knowing about metrics. It must be
         quick; what it raises is ignored.
     :param returns_flush_s: how long tool returns wait to ride along with the next model
         response's entry before they are appended on their own (``0``: at once, two store calls
         per step). It bounds the window in which a SIGKILL reruns a call that had returned.
+    :param write_ahead: store each step's entry before its tools start (the run waits for the
+        round trip) instead of while they run: a call started just before a SIGKILL is then
+        always known to the next try as a rerun, at the cost of one store round trip per step.
     :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
         the task took over, and cancels itself if so (``0``: before every append). Fencing does
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
@@ -139,6 +148,7 @@ class Journal:
     on_step_written: Callable[[float], None] | None = None
     returns_flush_s: float = RETURNS_FLUSH_S
     owner_check_s: float = OWNER_CHECK_S
+    write_ahead: bool = False
     answers: dict[str, Decision] | None = None
     resume: ResumeInfo | None = None
     earlier: list[TryUsage] = field(default_factory=list)
@@ -146,6 +156,7 @@ class Journal:
     _head: dict[str, Any] = field(default_factory=dict)
     _seq: int = 0  # the next entry's index in the whole record
     _own: int = 0  # entries this try appended (its segment's next index)
+    _stored_any: bool = False  # this try's segment has an entry in the store (writer's thread)
     _prev: str = ""
     _written: int = 0
     _pending: list[ModelMessage] = field(default_factory=list)  # tool returns not yet appended
@@ -161,6 +172,7 @@ class Journal:
     _replay: dict[str, Any] = field(default_factory=dict)
     #: This try's usage before an approval pause it continues (added to the run's own).
     _paused: TryUsage | None = None
+    _writer: StoreWriter = field(default_factory=StoreWriter)
 
     @property
     def key(self) -> str:
@@ -317,6 +329,7 @@ class Journal:
             self._prev = loaded.last_hash
             if loaded.owner_try == self.try_number:  # continuing this try after an approval pause
                 base, self._own = loaded.head["base"], loaded.segments[-1][1]
+                self._stored_any = self._own > 0
                 self._paused = next((t for t in tries if t.try_number == self.try_number), None)
         self._head = {
             "format": FORMAT,
@@ -376,16 +389,13 @@ class Journal:
     def _write_step(self, new: list[ModelMessage], written: int) -> None:
         if not new:  # a resumed response whose tools run again: already in the record
             return
-        started = time.perf_counter()
+        entry = {"kind": "step", "messages": [dump_message(m) for m in new]}
         try:
-            if not self._still_owner():
-                return
-            self._append({"kind": "step", "messages": [dump_message(m) for m in new]})
+            self._append(entry, land=self.write_ahead, owned=True, timed=True)
         except Exception as exc:
             self._disable(f"appending a step failed ({exc!r}); later steps are not recorded")
             return
         self._written, self._pending = written, []
-        self._step_written((time.perf_counter() - started) * 1000)
 
     def _flush_returns_later(self) -> None:
         """Append the pending tool returns ``returns_flush_s`` from now unless the response comes
@@ -435,21 +445,20 @@ class Journal:
             value = to_jsonable_python(result)
         except Exception:
             return
+        entry = {
+            "kind": "tool_result",
+            "tool_call_id": call.tool_call_id,
+            "tool": call.tool_name,
+            "result": value,
+        }
         try:
-            if self._still_owner():
-                self._append(
-                    {
-                        "kind": "tool_result",
-                        "tool_call_id": call.tool_call_id,
-                        "tool": call.tool_name,
-                        "result": value,
-                    }
-                )
+            self._append(entry, land=False, owned=True)
         except Exception as exc:
             self._disable(f"appending a tool result failed ({exc!r}); later steps are not recorded")
 
     def _still_owner(self) -> bool:
-        """No newer try took over, looked up at most every ``owner_check_s``: fencing does not
+        """(On the writer's thread.) No newer try took over, looked up at most every
+        ``owner_check_s``: fencing does not
         need this (a stale try's appends land under its own keys, past what any newer try
         reads), it only stops a stale try's wasted work. Two reads when due, none otherwise."""
         now = self.clock()
@@ -458,7 +467,7 @@ class Journal:
         self._next_check = now + self.owner_check_s
         newer = self.try_number + 1
         if self.store.get(segment_key(self.key, newer, 0)) is None:
-            if self._own and self.store.get(segment_key(self.key, self.try_number, 0)) is None:
+            if self._stored_any and self.store.get(segment_key(self.key, self.try_number, 0)) is None:
                 self._disable(
                     "the record was deleted while the run went on; later steps are not recorded",
                     RecordingOff.DELETED,
@@ -476,8 +485,16 @@ class Journal:
             self.scope.cancel(CancelCause.EVICTION, detail=f"superseded by try {newer} of the same task")
         return False
 
-    def _append(self, body: dict[str, Any]) -> None:
-        """One entry, chained, under this try's own key; the first carries the head."""
+    def _append(
+        self, body: dict[str, Any], *, land: bool = True, owned: bool = False, timed: bool = False
+    ) -> None:
+        """One entry, chained, under this try's own key; the first carries the head.
+
+        Stored by the writer: ``land`` waits until it is (raising what the store raised);
+        otherwise the run goes on and the next append, or :meth:`_settle`, waits for it.
+        ``owned``: stored only if no newer try took over; ``timed``: its time goes to
+        ``on_step_written``.
+        """
         body = {
             **body,
             "i": self._seq,
@@ -488,10 +505,30 @@ class Journal:
         if self._own == 0:
             body["head"] = self._head
         digest = chain(self._prev, body)
-        self.store.set(segment_key(self.key, self.try_number, self._own), {**body, "h": digest})
+        key, entry = segment_key(self.key, self.try_number, self._own), {**body, "h": digest}
         self._seq += 1
         self._own += 1
         self._prev = digest
+        self._writer.submit(lambda: self._store(key, entry, owned=owned, timed=timed))
+        if land:
+            self._writer.wait()
+
+    def _store(self, key: str, entry: dict[str, Any], *, owned: bool, timed: bool) -> None:
+        """(On the writer's thread.) One store call, unless a newer try took over."""
+        started = time.perf_counter()
+        if owned and not self._still_owner():
+            return
+        self.store.set(key, entry)
+        self._stored_any = True
+        if timed:
+            self._step_written((time.perf_counter() - started) * 1000)
+
+    def _settle(self) -> None:
+        """Wait for the append in flight; one that failed turns the record off (one warning)."""
+        try:
+            self._writer.wait()
+        except Exception as exc:
+            self._disable(f"appending to the record failed ({exc!r}); later steps are not recorded")
 
     # -- after the run -----------------------------------------------------------------------
 
@@ -519,6 +556,7 @@ class Journal:
         API call that a busy API server answers seconds later (measured 3.7 s under load, 5 s
         when it stalls on SQLite), and the task is SIGKILLed 5 s after the SIGTERM."""
         end, self._end = self._end, None
+        self._settle()
         if end is None or self._off is not None:
             return
         if self._pending:
@@ -540,6 +578,7 @@ class Journal:
         usage = self._this_try(getattr(result, "usage", None))
         self._attach_facts(usage)
         self._reset_resume()
+        self._settle()
         if self._off is not None:
             raise ApprovalNotPossible(f"the run cannot wait for approval: its record is off ({self._off})")
         self._append(
@@ -597,8 +636,10 @@ class Journal:
         return this_try
 
     def detach(self) -> None:
-        """The run ended any other way (an ordinary failure): keep the record, forget the resume."""
+        """The run ended any other way (an ordinary failure): keep the record (its last append
+        stored), forget the resume."""
         self._stop_flush_timer()
+        self._settle()
         self._reset_resume()
 
     def _reset_resume(self) -> None:

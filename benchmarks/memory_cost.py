@@ -1,0 +1,88 @@
+"""What the provider adds to a task process's memory, beside what pydantic-ai itself costs.
+
+The fleet benchmark measures an agent task against a bare ``@task`` (``benchmarks/fleet.py``,
+memory phase); the difference holds pydantic-ai's import and first run, which are not ours. Here,
+in fresh interpreters side by side (``--reps`` rounds, the variants interleaved), each starting
+from ``import airflow.sdk``:
+
+- **plain**: a pydantic-ai agent (OpenAI model, one tool) runs a 3-step job against the local
+  model server with ``Agent.run_sync``: pydantic-ai's import and first-run cost;
+- **ours**: the same job through :func:`run_agent_in_scope` with a durable journal, the provider's
+  operators imported: the plain cost plus the provider's.
+
+Prints the RSS added over ``airflow.sdk`` alone (median of the rounds) and the difference.
+``.venv/bin/python -m benchmarks.memory_cost``; not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, sys
+import psutil
+import airflow.sdk
+
+def rss():
+    return psutil.Process().memory_info().rss / 2**20
+
+base = rss()
+from pydantic_ai import Agent
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+from cancellable_agents.testing.openai_server import ScriptedModelServer
+
+server = ScriptedModelServer()
+server.start()
+provider = OpenAIProvider(base_url=server.base_url, api_key="x")
+agent = Agent(OpenAIChatModel("steps?name=work&count=3&then=done", provider=provider))
+
+@agent.tool_plain
+def work(n: int) -> str:
+    return "ok"
+
+if sys.argv[1] == "ours":
+    import cancellable_agents.operators  # noqa: F401
+    from cancellable_agents.core.scope import TaskCancellation
+    from cancellable_agents.durable import Journal, MemoryStore
+    from cancellable_agents.run.runner import run_agent_in_scope
+
+    scope = TaskCancellation("memory")
+    with scope.activate():
+        run_agent_in_scope(scope, agent, "go", journal=Journal(MemoryStore(), try_number=1, scope=scope))
+else:
+    agent.run_sync("go")
+server.stop()
+print(json.dumps({"added_mib": rss() - base}))
+"""
+
+
+def measure(variant: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, variant], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["added_mib"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    added: dict[str, list[float]] = {"plain": [], "ours": []}
+    for _ in range(args.reps):
+        for variant in added:
+            added[variant].append(measure(variant))
+    plain, ours = (statistics.median(added[v]) for v in ("plain", "ours"))
+    print(f"| variant | RSS added over `import airflow.sdk` (median of {args.reps}) |")
+    print("|---|---|")
+    print(f"| pydantic-ai agent, `run_sync` | {plain:.1f} MiB |")
+    print(f"| the same through the provider, durable | {ours:.1f} MiB |")
+    print(f"| the provider's own | {ours - plain:+.1f} MiB |")
+
+
+if __name__ == "__main__":
+    main()
