@@ -554,7 +554,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    fig, axes = plt.subplots(3, 3, figsize=(14, 10))
     for ax, (key, title) in zip(axes.flat, PLOTTED, strict=True):
         for db in sorted({r["db"] for r in rows}):
             points = [(r["n"], r[key]) for r in rows if r["db"] == db and r[key] is not None]
