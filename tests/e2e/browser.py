@@ -1,9 +1,9 @@
 """Headless Chromium (the Debian package) driven over the DevTools protocol, for UI checks.
 
-Only what the UI tests need: open a page with the UI's auth cookie, wait for text to render,
-read the page's text, click, take a screenshot. Chromium runs in its own session with a fresh
-profile directory and no network beyond loopback (no sync, no component updates, no QUIC);
-``close`` ends exactly the process group it started.
+Only what the UI tests need: log in as the UI does, open a page with its auth cookie, wait for
+text to render, read the page's text, click, type into a field, take a screenshot. Chromium runs in
+its own session with a fresh profile directory and no network beyond loopback (no sync, no
+component updates, no QUIC); ``close`` ends exactly the process group it started.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ FLAGS = (
 def chromium_binary() -> str | None:
     """The Debian package's ``chromium`` (``make system-deps`` installs it), if installed."""
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def ui_cookie(url: str, username: str, password: str) -> tuple[str, str, str]:
+    """The UI's session cookie for ``Chromium.page``, as the UI's login page gets it."""
+    response = httpx.post(f"{url}/auth/token", json={"username": username, "password": password}, timeout=30)
+    assert response.status_code == 201, response.text
+    return "_token", response.json()["access_token"], url
 
 
 class Page:
@@ -100,14 +107,32 @@ class Page:
         if not self.evaluate(script):
             raise AssertionError(f"no <{tag}> labelled {label!r} on the page:\n{self.text()[-2000:]}")
 
-    def wait_for_response(self, url_part: str, timeout: float = 30.0) -> tuple[int, str]:
-        """Status and body of the first response whose URL contains ``url_part`` (the page
-        must have sent ``Network.enable`` before the request)."""
+    def type_into(self, selector: str, text: str) -> None:
+        """Focus the element matching the CSS ``selector`` and type ``text`` into it as the
+        keyboard does (a value set from script is not seen by the UI's React form state)."""
+        script = (
+            f"(() => {{ const el = document.querySelector({json.dumps(selector)}); if (!el) return false; "
+            "el.focus(); return document.activeElement === el; })()"
+        )
+        if not self.evaluate(script):
+            raise AssertionError(f"no focusable {selector!r} on the page:\n{self.text()[-2000:]}")
+        self.call("Input.insertText", text=text)
+
+    def wait_for_response(
+        self, url_part: str, timeout: float = 30.0, method: str | None = None
+    ) -> tuple[int, str]:
+        """Status and body of the first response whose URL contains ``url_part`` (to a ``method``
+        request, if given: the UI also reads what it writes; the page must have sent
+        ``Network.enable`` before the request)."""
 
         def finished() -> tuple[int, str] | None:
             self.call("Runtime.evaluate", expression="0")  # drains the events received so far
             sent = [e for e in self.events if e["method"] == "Network.responseReceived"]
             ids = {e["params"]["requestId"]: e for e in sent if url_part in e["params"]["response"]["url"]}
+            if method is not None:
+                requests = [e["params"] for e in self.events if e["method"] == "Network.requestWillBeSent"]
+                asked = {r["requestId"] for r in requests if r["request"]["method"] == method}
+                ids = {request_id: e for request_id, e in ids.items() if request_id in asked}
             for event in self.events:
                 request_id = event["params"].get("requestId")
                 if event["method"] == "Network.loadingFinished" and request_id in ids:

@@ -21,6 +21,7 @@ import pytest
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
+from tests.e2e.browser import Chromium, chromium_binary
 from tests.e2e.driver import PATHS, PathResult, drive
 from tests.e2e.pod_executor import POD_EXECUTOR_CONFIG
 from tests.e2e.procs import kill_marked, marked_processes
@@ -163,3 +164,15 @@ def _await_dags(
     wait_until(
         parsed, timeout, "the dag-processor to parse tests/e2e/dags", interval=0.25, on_timeout=stack.logs
     )
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
+    """Headless Chromium (the Debian package) for a module's UI tests; skipped, saying so, where
+    it is not installed."""
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("chromium is not installed (`make system-deps` installs the Debian package)")
+    browser = Chromium(binary, tmp_path_factory.mktemp("chromium-profile"))
+    yield browser
+    browser.close()

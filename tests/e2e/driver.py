@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -334,6 +334,17 @@ def _survivors(env: E2EEnv, result: PathResult, timeout: float = 3.0) -> dict[in
     return alive
 
 
+@contextlib.contextmanager
+def explained(env: E2EEnv, result: PathResult) -> Iterator[None]:
+    """Re-raise a driver error or a failed assertion with the logs that explain it."""
+    try:
+        if result.error is not None:
+            raise AssertionError(f"{result.path}: {result.error!r}") from result.error
+        yield
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{diagnostics(env, result)}") from exc
+
+
 def diagnostics(env: E2EEnv, result: PathResult) -> str:
     """Component log tails, the task log files of this run and what was observed, for failures."""
     parts = [
@@ -341,6 +352,7 @@ def diagnostics(env: E2EEnv, result: PathResult) -> str:
         f"supervisor={result.supervisor_pid} states_seen={result.states_seen} run_state={result.run_state}",
         f"callbacks fired: {result.callbacks_fired}",
         f"model request: {result.request}",
+        f"notes: {result.notes}",
         env.stack.logs(lines=40),
     ]
     for log_file in env.stack.task_log_files(result.dag_id, result.run_id, TASK_ID):

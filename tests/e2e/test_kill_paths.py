@@ -10,7 +10,6 @@ the 5 s Airflow allows before SIGKILL.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +20,7 @@ from cancellable_agents.airflow.mixin import CancellableAgentMixin
 from cancellable_agents.core.report import RetryOutlook, unwound_ms
 from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv, KilledRuns
 from tests.e2e.dags.kill_paths import EXECUTION_TIMEOUT_S
-from tests.e2e.driver import TASK_ID, PathResult, diagnostics
+from tests.e2e.driver import TASK_ID, PathResult, explained
 from tests.statsd_receiver import StatsdReceiver, metric_tags, metric_value
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -42,17 +41,6 @@ def outcomes(e2e: E2EEnv, killed_runs: KilledRuns) -> Iterator[dict[str, PathRes
     print(f"\n[e2e] Airflow ready in {e2e.ready_s:.1f}s; the paths took {took:.1f}s in parallel")
     for result in killed_runs.results.values():
         print(_measurements(result))
-
-
-@contextlib.contextmanager
-def explained(e2e: E2EEnv, result: PathResult) -> Iterator[None]:
-    """Re-raise a driver error or a failed assertion with the logs that explain it."""
-    try:
-        if result.error is not None:
-            raise AssertionError(f"{result.path}: {result.error!r}") from result.error
-        yield
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{diagnostics(e2e, result)}") from exc
 
 
 def _the_record(result: PathResult, cause: str, detail: str) -> dict[str, Any]:

@@ -8,14 +8,13 @@ where it is not installed. Adds ~15-25 s to the e2e session (one browser, two pa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.airflow_stack import ADMIN_USER
-from tests.e2e.browser import Chromium, chromium_binary
+from tests.e2e.browser import Chromium
 from tests.e2e.conftest import E2EEnv, KilledRuns
 from tests.e2e.driver import TASK_ID
 
@@ -47,16 +46,6 @@ SCROLL_TO_SUMMARY = """
   document.querySelectorAll('*').forEach(e => { if (e.scrollLeft) e.scrollLeft = 0; });
   return true; })()
 """
-
-
-@pytest.fixture(scope="module")
-def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
-    binary = chromium_binary()
-    if binary is None:
-        pytest.skip("chromium is not installed (`make system-deps` installs the Debian package)")
-    browser = Chromium(binary, tmp_path_factory.mktemp("chromium-profile"))
-    yield browser
-    browser.close()
 
 
 @pytest.fixture(scope="module")

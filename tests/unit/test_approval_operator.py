@@ -28,7 +28,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator
 from cancellable_agents.airflow.adapter import has_task_awaiting_input
-from cancellable_agents.airflow.approval import RESUME_METHOD, decisions_from_event
+from cancellable_agents.airflow.approval import LATER_PAUSES_NOTE, RESUME_METHOD, decisions_from_event
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable.approval import ApprovalRequest, PendingCall
 
@@ -132,6 +132,7 @@ def test_the_task_parks_with_the_form_and_continues_from_the_record_after_the_an
     (form,) = forms
     assert form["options"] == ["Approve", "Reject"] and form["defaults"] == ["Reject"]
     assert "The summary is ready." in form["body"] and '"to": "lead"' in form["body"]
+    assert form["body"].endswith(LATER_PAUSES_NOTE), "a later pause in this try shows this form"
     assert form["params"]["arguments"]["value"] == {"to": "lead"}
     assert (counts.requests, counts.sent) == (1, [])
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from pydantic_ai import Agent, RunContext
-from pydantic_ai.messages import AgentStreamEvent
+from pydantic_ai.messages import AgentStreamEvent, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -234,6 +234,29 @@ def test_pydantic_ai_sequential_steps(server: ScriptedModelServer) -> None:
     assert agent.run_sync("go").output == "all done"
     assert called == [1, 2, 3]
     assert len(server.wait_for_finished(4, timeout=2) or []) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_steps_with_a_reason_say_it_beside_each_call(server: ScriptedModelServer, stream: bool) -> None:
+    agent = _agent(server, "steps?name=step&count=2&then=done&reason=I+need+this+step")
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        """One step."""
+        return "ok"
+
+    async def drain(ctx: Any, events: AsyncIterable[AgentStreamEvent]) -> None:
+        async for _ in events:
+            pass
+
+    # Streamed as the operators' stream=True does: every response streamed, the run goes on.
+    messages = agent.run_sync("go", event_stream_handler=drain if stream else None).all_messages()
+    said = [
+        ("".join(p.content for p in m.parts if isinstance(p, TextPart)), [type(p).__name__ for p in m.parts])
+        for m in messages
+        if isinstance(m, ModelResponse) and any(isinstance(p, ToolCallPart) for p in m.parts)
+    ]
+    assert said == [("I need this step", ["TextPart", "ToolCallPart"])] * 2, said
 
 
 def test_pydantic_ai_parallel_tools(server: ScriptedModelServer) -> None:

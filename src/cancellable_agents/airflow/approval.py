@@ -25,6 +25,14 @@ APPROVE, REJECT = "Approve", "Reject"
 RESUME_METHOD = "resume_after_approval"
 #: The form field naming the call its ``arguments`` belong to.
 CALL_FIELD = "tool_call_id"
+#: Under every form: Airflow keeps a task instance's first form (subject, body, fields) for its
+#: later pauses in the same try (3.3.2, ``upsert_hitl_detail``), so a reviewer of a later one
+#: reads an earlier call here.
+LATER_PAUSES_NOTE = (
+    "_If this task asks again later in this try, Airflow keeps showing this first form: the call "
+    'then waiting is named in the task log\'s last "awaiting approval" line, and arguments edited '
+    "here apply only to the call above._"
+)
 #: What to do when nobody answers within ``approval_timeout``.
 TIMEOUT_DEFAULTS = ("reject", "fail")
 
@@ -65,7 +73,7 @@ def park(operator: Any, request: ApprovalRequest, context: Any) -> BaseException
         ti_id=context["task_instance"].id,
         options=[APPROVE, REJECT],
         subject=f"Approve {', '.join(c.tool_name for c in request.calls)}?",
-        body=request.describe(),
+        body=f"{request.describe()}\n\n{LATER_PAUSES_NOTE}",
         defaults=[REJECT] if timeout_default == "reject" else None,
         params=_form(request),
     )

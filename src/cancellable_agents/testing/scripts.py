@@ -23,6 +23,7 @@ Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?
   With ``stall_at=K`` the response after ``K`` tool messages first streams ``tokens`` text tokens ``delay``
   apart (as ``slow``), but only the first time the server sees that conversation (its first user message)
   at that step: a retry of the request (a resumed run repeating its in-flight step) is answered at once.
+  With ``reason=TEXT`` each response that calls the tool also says ``TEXT`` (the model's reason for it).
 * Every behaviour also takes ``delay_first=S``: sleep ``S`` seconds before sending anything (headers
   included), like a slow non-streaming model.
 
@@ -44,8 +45,9 @@ BEHAVIOURS: dict[str, str] = {
     "slow": "slow?tokens=N&delay=S - N tokens 'tok0 tok1 ...', S seconds before each (defaults 50, 0.1)",
     "tool": "tool?name=TOOL&args=JSON&then=TEXT - calls TOOL once, then answers TEXT (default 'done')",
     "tools": "tools?names=A,B&args=JSON&then=TEXT - calls all tools in parallel, then answers TEXT",
-    "steps": "steps?name=TOOL&count=N&then=TEXT&stall_at=K - calls TOOL(n=k) for k = 1..N, one per "
-    "response, then TEXT; the first response after K tool results streams slowly (tokens, delay)",
+    "steps": "steps?name=TOOL&count=N&then=TEXT&stall_at=K&reason=TEXT - calls TOOL(n=k) for k = 1..N, "
+    "one per response (saying reason), then TEXT; the first response after K tool results streams slowly "
+    "(tokens, delay)",
 }
 """Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``."""
 
@@ -54,7 +56,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "slow": frozenset({"tokens", "delay", "delay_first"}),
     "tool": frozenset({"name", "args", "then", "delay_first"}),
     "tools": frozenset({"names", "args", "then", "delay_first"}),
-    "steps": frozenset({"name", "count", "then", "stall_at", "tokens", "delay", "delay_first"}),
+    "steps": frozenset({"name", "count", "then", "stall_at", "tokens", "delay", "delay_first", "reason"}),
 }
 
 
@@ -81,6 +83,8 @@ class Script:
     count: int = 1
     #: ``steps``: the step whose first response stalls (streams ``tokens`` slowly); ``None``: none.
     stall_at: int | None = None
+    #: ``steps``: what a response that calls the tool also says; empty: nothing.
+    reason: str = ""
 
 
 def parse_model(model: str) -> Script:
@@ -107,6 +111,7 @@ def parse_model(model: str) -> Script:
             stall_at=int(_number(params, "stall_at", 0, integer=True)) if "stall_at" in params else None,
             tokens=int(_number(params, "tokens", 50, integer=True)),
             delay=_number(params, "delay", 0.1),
+            reason=params.get("reason", ""),
         )
     if name in ("tool", "tools"):
         return Script(
@@ -209,7 +214,7 @@ def plan_reply(script: Script, messages: list[dict[str, Any]], *, repeated: bool
         call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", script.tool_names[0], json.dumps({"n": done + 1}))
         if done == script.stall_at and not repeated:
             return Reply(pieces=_slow_pieces(script.tokens), piece_delay=script.delay, tool_calls=(call,))
-        return Reply(tool_calls=(call,))
+        return Reply(pieces=_split_tokens(script.reason) if script.reason else (), tool_calls=(call,))
     if any(message.get("role") == "tool" for message in messages):
         return Reply(pieces=_split_tokens(script.then))
     calls = tuple(
@@ -270,6 +275,7 @@ class Completion:
         message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
         if reply.tool_calls:
             message["tool_calls"] = [_tool_call_json(call) for call in reply.tool_calls]
+            message["content"] = "".join(reply.pieces) or None  # what the model said beside its calls
         else:
             message["content"] = "".join(reply.pieces)
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}
