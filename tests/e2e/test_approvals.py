@@ -183,10 +183,13 @@ def test_mark_failed_while_waiting_ends_failed_without_a_retry(e2e: E2EEnv) -> N
 def test_an_unanswered_approval_is_rejected_by_default_after_the_timeout(e2e: E2EEnv) -> None:
     result = _run("timeout", "e2e_approval_timeout")
     _trigger(e2e, result)
-    _await_awaiting_input(e2e, result, 1)
-    # The scheduler's sweep (every trigger_timeout_check_interval, 15 s) answers the default.
+    # The scheduler's sweep (every trigger_timeout_check_interval, 15 s) answers the default. Not
+    # waiting to see the form unanswered first: 1 s after the pause the sweep may answer before
+    # a poll sees it (a CI run did). The form's answer says what happened instead.
     _await_settled(e2e, result, lambda r: r.run_state in ("failed", "success"))
     assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 1)
+    form = e2e.rest.json("GET", _hitl(result))
+    assert form["response_received"] and form["chosen_options"] == ["Reject"], form
     assert _lines(e2e, result) == []
     requests = _conversation(e2e, result)
     assert len(requests) == 2 and "rejected by default" in requests[-1]

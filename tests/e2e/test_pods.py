@@ -360,8 +360,9 @@ def test_a_pod_termination_that_reaches_the_task_evicts_it_and_the_retry_resumes
     load) may not, nor the supervisor's exit. When the task itself was SIGKILLed, its end entry may
     be missing from the record, and the retry then says "died without a word". Nor can the drain
     promise the task *log* its record line: the supervisor ships the task's log lines, and it is
-    SIGKILLed at 2 s with whatever it had not written yet (seen under CI load); the cause is then
-    what the record's end entry says, which the retry names."""
+    SIGKILLed at 2 s with whatever it had not written yet (seen under CI load). Under load both
+    can be cut (a store call then took over 1.9 s): the retry resumes all the same, and says
+    "died without a word"."""
     outcome = pod_runs[name]
     result, end = outcome.result, outcome.run.end
     with judged(e2e, outcome):
@@ -379,10 +380,11 @@ def test_a_pod_termination_that_reaches_the_task_evicts_it_and_the_retry_resumes
             assert left == [], f"the pod was SIGKILLed with {end}"
         _in_a_new_pod(outcome)
         # A task SIGKILLed at the drain may have written its end entry before (one store call,
-        # right after its unwind) or not: the retry says which. Without a logged record, the end
-        # entry is the only word of the cause, so it must be there.
+        # right after its unwind) or not, whether or not its record line reached the log (the
+        # supervisor that ships it is SIGKILLed too): the retry says which. A task gone before
+        # the SIGKILL wrote it.
         ends = ("died without a word", "ended eviction") if result.task_pid in left else ("ended eviction",)
-        _resumed(e2e, outcome, *(ends if record is not None else ("ended eviction",)))
+        _resumed(e2e, outcome, *ends)
 
 
 @pytest.mark.parametrize("name", ["fwd_mark_failed", "fwd_clear", "warm_mark_failed", "warm_clear"])
