@@ -304,6 +304,9 @@ class Row:
     step_durable_ms: list[float] = field(default_factory=list)
     step_control_ms: list[float] = field(default_factory=list)
     step_write_ahead_ms: list[float] = field(default_factory=list)
+    #: The whole machine's busy CPU (all processes: tasks, supervisors, API server, database)
+    #: per step, by steady-state variant: what the journal costs where everything shares the cores.
+    cpu_ms_per_step: dict[str, float] = field(default_factory=dict)
     evict: dict[str, Any] = field(default_factory=dict)
     mark_failed: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, Any] = field(default_factory=dict)
@@ -318,8 +321,10 @@ def steady(fleet: Fleet, row: Row, timeout: float) -> None:
         ("fleet_control", "control", row.step_control_ms),
     )
     for dag_id, name, step_ms in variants:
+        busy_before, steps_before = _busy_cpu_s(), len(step_ms)
         runs = trigger(fleet, dag_id, row.n, name)
         await_runs(fleet, dag_id, runs, timeout)
+        busy = _busy_cpu_s() - busy_before
         for run_id in runs:
             starts = sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
             step_ms.extend((b - a) * 1000 for a, b in itertools.pairwise(starts))
@@ -332,6 +337,14 @@ def steady(fleet: Fleet, row: Row, timeout: float) -> None:
             requests = len(fleet.requests_of(run_id))
             if requests:
                 row.calls_per_step.append(len(calls) / requests)
+        if (steps := len(step_ms) - steps_before) > 0:
+            row.cpu_ms_per_step[name] = busy * 1000 / steps
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the machine spent busy (all cores, all processes) since boot."""
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
 
 
 def evict_storm(fleet: Fleet, row: Row, timeout: float, load: int) -> None:
@@ -481,6 +494,7 @@ def summary(row: Row) -> dict[str, Any]:
         "step_durable_p50_ms": pct(row.step_durable_ms, 0.5),
         "step_control_p50_ms": pct(row.step_control_ms, 0.5),
         "step_write_ahead_p50_ms": pct(row.step_write_ahead_ms, 0.5),
+        "cpu_ms_per_step": row.cpu_ms_per_step,
         "evict_unwound_p50_ms": pct(ev.get("unwound_ms", []), 0.5),
         "evict_unwound_max_ms": pct(ev.get("unwound_ms", []), 1.0),
         "evict_cause_p50_ms": pct(ev.get("cause_decided_ms", []), 0.5),
@@ -507,11 +521,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     """One markdown table (all databases, all N)."""
     head = (
         "| db | N | store call p50/p95 ms | calls/step | step p50 durable / written ahead / control ms "
+        "| machine CPU ms per step, same "
         "| evict: unwound p50/max ms | cause decided p50 ms | gone < SIGKILL | resumed | requests "
         "| mark failed: PATCH ok | → kill / → gone p50 ms | its cause decided p50/max ms "
         "| not user | retried | RSS/PSS per task MiB (bare) |"
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 17]
     for s in rows:
         n = s["n"]
         lines.append(
@@ -519,6 +534,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {_fmt(s['calls_per_step'], 2)} "
             f"| {_fmt(s['step_durable_p50_ms'])} / {_fmt(s.get('step_write_ahead_p50_ms'))} "
             f"/ {_fmt(s['step_control_p50_ms'])} "
+            f"| {_cpu(s.get('cpu_ms_per_step') or {})} "
             f"| {_fmt(s['evict_unwound_p50_ms'])} / {_fmt(s['evict_unwound_max_ms'])} "
             f"| {_fmt(s['evict_cause_p50_ms'])} | {s['evict_gone_before_sigkill']}/{n} "
             f"| {s['evict_resumed']}/{n} "
@@ -530,6 +546,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"({_fmt(s['rss_bare_mib'])}/{_fmt(s['pss_bare_mib'])}) |"
         )
     return "\n".join(lines)
+
+
+def _cpu(per_step: dict[str, float]) -> str:
+    return " / ".join(_fmt(per_step.get(name)) for name in ("durable", "ahead", "control"))
 
 
 PLOTTED = (
