@@ -389,8 +389,8 @@ class Journal:
     def _write_step(self, new: list[ModelMessage], written: int) -> None:
         if not new:  # a resumed response whose tools run again: already in the record
             return
-        entry = {"kind": "step", "messages": [dump_message(m) for m in new]}
         try:
+            entry = {"kind": "step", "messages": [dump_message(m) for m in new]}
             self._append(entry, land=self.write_ahead, owned=True, timed=True)
         except Exception as exc:
             self._disable(f"appending a step failed ({exc!r}); later steps are not recorded")
@@ -458,9 +458,9 @@ class Journal:
 
     def _still_owner(self) -> bool:
         """(On the writer's thread.) No newer try took over, looked up at most every
-        ``owner_check_s``: fencing does not
-        need this (a stale try's appends land under its own keys, past what any newer try
-        reads), it only stops a stale try's wasted work. Two reads when due, none otherwise."""
+        ``owner_check_s``: fencing does not need this (a stale try's appends land under its own
+        keys, past what any newer try reads), it only stops a stale try's wasted work. Two reads
+        when due, none otherwise."""
         now = self.clock()
         if now < self._next_check:
             return True
