@@ -266,7 +266,15 @@ def test_a_run_that_stopped_recording_says_why(statsd: StatsdReceiver, tmp_path:
 
     # One response calls both: each result is appended as it returns, beside its sibling.
     agent: Agent[None, str] = Agent(TestModel(call_tools=["step", "other"]), tools=[step, other])
-    op = AgentOperator(task_id="agent", agent=agent, prompt="go", durable=True, durable_path=str(tmp_path))
+    # Written ahead: the record's folder exists once a tool runs (otherwise it may not yet).
+    op = AgentOperator(
+        task_id="agent",
+        agent=agent,
+        prompt="go",
+        durable=True,
+        durable_path=str(tmp_path),
+        durable_write_ahead=True,
+    )
     op.execute({"ti": TI(1)})
     line = statsd.wait_line("durable.recording_off,")
     assert (metric_tags(line)["reason"], metric_tags(line)["end"]) == ("store_error", "completed"), (
