@@ -310,10 +310,12 @@ def test_an_older_try_may_not_append_once_a_newer_try_took_over(
         outcome, _journal, scope = old.run(store, 1, owner_check_s=0, write_ahead=write_ahead)
     assert isinstance(outcome, TaskCancelled), "the superseded try cancels itself"
     assert scope.cause is CancelCause.EVICTION and "superseded by try 2" in scope.cause_detail
-    # It looks before each append: written ahead, before the step's tool starts; otherwise beside
-    # the tool, which may have started and is then cancelled.
+    # It looks before each append: written ahead, before the step's tool starts, so it goes no
+    # further; otherwise on the writer's thread beside the tool, and the cancel reaches the run
+    # a moment later (a step or two, under load: ci6). Either way it stores nothing more (below).
     assert old.calls[:2] == [(1, False), (2, False)], old.calls
-    assert len(old.calls) == 2 if write_ahead else len(old.calls) <= 3, "try 1 went no further"
+    if write_ahead:
+        assert len(old.calls) == 2, "try 1 went no further"
     exc, journal2, _ = newer[0]
     assert isinstance(exc, TaskCancelled) and journal2.resume is not None
     messages = [r.getMessage() for r in caplog.records]
