@@ -157,7 +157,7 @@ def test_execution_timeout_unwinds_before_sigalrm(spawn_task: Any, model_server:
     before = model_server.request_count
     task = spawn_task("timeout")
     assert model_server.wait_for_request(before + 1, timeout=STARTUP), task.tail()
-    failed = task.expect("task_failed", timeout=30)
+    failed = task.expect("task_failed", timeout=60)
     assert failed["exc_type"] == "TaskCancelled", task.tail()
     assert failed["cause"] == "timeout"
     assert model_server.wait_for_disconnect(timeout=GRACE) is not None

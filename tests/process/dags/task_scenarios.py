@@ -144,9 +144,12 @@ def build_task(scenario: str) -> BaseOperator:
     if scenario == "timeout":
         return LLMOperator(
             prompt="write a lot",
-            model=_model("slow?tokens=600&delay=0.05"),
+            model=_model("slow?tokens=1200&delay=0.05"),
             stream=True,
-            execution_timeout=timedelta(seconds=8),
+            # Long enough for a loaded CI machine to build the agent and send the request (a CI
+            # run took over 6 s for that, so an 8 s timeout's deadline came first); the stream
+            # (60 s) still outlasts it.
+            execution_timeout=timedelta(seconds=30),
             **common,
         )
     if scenario == "timeout_sigalrm":
