@@ -53,6 +53,8 @@ for k in held:
         pass
 print(together)
 """
+#: Touches every page of ``mib`` MiB, then says so.
+HOLDER = "b = bytearray({mib} * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('held')"
 #: Starts up to 60 sleeps, prints how many it could start.
 FORKS = (
     "import subprocess\nn = 0\nfor _ in range(60):\n    try:\n"
@@ -92,6 +94,24 @@ def test_six_processes_cannot_together_hold_more_than_the_sandbox_memory(boxes: 
     result = _box(boxes, limits).run(["python", "-c", SIX_HOLDERS], timeout=60)
     assert result.exit_code == 0, result
     assert int(result.stdout) <= 1, f"{result.stdout.strip()} x 160 MiB held under a 256 MiB sandbox"
+    # The command itself survived; the model reads that the limit ended some of its children.
+    assert result.memory_limit_kills is not None and result.memory_limit_kills >= 1, result
+    answer = _for_model(result, 60)
+    assert "killed_by" not in answer and "memory limit ended" in answer["memory_limit"], answer
+
+
+@needs_cgroup
+def test_a_command_past_the_sandbox_memory_reads_out_of_memory_and_a_cpu_kill_does_not(
+    boxes: list[LocalSandbox],
+) -> None:
+    box = _box(boxes, Limits(memory_bytes=128 * MiB, cpu_seconds=1))
+    grab = box.run(["python", "-c", HOLDER.format(mib=300)], timeout=60)
+    assert grab.exit_code == 128 + 9 and grab.memory_limit_kills == 1, grab
+    assert _for_model(grab, 60)["killed_by"].startswith("killed (SIGKILL): out of memory")
+    # Past the hard CPU limit is a SIGKILL too: the count tells it apart.
+    spin = box.run(["python", "-c", CATCHES_SIGXCPU], timeout=30)
+    assert spin.exit_code == 128 + 9 and spin.memory_limit_kills == 0, spin
+    assert "not out of memory" in _for_model(spin, 30)["killed_by"]
 
 
 def test_without_a_cgroup_the_memory_limit_binds_each_process_only(
@@ -100,7 +120,9 @@ def test_without_a_cgroup_the_memory_limit_binds_each_process_only(
     """The control: per-process address space (what there was before) lets all six hold."""
     box = _box(boxes, Limits(memory_bytes=256 * MiB))
     assert box.cgroup is None
-    assert int(box.run(["python", "-c", SIX_HOLDERS], timeout=60).stdout) == 6
+    result = box.run(["python", "-c", SIX_HOLDERS], timeout=60)
+    assert int(result.stdout) == 6
+    assert result.memory_limit_kills is None and result.process_limit_hits is None, "nothing to count"
 
 
 @needs_cgroup
@@ -111,9 +133,13 @@ def test_a_fork_bomb_is_capped_by_the_sandbox_process_limit_across_commands(
     box = _box(boxes, limits)
     box.start(f"i=0; while [ $i -lt 25 ]; do sleep {marker} & i=$((i+1)); done; wait")
     eventually(lambda: len(survivors(marker, name="sleep")) == 25)
-    second = int(box.run(["python", "-c", FORKS.format(m=marker)], timeout=30).stdout)
+    result = box.run(["python", "-c", FORKS.format(m=marker)], timeout=30)
+    second = int(result.stdout)
     assert second < 40 - 25, f"the second command started {second} processes beside 25 others"
     assert box.cgroup is not None and box.cgroup.process_limit_hits() > 0
+    assert result.process_limit_hits and "refused at the sandbox's process limit" in str(
+        _for_model(result, 30)["process_limit"]
+    )
     # The count is the sandbox's, not the machine's: another sandbox starts more.
     other = int(_box(boxes, limits).run(["python", "-c", FORKS.format(m=marker)], timeout=30).stdout)
     assert other > second

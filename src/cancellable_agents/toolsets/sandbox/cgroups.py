@@ -32,7 +32,14 @@ from pathlib import Path
 from cancellable_agents.core.once import Once
 from cancellable_agents.toolsets.sandbox.workdirs import owner_gone, owner_tag
 
-__all__ = ["PLACEMENT_FAILED", "CgroupSupport", "SandboxCgroup", "cgroup_support", "note_if_missing"]
+__all__ = [
+    "PLACEMENT_FAILED",
+    "CgroupSupport",
+    "LimitHits",
+    "SandboxCgroup",
+    "cgroup_support",
+    "note_if_missing",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,20 @@ class CgroupSupport:
     pids_parent: Path | None = None
     """The folders sandbox cgroups are created in (the same folder in v2)."""
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class LimitHits:
+    """How often the kernel enforced a sandbox's totals: counters that only grow, so the hits
+    during one command are the difference of two readings (:meth:`since`)."""
+
+    oom_kills: int
+    """Processes the OOM killer ended at the memory total."""
+    fork_failures: int
+    """Forks refused at the process total."""
+
+    def since(self, earlier: LimitHits) -> LimitHits:
+        return LimitHits(self.oom_kills - earlier.oom_kills, self.fork_failures - earlier.fork_failures)
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,10 @@ class SandboxCgroup:
     def process_limit_hits(self) -> int:
         """How often a fork failed at this sandbox's process limit."""
         return _read_key(self.paths[-1] / "pids.events", "max")
+
+    def limit_hits(self) -> LimitHits:
+        """Both counters, read now."""
+        return LimitHits(self.memory_events(), self.process_limit_hits())
 
     def remove(self, wait: float = REMOVE_WAIT) -> None:
         """Remove the cgroup(s). Call once the commands are dead: a cgroup with processes cannot

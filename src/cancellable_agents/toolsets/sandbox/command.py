@@ -38,6 +38,7 @@ from cancellable_agents.procs.proc import (
     wait_gone,
     walk_descendants,
 )
+from cancellable_agents.toolsets.sandbox.cgroups import LimitHits, SandboxCgroup
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult
 
 __all__ = ["KILL_WAIT", "READER_JOIN", "STOP_SLACK", "BoundedReader", "CommandOwner", "CommandTree", "Mode"]
@@ -141,6 +142,10 @@ class CommandTree:
     #: Found by a stop's sweep (group or tag) but never by the tracker: e.g. the ``(cmd &)``
     #: orphan, reparented before the tracker's first look. Ours to reap all the same.
     swept: set[ProcKey] = field(default_factory=set)
+    #: The sandbox's cgroup and its counters read just before the spawn: the result says which
+    #: limits the kernel enforced while this command ran.
+    cgroup: SandboxCgroup | None = None
+    hits_before: LimitHits | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
     terminated: threading.Event = field(default_factory=threading.Event)
@@ -244,6 +249,9 @@ class CommandTree:
         stderr, err_cut = self.stderr.text()
         stopped = self.stop_reason is not None
         returncode = self.popen.returncode if self.popen.returncode is not None else -signal.SIGKILL
+        hits = None
+        if self.cgroup is not None and self.hits_before is not None:
+            hits = self.cgroup.limit_hits().since(self.hits_before)
         return CommandResult(
             command_id=self.id,
             exit_code=-(self.final_signal or signal.SIGTERM) if stopped else returncode,
@@ -254,6 +262,8 @@ class CommandTree:
             timed_out=self.stop_reason == "timeout",
             stopped=stopped,
             duration=round(time.monotonic() - self.started, 4),
+            memory_limit_kills=None if hits is None else hits.oom_kills,
+            process_limit_hits=None if hits is None else hits.fork_failures,
         )
 
     def _kill_leftovers(self) -> None:

@@ -322,6 +322,7 @@ class LocalSandbox:
                 pass_fds=() if seccomp_fd is None else (seccomp_fd,),
             )
 
+        hits_before = self.cgroup.limit_hits() if self.cgroup is not None else None
         started = time.monotonic()
         proc = spawner.call(popen)
         info = read_proc(proc.pid)
@@ -337,6 +338,8 @@ class LocalSandbox:
             timeout=timeout,
             stdout=BoundedReader(proc.stdout, self.output_limit, f"sandbox-{command_id}-stdout"),
             stderr=BoundedReader(proc.stderr, self.output_limit, f"sandbox-{command_id}-stderr"),
+            cgroup=self.cgroup,
+            hits_before=hits_before,
         )
         if stdin is not None:
             feed_stdin(proc, stdin.encode() if isinstance(stdin, str) else stdin)

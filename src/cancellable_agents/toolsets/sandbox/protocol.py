@@ -48,6 +48,9 @@ class CommandResult:
     and ``exit_code == -signal`` of the last signal it needed, whatever it exited with:
     a stopped command never reads as a success. In namespace mode a command killed by a
     signal it did not get from the sandbox reports ``128 + signal`` (bubblewrap's convention).
+    ``memory_limit_kills`` and ``process_limit_hits`` count the sandbox's totals enforced while
+    the command ran (commands running beside it share the counts); ``None`` where the backend
+    has no per-sandbox totals to count.
     """
 
     command_id: str
@@ -59,6 +62,8 @@ class CommandResult:
     timed_out: bool = False
     stopped: bool = False
     duration: float = 0.0
+    memory_limit_kills: int | None = None
+    process_limit_hits: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -39,6 +39,13 @@ _SIGNAL_MEANING = {
     int(signal.SIGKILL): "killed (SIGKILL): out of memory, or past the hard CPU time limit",
     int(signal.SIGSEGV): "crashed (SIGSEGV); a memory limit makes allocations fail",
 }
+#: A SIGKILL where the sandbox counts its memory limit (a cgroup): which one it was.
+_OUT_OF_MEMORY = (
+    "killed (SIGKILL): out of memory, the sandbox's memory limit (all its commands and /tmp together)"
+)
+_SIGKILL_NOT_MEMORY = (
+    "killed (SIGKILL): past the hard CPU time limit, or by another process (not out of memory)"
+)
 
 
 class SandboxToolset(FunctionToolset[Any]):
@@ -253,11 +260,27 @@ def _for_model(result: CommandResult, timeout: float) -> dict[str, Any]:
         answer["timed_out"] = f"killed after {timeout:g}s"
     elif result.stopped:
         answer["stopped"] = "stopped by the sandbox (the task is being cancelled)"
-    elif (meaning := _SIGNAL_MEANING.get(_signal_of(result.exit_code))) is not None:
+    elif (meaning := _killed_by(result)) is not None:
         answer["killed_by"] = meaning
+    if result.memory_limit_kills and answer.get("killed_by") != _OUT_OF_MEMORY:
+        answer["memory_limit"] = (
+            f"the sandbox's memory limit ended {result.memory_limit_kills} of its processes (SIGKILL)"
+        )
+    if result.process_limit_hits:
+        answer["process_limit"] = (
+            f"{result.process_limit_hits} fork(s) refused at the sandbox's process limit"
+        )
     if result.stdout_truncated or result.stderr_truncated:
         answer["truncated"] = True
     return answer
+
+
+def _killed_by(result: CommandResult) -> str | None:
+    """The signal in words; a SIGKILL is told apart where the sandbox counted its memory limit."""
+    signum = _signal_of(result.exit_code)
+    if signum != signal.SIGKILL or result.memory_limit_kills is None:
+        return _SIGNAL_MEANING.get(signum)
+    return _OUT_OF_MEMORY if result.memory_limit_kills else _SIGKILL_NOT_MEMORY
 
 
 def _signal_of(exit_code: int) -> int:
