@@ -1,9 +1,9 @@
 """Session fixtures for the end-to-end tests: the local model server and a real Airflow 3.
 
-One Airflow per test session (a fresh ``AIRFLOW_HOME`` in a tmp dir, ``airflow db migrate``,
-api-server + scheduler + dag-processor on 127.0.0.1). Its DAGs folder is ``tests/e2e/dags``. The
-tasks reach the in-process model server through ``AIRFLOW_CONN_LOCAL_MODEL`` and report their
-pids and callbacks into ``E2E_STATE_DIR``.
+One Airflow per test session (a fresh ``AIRFLOW_HOME`` in a tmp dir, its metadata database on a
+throwaway PostgreSQL, ``airflow db migrate``, api-server + scheduler + dag-processor on
+127.0.0.1). Its DAGs folder is ``tests/e2e/dags``. The tasks reach the in-process model server
+through ``AIRFLOW_CONN_LOCAL_MODEL`` and report their pids and callbacks into ``E2E_STATE_DIR``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
 from tests.e2e.browser import Chromium, chromium_binary
 from tests.e2e.driver import PATHS, PathResult, drive
 from tests.e2e.pod_executor import POD_EXECUTOR_CONFIG
+from tests.e2e.postgres import PostgresCluster
+from tests.e2e.postgres import missing_reason as postgres_missing
 from tests.e2e.procs import kill_marked, marked_processes
 from tests.statsd_receiver import StatsdReceiver
 
@@ -69,8 +71,13 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, statsd: StatsdReceiver) -> Ite
     # The PodExecutor beside the LocalExecutor: tests/e2e/test_pods.py's KubernetesExecutor pods.
     extra = {"AIRFLOW__CORE__TEST_CONNECTION": "Enabled", "AIRFLOW__CORE__EXECUTOR": LOCAL_AND_POD_EXECUTORS}
     extra.update(statsd.airflow_env())  # [metrics] statsd_on: the tasks' metrics reach the test
-    with e2e_world(tmp_path_factory, "airflow_home", extra) as world:
-        stack = AirflowStack(world.home, DAGS_FOLDER, world.env)
+    if (missing := postgres_missing()) is not None:
+        pytest.fail(f"the e2e Airflow's metadata database is PostgreSQL: {missing}")
+    # Three components and every task's supervisor write at once, as in production: on SQLite
+    # a UI click's audit-log commit met a task's write and the api-server answered 500 after its
+    # 5 s lock wait (ci, the approvals UI test).
+    with e2e_world(tmp_path_factory, "airflow_home", extra) as world, PostgresCluster() as postgres:
+        stack = AirflowStack(world.home, DAGS_FOLDER, world.env, database_url=postgres.sqlalchemy_url)
         started = time.monotonic()
         stack.migrate()
         migrated = time.monotonic()
