@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from typing import Any
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
@@ -106,6 +107,19 @@ def has_task_state_store() -> bool:
     except ImportError:
         return False
     return True
+
+
+def comms_used_from_a_loop() -> bool:
+    """Whether this task's channel to its supervisor has been used from an event loop.
+
+    Task SDK 1.3's ``CommsDecoder.asend`` (the async Connection, Variable, XCom and task state
+    store APIs) remembers its loop's thread in ``_loop_thread_id``; from then on a sync call on
+    that thread refuses to wait for the channel's lock and raises ``DeadlockImminentError``
+    while another thread holds it. A release without the attribute has no such refusal.
+    """
+    runner = sys.modules.get("airflow.sdk.execution_time.task_runner")
+    comms = getattr(runner, "SUPERVISOR_COMMS", None)
+    return getattr(comms, "_loop_thread_id", None) is not None
 
 
 @functools.cache

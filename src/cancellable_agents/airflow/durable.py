@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cancellable_agents.airflow.adapter import has_task_state_store
+from cancellable_agents.airflow.adapter import comms_used_from_a_loop, has_task_state_store
 from cancellable_agents.airflow.metrics import step_write_timer
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable.journal import RETURNS_FLUSH_S, Journal
@@ -58,6 +58,7 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
         on_step_written=step_write_timer(operator),
         returns_flush_s=_flush_after(operator),
         write_ahead=bool(getattr(operator, "durable_write_ahead", False)),
+        beside_is_safe=lambda: not comms_used_from_a_loop(),
         answers=_answers(operator, str(run_index)),
     )
 

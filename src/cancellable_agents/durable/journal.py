@@ -126,6 +126,11 @@ class Journal:
     :param write_ahead: store each step's entry before its tools start (the run waits for the
         round trip) instead of while they run: a call started just before a SIGKILL is then
         always known to the next try as a rerun, at the cost of one store round trip per step.
+    :param beside_is_safe: asked before each append that would overlap the run; ``False`` stores
+        that entry before the run goes on, as ``write_ahead`` does. The Airflow side says
+        ``False`` once the task used Airflow's async API on its event loop: from then on Airflow's
+        comms refuse a sync call on that loop while another thread (this journal's writer)
+        holds the channel (``DeadlockImminentError``).
     :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
         the task took over, and cancels itself if so (``0``: before every append). Fencing does
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
@@ -149,6 +154,7 @@ class Journal:
     returns_flush_s: float = RETURNS_FLUSH_S
     owner_check_s: float = OWNER_CHECK_S
     write_ahead: bool = False
+    beside_is_safe: Callable[[], bool] | None = None
     answers: dict[str, Decision] | None = None
     resume: ResumeInfo | None = None
     earlier: list[TryUsage] = field(default_factory=list)
@@ -173,6 +179,7 @@ class Journal:
     #: This try's usage before an approval pause it continues (added to the run's own).
     _paused: TryUsage | None = None
     _writer: StoreWriter = field(default_factory=StoreWriter)
+    _landing_noted: bool = False
 
     @property
     def key(self) -> str:
@@ -510,8 +517,24 @@ class Journal:
         self._own += 1
         self._prev = digest
         self._writer.submit(lambda: self._store(key, entry, owned=owned, timed=timed))
-        if land:
+        if land or not self._beside_is_safe():
             self._writer.wait()
+
+    def _beside_is_safe(self) -> bool:
+        if self.beside_is_safe is None:
+            return True
+        try:
+            safe = self.beside_is_safe()
+        except Exception:
+            safe = False  # unsure: the old order, which is always safe
+        if not safe and not self.write_ahead and not self._landing_noted:
+            self._landing_noted = True
+            log.info(
+                "durable: the task used Airflow's async API on its event loop, so each step is now "
+                "stored before its tools run (a sync Airflow call on that loop may not meet the "
+                "journal's write in progress)"
+            )
+        return safe
 
     def _store(self, key: str, entry: dict[str, Any], *, owned: bool, timed: bool) -> None:
         """(On the writer's thread.) One store call, unless a newer try took over."""
