@@ -254,14 +254,21 @@ def test_a_run_that_stopped_recording_says_why(statsd: StatsdReceiver, tmp_path:
     from cancellable_agents import AgentOperator
     from tests.unit.test_durable_operator import TI
 
+    broken = threading.Event()
+
     def step(n: int) -> str:
         """Puts a file where the record's directory is: this call's result cannot be written."""
         (record,) = {path.parent for path in tmp_path.rglob("*.json")}
         record.rename(record.with_name("moved away"))  # at once, though the sibling may be writing
         record.write_text("in the way")
+        broken.set()
         return f"step {n} ok"
 
     def other(n: int) -> str:
+        # Still running when step returns, so step's result is appended beside it (the store
+        # error surfaces mid-run). Returning first, it would leave step's result to ride with the
+        # end entry, and a failed end is a warning, not recording_off (ci, under load).
+        assert broken.wait(30), "step never ran beside this call"
         return f"other {n} ok"
 
     # One response calls both: each result is appended as it returns, beside its sibling.
