@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test ci-lane-a ci-lane-b test-local stress e2e-local e2e-celery lint typecheck unit process e2e bench bench-fleet system-deps clean compat-airflow compat-common-ai
+.PHONY: demo test test-under-load ci-lane-a ci-lane-b test-local stress e2e-local e2e-celery lint typecheck unit process e2e bench bench-fleet system-deps clean compat-airflow compat-common-ai
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,12 @@ ci-lane-b: $(STAMP) system-deps
 # was the longer lane: 691 s against 490 s in one CI run). About 100 s on a quiet machine.
 LANE_A_PROCESS := tests/process/test_subagent_kill.py tests/process/test_durable_kill.py \
                   $(sort $(wildcard tests/process/test_sandbox_*.py))
+
+# The process suite and the pod e2e while one busy loop per core takes the machine, as another
+# lane and its Airflow would (tests/busy.py): what CI's two lanes do to each other, made certain.
+# About 15 minutes on 2 cores; on demand, not part of `make test`.
+test-under-load: $(STAMP) system-deps
+	$(PY) -m tests.busy -- $(VENV)/bin/pytest -q -p no:cacheprovider tests/process tests/e2e/test_pods.py
 
 test-local: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/process

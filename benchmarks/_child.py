@@ -1,7 +1,7 @@
 """The benchmark's task process: runs repetitions the parent sends, one fresh operator each.
 
 Per command ``{"scenario", "impl", "marker", "rep"}`` it builds the operator, installs the Task
-SDK's SIGTERM handler for it, runs it like the Task SDK (:mod:`benchmarks.taskproc`) and reports
+SDK's SIGTERM handler for it, runs it like the Task SDK (:mod:`tests.taskproc`) and reports
 ``started``, ``signal`` (handler entered), ``ready`` (before-run only), ``trigger`` (timeout only),
 ``raised`` / ``returned``, and ``rep_done``. A repetition that leaves a tool thread running, or
 ends in anything but a cancellation, ends this process the way a real task process ends after
@@ -19,14 +19,15 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import scenarios
-from benchmarks.taskproc import (
+from tests import kill_scenarios as scenarios
+from tests.taskproc import (
     Channel,
     SignalLatch,
     execute_like_task_sdk,
     install_sigterm_handler,
     marker_processes,
 )
+
 from cancellable_agents.airflow.task_scope import cancellation_of
 
 channel = Channel()

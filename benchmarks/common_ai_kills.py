@@ -12,32 +12,17 @@ Prints a markdown table: pass/fail and SIGTERM -> raised latency (median of the 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from tests.airflow_env import airflow_env, migrate
 from tests.process.common_ai_kills import KILL_SCENARIOS, KillResult, run_kills
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 IMPLS = ("shipped", "ours")
-
-
-def _airflow_env(home: Path) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True
-    )
-    return env
 
 
 def _cell(results: list[KillResult]) -> str:
@@ -57,7 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
     with tempfile.TemporaryDirectory() as tmp, ScriptedModelServer() as server:
-        env = _airflow_env(Path(tmp) / "home")
+        env = airflow_env(Path(tmp) / "home")
+        migrate(env, timeout=None)
         results: dict[tuple[str, str], list[KillResult]] = {}
         for rep in range(args.reps):
             for impl in IMPLS:  # interleaved, so load drifts hit both alike

@@ -13,40 +13,15 @@ start, hence few repetitions.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.airflow_env import airflow_env, migrate
+from tests.taskproc import GRACE, ROOT
+
 from benchmarks.kill_latency import RepResult
-from benchmarks.taskproc import GRACE, ROOT
 from cancellable_agents.testing.openai_server import ScriptedModelServer
-
-
-def airflow_env(home: Path, server: ScriptedModelServer) -> dict[str, str]:
-    conn = {"conn_type": "cancellable_agents_model", "host": server.base_url}
-    return {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-        "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-
-
-def migrate(env: dict[str, str]) -> None:
-    """``airflow db migrate`` once for the benchmark's own AIRFLOW_HOME (idempotent)."""
-    subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
 
 
 def measure(
@@ -54,8 +29,9 @@ def measure(
 ) -> list[RepResult]:
     from tests.process.harness import TaskProcess
 
-    env = airflow_env(home, server)
-    migrate(env)
+    conn = {"conn_type": "cancellable_agents_model", "host": server.base_url}
+    env = airflow_env(home, {"AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn)}, pythonpath=ROOT)
+    migrate(env, timeout=600)  # the benchmark's own AIRFLOW_HOME, once per run (idempotent)
     results = []
     for rep in range(reps):
         server.reset()

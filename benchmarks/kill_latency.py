@@ -28,8 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scenarios import Impl, Scenario
-from benchmarks.taskproc import GRACE, TaskChild, kill_markers, marker_processes, wait_markers_gone
+from tests.kill_scenarios import Impl, Scenario
+from tests.taskproc import GRACE, TaskChild, kill_markers, marker_processes, wait_markers_gone
+
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 #: How long a child may take to import and build its first operator on a busy machine.

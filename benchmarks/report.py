@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scenarios import BY_NAME
-from benchmarks.taskproc import GRACE
+from tests.kill_scenarios import BY_NAME
+from tests.taskproc import GRACE
 
 #: Targets from the issue (reported against, never asserted in timed tests).
 RAISED_TARGET_MS = 100.0

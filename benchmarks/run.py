@@ -27,10 +27,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, cast
 
+from tests.airflow_env import airflow_env
+from tests.kill_scenarios import BY_NAME, CONN_ENV, SCENARIOS, WARMUP_ENV, Impl, Scenario
+from tests.taskproc import ROOT
+
 from benchmarks import durable_cost, overhead, report
 from benchmarks.kill_latency import RepResult, measure_scenario
-from benchmarks.scenarios import BY_NAME, CONN_ENV, SCENARIOS, WARMUP_ENV, Impl, Scenario
-from benchmarks.taskproc import ROOT
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
@@ -203,12 +205,8 @@ def _measure(
 def _child_env(server: ScriptedModelServer, out: Path) -> dict[str, str]:
     home = out / "airflow_home"
     home.mkdir(parents=True, exist_ok=True)
-    return {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        CONN_ENV: json.dumps({"conn_type": "cancellable_agents_model", "host": server.base_url}),
-    }
+    conn = {"conn_type": "cancellable_agents_model", "host": server.base_url}
+    return airflow_env(home, {CONN_ENV: json.dumps(conn)})
 
 
 def _versions() -> dict[str, str]:

@@ -19,7 +19,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,9 +29,10 @@ from typing import Any, TypeVar
 import httpx
 import psutil
 
+from tests.airflow_env import AIRFLOW, airflow_env, migrate
+
 T = TypeVar("T")
 
-AIRFLOW = [sys.executable, "-m", "airflow"]
 ADMIN_USER = "admin"
 #: Components that must report healthy before a test may trigger anything.
 HEALTHY_COMPONENTS = ("metadatabase", "scheduler", "dag_processor")
@@ -147,15 +147,12 @@ class AirflowStack:
         (home / "components").mkdir(parents=True, exist_ok=True)
         passwords = home / "simple_auth_manager_passwords.json"
         passwords.write_text(json.dumps({ADMIN_USER: self.password}))
-        self.env = {**os.environ, **self._airflow_env(passwords), **extra_env}
+        self.env = airflow_env(home, {**self._stack_env(passwords), **extra_env}, dags_folder=dags_folder)
 
-    def _airflow_env(self, passwords: Path) -> dict[str, str]:
+    def _stack_env(self, passwords: Path) -> dict[str, str]:
+        """What a whole stack needs beyond :func:`tests.airflow_env.airflow_env`."""
         return {
-            "AIRFLOW_HOME": str(self.home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
@@ -170,7 +167,6 @@ class AirflowStack:
             # The scheduler runs with --skip-serve-logs; these keep any log server on a private port.
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
-            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
             "PYTHONUNBUFFERED": "1",
@@ -180,17 +176,7 @@ class AirflowStack:
 
     def migrate(self, timeout: float = 240) -> None:
         """``airflow db migrate`` into the fresh metadata database."""
-        out = self.home / "components" / "db-migrate.log"
-        with out.open("wb") as log:
-            done = subprocess.run(
-                [*AIRFLOW, "db", "migrate"],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-            )
-        if done.returncode != 0:
-            raise RuntimeError(f"airflow db migrate failed ({done.returncode}):\n{tail(out)}")
+        migrate(self.env, log=self.home / "components" / "db-migrate.log", timeout=timeout)
 
     def start(self) -> None:
         """Start the three components, each leading its own process group."""

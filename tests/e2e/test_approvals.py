@@ -33,6 +33,7 @@ from tests.e2e.browser import Chromium, Page, ui_cookie
 from tests.e2e.conftest import E2EEnv
 from tests.e2e.dags.approvals import EXECUTION_TIMEOUT_S
 from tests.e2e.driver import (
+    E2E_TEST_TIMEOUT,
     TASK_ID,
     PathResult,
     _await_settled,
@@ -46,7 +47,7 @@ from tests.e2e.driver import (
 )
 from tests.e2e.procs import is_alive
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TEST_TIMEOUT)]
 
 DAG_ID = "e2e_approval"
 WAIT_S = 120.0

@@ -49,6 +49,7 @@ from tests.e2e.dags.kill_paths import (
     celery_queue,
 )
 from tests.e2e.driver import (
+    E2E_TEST_TIMEOUT,
     PATHS,
     TASK_ID,
     KillPath,
@@ -72,7 +73,7 @@ from tests.e2e.test_kill_paths import (
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(E2E_TEST_TIMEOUT),
     pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (make system-deps)"),
     pytest.mark.skipif(postgres_missing() is not None, reason=str(postgres_missing())),
 ]

@@ -27,6 +27,7 @@ from cancellable_agents.durable.record import KEY_PREFIX, segment_key
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.conftest import E2EEnv
 from tests.e2e.driver import (
+    E2E_TEST_TIMEOUT,
     PathResult,
     _await_settled,
     _collect_quietly,
@@ -38,7 +39,7 @@ from tests.e2e.driver import (
 )
 from tests.e2e.procs import is_alive
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TEST_TIMEOUT)]
 
 DAG_ID = "e2e_durable"
 STEPS = 6

@@ -20,10 +20,10 @@ from cancellable_agents.airflow.mixin import CancellableAgentMixin
 from cancellable_agents.core.report import RetryOutlook, unwound_ms
 from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv, KilledRuns
 from tests.e2e.dags.kill_paths import EXECUTION_TIMEOUT_S
-from tests.e2e.driver import TASK_ID, PathResult, explained
+from tests.e2e.driver import E2E_TEST_TIMEOUT, TASK_ID, PathResult, explained
 from tests.statsd_receiver import StatsdReceiver, metric_tags, metric_value
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TEST_TIMEOUT)]
 
 #: Airflow SIGKILLs a task 5 s after its SIGTERM: everything must have unwound before that.
 BUDGET_MS = 5000.0

@@ -31,6 +31,8 @@ from tests.e2e.airflow_stack import wait_until
 from tests.e2e.conftest import E2EEnv, _await_dags
 from tests.e2e.dags.kill_paths import CELERY_STALL_AFTER, CELERY_STEPS, POD_TOOL_AT
 from tests.e2e.driver import (
+    E2E_TEST_TIMEOUT,
+    START_TIMEOUT,
     KillPath,
     PathResult,
     _retried,
@@ -52,15 +54,15 @@ from tests.e2e.test_kill_paths import _the_record, explained
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(E2E_TEST_TIMEOUT),
     pytest.mark.skipif(not os.path.exists(DUMB_INIT), reason="dumb-init not installed (make system-deps)"),
 ]
 
 DAG_ID = "e2e_pod"
 #: The same agent, killed while try 1 is in a sync tool (call :data:`POD_TOOL_AT`) instead.
 TOOL_DAG_ID = "e2e_pod_tool"
-#: How long a pod may take from its tree being up to the sync tool it then calls.
-TOOL_START_TIMEOUT_S = 60.0
+#: How long a pod may take from its tree being up to the sync tool it then calls (start-up).
+TOOL_START_TIMEOUT_S = START_TIMEOUT
 #: ``terminationGracePeriodSeconds`` of the KubernetesExecutor's pod template.
 DELETE_GRACE_S = 30.0
 #: A drain's grace below the provider's 4 s unwind budget.

@@ -19,9 +19,9 @@ import pytest
 from cancellable_agents.core.report import RECORD_PREFIX, SUMMARY_PREFIX, parse_record
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.conftest import E2EEnv, KilledRuns
-from tests.e2e.driver import PathResult, diagnostics, fetch_log
+from tests.e2e.driver import E2E_TEST_TIMEOUT, PathResult, diagnostics, fetch_log
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TEST_TIMEOUT)]
 
 #: Per kill path: how the human line starts and ends (between: unwind time and processes).
 SUMMARIES = {

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from benchmarks.taskproc import STARTUP
 
 from cancellable_agents.testing.openai_server import RequestRecord, ScriptedModelServer
 from tests.process.harness import TaskProcess
+from tests.taskproc import STARTUP
 
 SCRIPT = Path(__file__).with_name("dags_common_ai") / "common_ai_scenarios.py"
 #: Airflow SIGKILLs a task 5 s after SIGTERM.

@@ -7,8 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.toolsets.sandbox import LocalSandbox
+from tests.airflow_env import airflow_env, migrate
 from tests.process.harness import TaskProcess
 from tests.process.trees import MODES, ChildTask, new_marker, survivors
 
@@ -23,24 +22,8 @@ from tests.process.trees import MODES, ChildTask, new_marker, survivors
 @pytest.fixture(scope="session")
 def airflow_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("airflow_home")
-    env = {**os.environ, **_airflow_env(home)}
-    subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    migrate(airflow_env(home), timeout=120)
     return home
-
-
-def _airflow_env(home: Path) -> dict[str, str]:
-    return {
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-    }
 
 
 @pytest.fixture(scope="session")
@@ -61,12 +44,9 @@ def spawn_task(airflow_home: Path, model_server: ScriptedModelServer, tmp_path: 
     """Start ``task_scenarios.py SCENARIO`` with a connection to the local model server."""
     started: list[TaskProcess] = []
     conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
-    env = {
-        **os.environ,
-        **_airflow_env(airflow_home),
-        "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = airflow_env(
+        airflow_home, {"AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn)}, pythonpath=Path(__file__).parents[2]
+    )
 
     def spawn(scenario: str) -> TaskProcess:
         task = TaskProcess(scenario, env, tmp_path)

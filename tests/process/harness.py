@@ -1,12 +1,12 @@
 """Start a scenario task process (``dags/task_scenarios.py``) on the one task-process harness,
-:class:`benchmarks.taskproc.TaskChild`: events, signals, the log's tail."""
+:class:`tests.taskproc.TaskChild`: events, signals, the log's tail."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from benchmarks.taskproc import TaskChild
+from tests.taskproc import TaskChild
 
 DAGS_FOLDER = Path(__file__).with_name("dags")
 SCENARIOS = DAGS_FOLDER / "task_scenarios.py"

@@ -24,6 +24,7 @@ if os.environ.get("CANCELLABLE_AGENTS_EXPECT_COMMON_AI") != "1":
     )
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
+from tests.airflow_env import airflow_env
 from tests.process.common_ai_kills import (
     FALLBACK_MODEL,
     GRACE,
@@ -31,7 +32,6 @@ from tests.process.common_ai_kills import (
     KillResult,
     run_kills,
 )
-from tests.process.conftest import _airflow_env
 
 pytestmark = pytest.mark.process
 
@@ -43,7 +43,7 @@ def kills(
     """Every kill scenario, once, through ``cancellable_agents.common_ai`` (one task process)."""
     server = _model_server_session
     server.reset()
-    env = {**os.environ, **_airflow_env(airflow_home)}
+    env = airflow_env(airflow_home)
     logs = tmp_path_factory.mktemp("common_ai_kills")
     results = {
         r.scenario: r for r in run_kills("ours", KILL_SCENARIOS, server=server, airflow_env=env, log_dir=logs)

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks.taskproc import STARTUP, TaskChild
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.process.trees import eventually
+from tests.taskproc import STARTUP, TaskChild
 
 pytestmark = pytest.mark.process
 

@@ -23,9 +23,8 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.taskproc import install_sigterm_handler
-
 from cancellable_agents.airflow.mixin import CancellableAgentMixin
+from tests.taskproc import install_sigterm_handler
 
 
 class _Base:

@@ -3,7 +3,7 @@
 Per plan (one JSON line on stdin) it builds a fresh ``AgentOperator`` whose model is the local
 server and whose tools are drawn by the parent (an async tool running a ``sleep`` subprocess, a
 cooperative sync tool, the sandbox's ``run_shell``, a sub-agent, a slow-to-tear-down toolset), runs
-it the way the Task SDK does (:mod:`benchmarks.taskproc`: the real ``_on_term`` shape, the real
+it the way the Task SDK does (:mod:`tests.taskproc`: the real ``_on_term`` shape, the real
 SIGALRM ``timeout``), and after the parent said ``proceed`` (every SIGTERM it sent has been
 delivered) checks the invariants that need the inside view, waits (within the budget) for the
 provider's threads to end, and reports. The cause query the Task SDK would answer through the
@@ -30,15 +30,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from benchmarks.scenarios import CONN_ID, base_url, drain_events, model_string, warm_up
-from benchmarks.taskproc import (
-    Channel,
-    FakeTI,
-    SignalLatch,
-    execute_like_task_sdk,
-    install_sigterm_handler,
-    our_threads,
-)
 from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
@@ -51,6 +42,15 @@ from cancellable_agents.core.scope import Outcome
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.toolsets.sandbox import SandboxToolset
 from cancellable_agents.toolsets.subagents import run_subagent
+from tests.kill_scenarios import CONN_ID, base_url, drain_events, model_string, warm_up
+from tests.taskproc import (
+    Channel,
+    FakeTI,
+    SignalLatch,
+    execute_like_task_sdk,
+    install_sigterm_handler,
+    our_threads,
+)
 
 channel = Channel()
 emit = channel.emit

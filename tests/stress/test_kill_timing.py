@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks.taskproc import GRACE, ROOT, TaskChild, kill_markers, wait_markers_gone
 
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.toolsets.sandbox import bwrap_support
+from tests.airflow_env import airflow_env
+from tests.taskproc import GRACE, ROOT, TaskChild, kill_markers, wait_markers_gone
 
 SECONDS = float(os.environ.get("CANCELLABLE_AGENTS_STRESS_SECONDS", "85"))
 #: The SIGALRM-race sub-case (``timeout_margin=0``) gets this share of the budget.
@@ -275,15 +276,11 @@ class Stress:
 @pytest.fixture
 def stress(tmp_path: Path) -> Iterator[Stress]:
     with ScriptedModelServer() as server, ScriptedModelServer() as warmup:
-        env = {
-            **os.environ,
-            "AIRFLOW_HOME": str(tmp_path / "airflow_home"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW_CONN_BENCH_MODEL": json.dumps(
-                {"conn_type": "cancellable_agents_model", "host": server.base_url}
-            ),
-            "BENCH_WARMUP_URL": warmup.base_url,
-        }
+        conn = {"conn_type": "cancellable_agents_model", "host": server.base_url}
+        env = airflow_env(
+            tmp_path / "airflow_home",
+            {"AIRFLOW_CONN_BENCH_MODEL": json.dumps(conn), "BENCH_WARMUP_URL": warmup.base_url},
+        )
         harness = Stress(server, env, tmp_path)
         try:
             yield harness

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 
 from cancellable_agents.core.report import RECORD_PREFIX, parse_records
+from tests.airflow_env import airflow_env as throwaway_airflow_env
+from tests.airflow_env import migrate
 from tests.airflow_versions import has_retry_policies
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,25 +105,12 @@ def test_example_loggers_have_readable_names(monkeypatch: pytest.MonkeyPatch) ->
 # -- running ----------------------------------------------------------------------------------
 
 
-def _airflow_env(home: Path) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(EXAMPLE_DAGS),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("CANCELLABLE_AGENTS_CONN", None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    env = _airflow_env(tmp_path_factory.mktemp("airflow_home"))
-    migrate = [sys.executable, "-m", "airflow", "db", "migrate"]
-    subprocess.run(migrate, env=env, check=True, capture_output=True, timeout=180)
+    home = tmp_path_factory.mktemp("airflow_home")
+    env = throwaway_airflow_env(home, dags_folder=EXAMPLE_DAGS, pythonpath=ROOT)
+    env.pop("CANCELLABLE_AGENTS_CONN", None)
+    migrate(env, timeout=180)
     return env
 
 
@@ -313,4 +302,7 @@ def _child_main(dag_id: str, only_task: str | None) -> None:
 
 
 if __name__ == "__main__":
+    from tests.dag_test_compat import exit_as_the_task_sdk_does
+
     _child_main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    exit_as_the_task_sdk_does()

@@ -167,7 +167,7 @@ def test_waits_time_out(server: ScriptedModelServer) -> None:
     assert server.wait_for_request(1, timeout=0.1) is False
     assert server.wait_for_disconnect(timeout=0.1) is None
     assert server.wait_for_tokens(1, timeout=0.1) is None
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 30, "a wait ignored its timeout"  # vs. waiting forever
 
 
 def test_stop_ends_in_flight_stream_quickly() -> None:
@@ -178,7 +178,7 @@ def test_stop_ends_in_flight_stream_quickly() -> None:
         assert server.wait_for_tokens(1, timeout=2) is not None
         started = time.monotonic()
         server.stop()
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 25, "stop waited for the stream to end (50 s)"
         assert response.status_code == 200
     client.close()
     assert [r.outcome for r in server.requests] == ["disconnected"]
@@ -327,8 +327,7 @@ def test_module_process_serves_records_and_stops_on_sigterm() -> None:
         assert httpx.get(f"{root}/_records").json() == []
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=2) == 0
-        assert time.monotonic() - started < 2
+        assert proc.wait(timeout=60) == 0, f"exited {time.monotonic() - started:.1f} s after SIGTERM"
     finally:
         if proc.poll() is None:
             proc.kill()

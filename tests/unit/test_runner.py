@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -161,11 +160,9 @@ def test_cooperative_sync_tool_sees_the_scope_and_stops() -> None:
 
     scope = TaskCancellation()
     cancel_when(started, scope)
-    begun = time.monotonic()
     with pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, agent, "go")
-    assert time.monotonic() - begun < scope.budget
-    assert noticed == [True]
+    assert noticed == [True], "the tool's wait ended on the cancel, not on its own 10 s"
     assert scope.stragglers == []
 
 
@@ -184,19 +181,20 @@ def test_a_signal_caught_on_a_tool_thread_still_reaches_the_idle_run() -> None:
         handled.set()
         scope.cancel(CancelCause.EVICTION)
 
+    noticed: list[bool] = []
+
     @agent.tool_plain
     def wait_for_cancel() -> str:
         signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # delivered to this thread
-        current_cancellation().wait(TOOL_WAIT)  # type: ignore[union-attr]
+        noticed.append(current_cancellation().wait(TOOL_WAIT))  # type: ignore[union-attr]
         return "the kill never arrived"
 
     previous = signal.signal(signal.SIGUSR1, on_signal)
     try:
-        begun = time.monotonic()
         with pytest.raises(TaskCancelled):
             run_agent_in_scope(scope, agent, "go")
         assert handled.is_set()
-        assert time.monotonic() - begun < TOOL_WAIT, "the kill reached the run before the tool gave up"
+        assert noticed == [True], "the kill reached the run only after the tool gave up waiting"
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
@@ -216,10 +214,9 @@ def test_uncooperative_sync_tool_is_named_and_left_behind(caplog: pytest.LogCapt
 
     scope = TaskCancellation(budget=4.0)
     cancel_when(started, scope)
-    begun = time.monotonic()
     with caplog.at_level("WARNING"), pytest.raises(TaskCancelled):
         run_agent_in_scope(scope, agent, "go")
-    assert time.monotonic() - begun < scope.budget
+    assert not release.is_set() and tool_thread[0].is_alive(), "the run waited for the stubborn tool"
     assert scope.stragglers == ["sync tool 'stubborn'"]
     assert "stubborn" in caplog.text and "left behind" in caplog.text
     release.set()

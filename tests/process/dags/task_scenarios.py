@@ -281,9 +281,11 @@ with DAG(f"scenario_{SCENARIO}", schedule=None, start_date=datetime(2026, 1, 1, 
 
 
 if __name__ == "__main__":
-    from tests.dag_test_compat import prepare_dag_test
+    from tests.dag_test_compat import exit_as_the_task_sdk_does, prepare_dag_test
 
     emit("starting", pid=os.getpid())
     prepare_dag_test()  # Airflow 3.1/3.2's dag.test() path, made to behave like production
     dag.test()
-    emit("exited")
+    # What of ours still runs once the task is over: nothing may keep the process alive.
+    emit("exited", threads=[(t.name, t.daemon) for t in threading.enumerate() if t.is_alive()])
+    exit_as_the_task_sdk_does()

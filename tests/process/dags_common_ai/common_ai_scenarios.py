@@ -317,9 +317,10 @@ with DAG(
 
 
 if __name__ == "__main__":
-    from tests.dag_test_compat import prepare_dag_test
+    from tests.dag_test_compat import exit_as_the_task_sdk_does, prepare_dag_test
 
     emit("starting", pid=os.getpid())
     prepare_dag_test()
     dag.test()
     emit("exited")
+    exit_as_the_task_sdk_does()

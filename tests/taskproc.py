@@ -16,6 +16,7 @@ One child runs many repetitions (a scope is per task instance, so every repetiti
 fresh operator). Children talk to the parent with JSON lines on a pipe (events, each stamped with
 ``time.monotonic()``, which is one clock for all processes on Linux) and read commands from stdin.
 This module is imported by both sides; the parent half is :class:`TaskChild` and the marker helpers.
+It lives with the tests (the process, stress and e2e suites); the benchmarks import it from here.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ GRACE = 5.0
 #: the Airflow suites beside this one took 60 s. Not what any test measures: a kill is timed from
 #: its signal, with its own tight bound.
 STARTUP = 240.0
+
+#: Longest Airflow's own work around a kill may take on a loaded machine: the Task SDK's failure
+#: handling and callbacks after the unwind, the DagRun's end, the process's exit. Not what a test
+#: measures: a kill is bounded on the task's own timeline (:func:`unwound_ms`) or from its signal.
+SETTLE = 60.0
+
+
+def unwound_ms(record: dict[str, Any]) -> float:
+    """Milliseconds from ``kill_received`` (0 on the record's timeline) until the run unwound and
+    every resource was released: the unwind as the task itself timed it, whatever the machine's
+    load did to the Airflow work before and after it."""
+    ends = [e["ms"] for e in record["timeline"] if e["event"] in ("run_unwound", "resources_released")]
+    assert ends, f"the record has no unwind on its timeline: {[e['event'] for e in record['timeline']]}"
+    return float(max(ends))
+
 
 # -- child side: the Task SDK's kill paths -------------------------------------------------------
 
@@ -192,10 +208,13 @@ class Channel:
                 yield json.loads(line)
 
 
+#: Name prefixes of the threads the provider starts.
+OUR_THREADS = ("cancellable-agents-", "tool-", "release-")
+
+
 def our_threads() -> list[str]:
     """Names of live threads the provider starts (unwind, cause, release, sync tools, reaper)."""
-    prefixes = ("cancellable-agents-", "tool-", "release-")
-    return sorted(t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith(prefixes))
+    return sorted(t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith(OUR_THREADS))
 
 
 # -- parent side ---------------------------------------------------------------------------------
