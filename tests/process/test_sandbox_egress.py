@@ -145,7 +145,9 @@ def _run(box: LocalSandbox, script: str, *args: str) -> Any:
 
 def test_a_listed_host_is_reachable_through_the_proxy_and_only_through_it(origin: Origin) -> None:
     url = f"http://allowed.test:{origin.port}/hello"
-    box = LocalSandbox(isolation="namespace", network=_policy(f"allowed.test:{origin.port}", "127.0.0.1"))
+    box = LocalSandbox(
+        isolation="namespace", network=_policy(f"allowed.test:{origin.port}", f"127.0.0.1:{origin.port}")
+    )
     try:
         assert _run(box, FETCH, url) == [200, "hello"]
         assert _run(box, TUNNEL, f"allowed.test:{origin.port}") == [
@@ -164,7 +166,9 @@ def test_a_listed_host_is_reachable_through_the_proxy_and_only_through_it(origin
 
 
 def test_there_is_no_direct_way_out(origin: Origin) -> None:
-    box = LocalSandbox(isolation="namespace", network=_policy(f"allowed.test:{origin.port}", "127.0.0.1"))
+    box = LocalSandbox(
+        isolation="namespace", network=_policy(f"allowed.test:{origin.port}", f"127.0.0.1:{origin.port}")
+    )
     try:
         seen = _run(box, DIRECT, str(origin.port))
     finally:
@@ -184,18 +188,21 @@ def test_there_is_no_direct_way_out(origin: Origin) -> None:
 @pytest.mark.parametrize(
     ("url_host", "extra", "status", "why"),
     [
-        ("denied.test", "127.0.0.1", 403, "not on the sandbox's egress allowlist"),
+        ("denied.test", "127.0.0.1:{port}", 403, "not on the sandbox's egress allowlist"),
         ("127.0.0.1", "", 403, "not on the sandbox's egress allowlist"),  # loopback, unlisted
         ("allowed.test", "", 403, "resolves to a loopback/private/link-local address (127.0.0.1)"),
+        # Loopback listed, but on its ports 80 and 443 only (an entry's ports bound its address).
+        ("allowed.test", "127.0.0.1", 403, "resolves to a loopback/private/link-local address (127.0.0.1)"),
         ("private.test", "", 403, "resolves to a loopback/private/link-local address (10.20.30.40)"),
-        ("allowed.test", "127.0.0.1", 200, None),  # control: loopback listed
+        ("allowed.test", "127.0.0.1:{port}", 200, None),  # control: loopback listed with the port
     ],
 )
 def test_refusals_reach_the_command_the_log_and_the_kill_records_timeline(
     origin: Origin, url_host: str, extra: str, status: int, why: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     scope = TaskCancellation("t", budget=5)
-    allow = [f"allowed.test:{origin.port}", f"private.test:{origin.port}", *filter(None, [extra])]
+    allow = [f"allowed.test:{origin.port}", f"private.test:{origin.port}"]
+    allow += [extra.format(port=origin.port)] if extra else []
     # The proxy for every address (loopback inside is the sandbox's own, so NO_PROXY lists it).
     direct = {"NO_PROXY": "", "no_proxy": ""}
     box = LocalSandbox(isolation="namespace", network=_policy(*allow), scope=scope, env=direct)
@@ -214,10 +221,31 @@ def test_refusals_reach_the_command_the_log_and_the_kill_records_timeline(
     assert logged == [f"sandbox {box.id}: egress to {url_host}:{origin.port} refused: {why}"]
 
 
+def test_loopback_in_any_spelling_reaches_only_its_listed_port(origin: Origin) -> None:
+    """``["*:*", "127.0.0.1:LISTED"]`` from a real command: loopback's other ports stay shut
+    however the address is written (``inet_aton``'s spellings are addresses, never names that
+    ``*`` lets through); the listed port answers to all of them (the control)."""
+    listed = Origin()
+    threading.Thread(target=listed.serve_forever, daemon=True).start()
+    direct = {"NO_PROXY": "", "no_proxy": ""}
+    box = LocalSandbox(isolation="namespace", network=_policy("*:*", f"127.0.0.1:{listed.port}"), env=direct)
+    try:
+        for host in ("2130706433", "0x7f000001", "0177.0.0.1", "127.1"):
+            status, body = _run(box, FETCH, f"http://{host}:{origin.port}/hello")
+            assert status == 403 and f"egress to 127.0.0.1:{origin.port} refused" in body, (host, body)
+            assert _run(box, FETCH, f"http://{host}:{listed.port}/hello") == [200, "hello"], host
+    finally:
+        box.destroy()
+        listed.shutdown()
+        listed.server_close()
+
+
 def test_a_kill_during_a_proxied_download_unwinds_within_the_budget(origin: Origin) -> None:
     scope = TaskCancellation("t", budget=5)
     box = LocalSandbox(
-        isolation="namespace", network=_policy(f"allowed.test:{origin.port}", "127.0.0.1"), scope=scope
+        isolation="namespace",
+        network=_policy(f"allowed.test:{origin.port}", f"127.0.0.1:{origin.port}"),
+        scope=scope,
     )
     proxy = box._proxy
     assert proxy is not None

@@ -140,6 +140,46 @@ def test_keyrings_ptrace_process_vm_and_io_uring_are_denied_with_eperm() -> None
     assert unfiltered["process_vm_readv"][0] == 0 and unfiltered["io_uring_setup"][0] >= 0, unfiltered
 
 
+#: socket() by syscall number, so the family can carry bits above 32 (the kernel reads an int:
+#: 0x1_0000_0028 is AF_VSOCK too). Each family's outcome: "created" or the errno's name.
+SOCKETS = """
+import ctypes, errno, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+number = ctypes.c_long(int(sys.argv[1]))
+seen = {}
+for name, family in (("vsock", 40), ("vsock_high_bits", (1 << 32) | 40), ("inet", 2), ("unix", 1)):
+    ctypes.set_errno(0)
+    fd = libc.syscall(number, ctypes.c_long(family), ctypes.c_long(1), ctypes.c_long(0))  # SOCK_STREAM
+    seen[name] = "created" if fd >= 0 else errno.errorcode[ctypes.get_errno()]
+    if fd >= 0:
+        libc.close(fd)
+print(json.dumps(seen))
+"""
+
+
+@needs_filter
+@pytest.mark.parametrize(
+    "network", [False, True, ["pypi.org"]], ids=["no-network", "host-network", "allowlist"]
+)
+def test_vsock_sockets_are_denied_with_eperm_in_every_boundary_mode(network: Any) -> None:
+    """AF_VSOCK reaches the hypervisor, and no network namespace confines it: refused whatever
+    ``network`` is, also with the family's upper 32 bits set; other families still work."""
+    import pyseccomp
+
+    number = str(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "socket"))
+    code, out, err = _run([sys.executable, "-c", SOCKETS, number], network=network)
+    assert code == 0, err
+    seen = json.loads(out)
+    assert seen == {"vsock": "EPERM", "vsock_high_bits": "EPERM", "inet": "created", "unix": "created"}, seen
+    # Control: unfiltered (the host profile), the call reaches the kernel: a socket where it has
+    # vsock (a VM), EAFNOSUPPORT where not; never the filter's EPERM.
+    code, out, err = _run([sys.executable, "-c", SOCKETS, number], profile="host")
+    assert code == 0, err
+    unfiltered = json.loads(out)
+    assert unfiltered["vsock"] != "EPERM" and unfiltered["vsock_high_bits"] == unfiltered["vsock"], unfiltered
+
+
 @pytest.fixture
 def no_libseccomp(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """libseccomp (its binding) missing: the filter and the once-only warning start afresh."""

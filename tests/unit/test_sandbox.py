@@ -23,6 +23,7 @@ from cancellable_agents.toolsets.sandbox import (
     SandboxPathError,
     scrubbed_environment,
 )
+from cancellable_agents.toolsets.sandbox.files import LIST_LIMIT, WorkdirFiles, shown_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,6 +68,72 @@ def test_file_access_is_confined_to_the_workdir(tmp_path: Path) -> None:
         with pytest.raises(SandboxPathError, match="outside the sandbox working directory"):
             box.resolve(escape)
     box.destroy()
+
+
+def test_list_files_is_capped_and_says_how_many_names_it_left_out(tmp_path: Path) -> None:
+    """A command can make a folder of 50,001 names (9 MiB as a list): the model gets the first
+    LIST_LIMIT names, sorted, and one last entry with the count left out."""
+    box = LocalSandbox(tmp_path / "wd", isolation="process-group")
+    try:
+        many = box.workdir / "many"
+        many.mkdir()
+        for i in range(LIST_LIMIT + 1500):
+            (many / f"f{i:05d}").touch()
+        listed = box.list_files("many")
+        assert listed[:-1] == [f"f{i:05d}" for i in range(LIST_LIMIT)]
+        assert listed[-1].startswith("[... 1500 more names not listed (") and "/" in listed[-1]
+        # Exactly at the cap: nothing is left out, so no marker.
+        for i in range(LIST_LIMIT, LIST_LIMIT + 1500):
+            (many / f"f{i:05d}").unlink()
+        assert box.list_files("many") == [f"f{i:05d}" for i in range(LIST_LIMIT)]
+    finally:
+        box.destroy()
+
+
+def test_list_files_caps_its_bytes_at_the_output_limit(tmp_path: Path) -> None:
+    names = [f"{i:02d}-" + "x" * 97 for i in range(30)]  # 100 bytes each
+    for name in names:
+        (tmp_path / name).touch()
+    listed = WorkdirFiles(tmp_path, output_limit=1000).list_files()
+    assert listed[:-1] == names[:10]
+    assert listed[-1] == "[... 20 more names not listed (a listing stops at 1000 names / 1000 bytes) ...]"
+    assert WorkdirFiles(tmp_path, output_limit=1000, list_limit=3).list_files()[:-1] == names[:3]
+
+
+def test_list_files_shows_control_characters_in_names_escaped(tmp_path: Path) -> None:
+    """Names are the command's: a terminal sequence, a line break or a bidi override in one must
+    not reach the model raw. Escaped repr-style (so a backslash is doubled), bytes that are not
+    UTF-8 as \\xNN; folders still end with '/'."""
+    for name in (
+        "\x1b[2J",
+        "a\rb",
+        "c\nd",
+        "tab\there",
+        "del\x7f",
+        "back\\slash",
+        "\u202eevil.txt",
+        "plain.txt",
+    ):
+        (tmp_path / name).touch()
+    (tmp_path / "dir\x1b]0;x\x07").mkdir()
+    os.close(os.open(os.fsencode(tmp_path) + b"/raw\xff.bin", os.O_CREAT | os.O_WRONLY, 0o644))
+    listed = WorkdirFiles(tmp_path, output_limit=65536).list_files()
+    assert sorted(listed) == sorted(
+        [
+            "\\x1b[2J",
+            "a\\rb",
+            "c\\nd",
+            "tab\\there",
+            "del\\x7f",
+            "back\\\\slash",
+            "\\u202eevil.txt",
+            "plain.txt",
+            "dir\\x1b]0;x\\x07/",
+            "raw\\xff.bin",
+        ]
+    )
+    assert all(char.isprintable() for name in listed for char in name)
+    assert shown_name("plain.txt") == "plain.txt"
 
 
 def test_workdir_is_removed_only_if_the_sandbox_created_it(tmp_path: Path) -> None:

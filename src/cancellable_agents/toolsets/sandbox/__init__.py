@@ -9,6 +9,7 @@
 - :mod:`.env`: the environment commands get (an allowlist);
 - :mod:`.egress_policy`: :class:`EgressPolicy`, the hosts a command may reach;
 - :mod:`.egress`: the proxy that enforces it, outside the sandbox, and its forwarder inside;
+- :mod:`.egress_request`: the proxy's strict reading of a request head;
 - :mod:`.seccomp`: the boundary profile's seccomp filter (what a command may not call);
 - :mod:`.cgroups`: a cgroup per sandbox (memory and processes for the whole sandbox);
 - :mod:`.workdir_size`: the workdir's total size (a tmpfs of its own);

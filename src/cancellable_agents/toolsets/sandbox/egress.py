@@ -10,8 +10,11 @@ HTTP):
   the policy lists, resolves names itself and connects to the address it checked (so a name
   that resolves to a public address for the check and a private one for the connection — DNS
   rebinding — gets nowhere), and refuses loopback, link-local, private, multicast and reserved
-  addresses unless the policy lists the address (or its network) itself. Each refusal is one
-  log line (rate-limited) and an ``egress_denied`` event on the task's timeline (bounded).
+  addresses unless the policy lists the address (or its network) itself, on that entry's ports.
+  A request it cannot read for certain (:mod:`~cancellable_agents.toolsets.sandbox.egress_request`)
+  is answered 400 before anything is resolved or connected. Each refusal is one log line
+  (rate-limited) and an ``egress_denied`` event on the task's timeline (bounded); no request,
+  however malformed, ends in a traceback or leaves a connection open.
 - :data:`FORWARDER` runs inside the sandbox, before the command: it listens on
   ``127.0.0.1:PROXY_PORT`` in the sandbox's own namespace and carries each connection to the
   unix socket, then the command runs with ``HTTP(S)_PROXY``/``ALL_PROXY`` pointing there.
@@ -20,7 +23,7 @@ Why a proxy of ours and not a library: the allowlist must be decided on the addr
 itself resolved and then connect to exactly that address, with a resolver tests can replace;
 the maintained Python proxies (``proxy.py``, ``mitmproxy``) are frameworks with their own
 process and plugin model, TLS interception and their own resolution, much more than a CONNECT
-tunnel needs. This is asyncio streams on one thread, about two hundred lines. No TLS is
+tunnel needs. This is asyncio streams on one thread, a few hundred lines. No TLS is
 intercepted: what a command sends to an allowed host is not inspected (see ``sandbox.md``).
 This module imports no Airflow.
 """
@@ -37,7 +40,6 @@ import socket
 import tempfile
 import threading
 import time
-from urllib.parse import urlsplit
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox.egress_policy import (
@@ -46,6 +48,7 @@ from cancellable_agents.toolsets.sandbox.egress_policy import (
     IPAddress,
     Resolver,
 )
+from cancellable_agents.toolsets.sandbox.egress_request import BadRequest, ProxyRequest, parse_head
 
 __all__ = [
     "EGRESS_SOCKET",
@@ -192,56 +195,79 @@ class EgressProxy:
         with self._lock:
             self._open += 1
             crowded = self._open > MAX_CONNECTIONS
-        upstream: asyncio.StreamWriter | None = None
         try:
             if crowded:
                 writer.write(_refusal(_Refused(503, f"more than {MAX_CONNECTIONS} connections at once")))
                 await writer.drain()
             else:
-                upstream = await self._serve(reader, writer)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-            pass
+                await self._serve(reader, writer)
+        except (OSError, TimeoutError):
+            pass  # the client or the origin went away mid-answer: nothing left to tell anyone
         except asyncio.CancelledError:
             # Closing: end quietly (asyncio logs a connection task that ends cancelled as an error).
             pass
+        except Exception as exc:
+            # Never reached by a request the proxy reads (those end in a refusal); a last guard
+            # because every byte here is a command's, and asyncio would log each one with a
+            # traceback at ERROR: a one-line warning, rate-limited like the refusals.
+            self._log_limited("sandbox %s: egress proxy dropped a connection: %r", self.name, exc)
         finally:
-            for stream in (writer, upstream):
-                if stream is not None:
-                    stream.close()
+            # Counted out before the client's side closes: once a client reads EOF, the proxy
+            # holds nothing for it (the upstream, if any, was closed in _serve).
             with self._lock:
                 self._open -= 1
+            writer.close()
             self._tasks.discard(task)
 
-    async def _serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> asyncio.StreamWriter | None:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
-        lines = head.decode("latin-1").split("\r\n")
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read one request, decide it, answer or tunnel; the upstream connection, once open,
+        is closed here whatever happens."""
         try:
-            method, target, version = _request_line(lines[0])
-            host, port = _destination(method, target)
-            upstream_reader, upstream = await self._connect(host, port)
+            request = await self._request(reader)
+            if request is None:
+                return  # connected and closed without a byte: nothing was asked
+            upstream_reader, upstream = await self._connect(request)
         except _Refused as refused:
             writer.write(_refusal(refused))
             await writer.drain()
-            return None
-        if method == "CONNECT":
-            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        else:
-            upstream.write(_origin_request(method, target, version, lines[1:]))
-        await asyncio.gather(_pipe(reader, upstream), _pipe(upstream_reader, writer))
-        return upstream
+            return
+        try:
+            if request.forward is None:
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                upstream.write(request.forward)
+            await asyncio.gather(_pipe(reader, upstream), _pipe(upstream_reader, writer))
+        finally:
+            upstream.close()
 
-    async def _connect(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Check ``host:port`` against the policy, resolve it, connect to a checked address."""
-        literal = _address(host)
-        if not self.policy.permits(host, literal, port):
-            raise self._deny(host, port, 403, "not on the sandbox's egress allowlist")
-        addresses = [literal] if literal is not None else await self._resolve(host, port)
-        reachable = [a for a in addresses if self.policy.reachable(a)]
+    async def _request(self, reader: asyncio.StreamReader) -> ProxyRequest | None:
+        """The request head, read and parsed; ``None`` if the client sent nothing at all.
+        Raises :class:`_Refused` (counted as a denial) for a head it will not read."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+        except asyncio.LimitOverrunError:
+            raise self._deny(400, f"request head longer than {HEAD_LIMIT} bytes") from None
+        except TimeoutError:
+            raise self._deny(400, f"no complete request head within {HEAD_TIMEOUT:g} s") from None
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise self._deny(400, "the connection ended inside the request head") from None
+        try:
+            return parse_head(head)
+        except BadRequest as exc:
+            raise self._deny(400, str(exc)) from None
+
+    async def _connect(self, request: ProxyRequest) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Check the request against the policy, resolve its host, connect to a checked address."""
+        host, port = request.host, request.port
+        if not self.policy.permits(host, request.address, port):
+            raise self._deny(403, "not on the sandbox's egress allowlist", host, port)
+        addresses = [request.address] if request.address is not None else await self._resolve(host)
+        reachable = [a for a in addresses if self.policy.reachable(a, port)]
         if not reachable:
             shown = ", ".join(str(a) for a in addresses)
-            raise self._deny(host, port, 403, f"resolves to a loopback/private/link-local address ({shown})")
+            raise self._deny(403, f"resolves to a loopback/private/link-local address ({shown})", host, port)
         error: Exception | None = None
         for address in reachable:
             try:
@@ -250,24 +276,38 @@ class EgressProxy:
                 error = exc
         raise _Refused(502, f"cannot connect to {host}:{port}: {error}")
 
-    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
+    async def _resolve(self, host: str) -> list[IPAddress]:
         loop = asyncio.get_running_loop()
         try:
             found = await asyncio.wait_for(loop.run_in_executor(None, self._resolver, host), RESOLVE_TIMEOUT)
-        except (OSError, TimeoutError) as exc:
-            raise _Refused(502, f"cannot resolve {host}: {exc}") from exc
+        except Exception as exc:
+            # Any failure of the resolver (OSError, the idna codec's UnicodeError, a test
+            # resolver's KeyError) is the same answer: the name has no address for us.
+            raise _Refused(502, f"cannot resolve {host}: {type(exc).__name__}: {exc}") from None
         addresses = [a for a in (_address(text) for text in found) if a is not None]
         if not addresses:
             raise _Refused(502, f"cannot resolve {host}")
         return addresses
 
-    def _deny(self, host: str, port: int, status: int, reason: str) -> _Refused:
-        """Count, log (rate-limited) and record one refusal; the error to answer with."""
+    def _deny(self, status: int, reason: str, host: str | None = None, port: int | None = None) -> _Refused:
+        """Count, log (rate-limited) and record one refusal; the error to answer with. ``host``
+        and ``port`` ``None``: the request was refused before it named them (malformed)."""
         denial = EgressDenial(host, port, reason)
-        now = time.monotonic()
         with self._lock:
             self._denied += 1
             record = self._denied <= TIMELINE_LIMIT
+        what = "request" if host is None else f"to [{host}]:{port}" if ":" in host else f"to {host}:{port}"
+        self._log_limited("sandbox %s: egress %s refused: %s", self.name, what, reason)
+        scope = self.scope
+        if record and scope is not None:
+            scope.record("egress_denied", sandbox=self.name, host=denial.host, port=port, reason=reason)
+        return _Refused(status, f"egress {what} refused: {reason}")
+
+    def _log_limited(self, message: str, *args: object) -> None:
+        """One warning, unless ``LOG_BURST`` were logged in this ``LOG_WINDOW``; the next one
+        logged says how many were not (a command can send thousands of bad requests)."""
+        now = time.monotonic()
+        with self._lock:
             if now - self._window_start >= LOG_WINDOW:
                 self._window_start, self._window_count = now, 0
             self._window_count += 1
@@ -275,38 +315,7 @@ class EgressProxy:
             unlogged, self._unlogged = (self._unlogged, 0) if logged else (0, self._unlogged + 1)
         if logged:
             more = f" ({unlogged} more refusals not logged)" if unlogged else ""
-            log.warning("sandbox %s: egress to %s:%d refused: %s%s", self.name, host, port, reason, more)
-        scope = self.scope
-        if record and scope is not None:
-            scope.record("egress_denied", sandbox=self.name, host=denial.host, port=port, reason=reason)
-        return _Refused(status, f"egress to {host}:{port} refused: {reason}")
-
-
-def _request_line(line: str) -> tuple[str, str, str]:
-    parts = line.split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-        raise _Refused(400, "not an HTTP proxy request")
-    return parts[0].upper(), parts[1], parts[2]
-
-
-def _destination(method: str, target: str) -> tuple[str, int]:
-    """``host, port`` of a CONNECT authority or an absolute-form ``http://`` request."""
-    if method == "CONNECT":
-        parsed = urlsplit(f"//{target}")
-        default = None
-    else:
-        parsed = urlsplit(target)
-        if parsed.scheme != "http":
-            raise _Refused(400, "only CONNECT and absolute http:// requests go through this proxy")
-        default = 80
-    try:
-        port = parsed.port or default
-    except ValueError:
-        port = None
-    host = (parsed.hostname or "").rstrip(".")
-    if not host or port is None:
-        raise _Refused(400, f"bad proxy target {target!r}")
-    return host, port
+            log.warning(message + "%s", *args, more)
 
 
 def _address(host: str) -> IPAddress | None:
@@ -319,18 +328,6 @@ def _address(host: str) -> IPAddress | None:
 def _system_resolver(host: str) -> list[str]:
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
-
-
-def _origin_request(method: str, target: str, version: str, headers: list[str]) -> bytes:
-    """The absolute-form request as the origin server expects it: origin-form target, no
-    ``Proxy-*`` headers, and ``Connection: close`` (the next request on a kept-alive client
-    connection may be for another host, which must be decided again)."""
-    parsed = urlsplit(target)
-    path = parsed.path or "/"
-    if parsed.query:
-        path += f"?{parsed.query}"
-    kept = [h for h in headers if h and not h.lower().startswith(("proxy-", "connection:", "keep-alive:"))]
-    return "\r\n".join([f"{method} {path} {version}", *kept, "Connection: close", "", ""]).encode("latin-1")
 
 
 def _refusal(refused: _Refused) -> bytes:

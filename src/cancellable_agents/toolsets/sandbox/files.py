@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import heapq
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -29,7 +30,10 @@ from pathlib import Path
 
 from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError
 
-__all__ = ["WorkdirFiles", "openat2_supported", "outside_error"]
+__all__ = ["LIST_LIMIT", "WorkdirFiles", "openat2_supported", "outside_error", "shown_name"]
+
+#: Names ``list_files`` returns at most (its bytes are capped by ``output_limit`` as well).
+LIST_LIMIT = 1000
 
 _SYS_OPENAT2 = 437  # the same number on every architecture (added after the syscall-table merge)
 _RESOLVE_NO_SYMLINKS = 0x04
@@ -82,10 +86,17 @@ class WorkdirFiles:
     """
 
     def __init__(
-        self, workdir: Path, *, output_limit: int, owner: int | None = None, use_openat2: bool | None = None
+        self,
+        workdir: Path,
+        *,
+        output_limit: int,
+        owner: int | None = None,
+        use_openat2: bool | None = None,
+        list_limit: int = LIST_LIMIT,
     ) -> None:
         self.workdir = workdir
         self.output_limit = output_limit
+        self.list_limit = list_limit
         self.owner = owner
         self.use_openat2 = openat2_supported() if use_openat2 is None else use_openat2
 
@@ -135,9 +146,18 @@ class WorkdirFiles:
         return len(data)
 
     def list_files(self, path: str = ".") -> list[str]:
-        """Names in a folder, sorted; folders end with ``/`` (a symlink to one does not)."""
+        """Names in a folder, sorted; folders end with ``/`` (a symlink to one does not).
+
+        Names are the command's, shown to the model: each is escaped as by :func:`shown_name`
+        (control characters, backslashes, undecodable bytes), so none can carry a terminal
+        sequence or a line break into the model's context. At most ``list_limit`` names, of at
+        most ``output_limit`` bytes in all, come back, like ``read_file``'s cap (a command can
+        make millions of files); past that the last entry says how many names were left out,
+        in words no name can be (it has a ``/`` inside).
+        """
         with self._folder(self.parts(path), path, create=False) as fd, os.scandir(fd) as entries:
-            return sorted(e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
+            names = (e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries)
+            return _capped_listing(names, self.list_limit, self.output_limit)
 
     # -- opening -------------------------------------------------------------------------
 
@@ -217,6 +237,59 @@ class WorkdirFiles:
         the command could read but never change it; by descriptor, so it is the file just opened."""
         if self.owner is not None:
             os.fchown(fd, self.owner, self.owner)
+
+
+def _capped_listing(names: Iterator[str], limit: int, output_limit: int) -> list[str]:
+    """The first ``limit`` of ``names`` in order, shown escaped, cut before their bytes (UTF-8,
+    as shown) pass ``output_limit``, then an entry saying how many were left out (if any)."""
+    counted = _Counted(names)
+    first = heapq.nsmallest(limit, counted)  # without holding the whole folder in memory
+    shown: list[str] = []
+    size = 0
+    for name in first:
+        size += len(shown_name(name).encode())
+        if size > output_limit:
+            break
+        shown.append(shown_name(name))
+    left_out = counted.count - len(shown)
+    if left_out:
+        cap = f"a listing stops at {limit} names / {output_limit} bytes"
+        shown.append(f"[... {left_out} more names not listed ({cap}) ...]")
+    return shown
+
+
+class _Counted:
+    """An iterator that counts what it yields (the folder's size, read once)."""
+
+    def __init__(self, items: Iterator[str]) -> None:
+        self._items = items
+        self.count = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for item in self._items:
+            self.count += 1
+            yield item
+
+
+def shown_name(name: str) -> str:
+    """``name`` as the model is shown it, repr-style: a backslash is ``\\\\``, a character that
+    is not printable (``< 0x20``, ``0x7f``, C1 controls, bidi and other format characters)
+    its ``repr`` escape (``\\n``, ``\\r``, ``\\x1b``, ``\\u202e``), a byte that is not UTF-8
+    ``\\xNN``; anything else as it is. A name shown escaped is not a path the file tools take
+    back (``run_shell`` can reach it)."""
+    if name.isprintable() and "\\" not in name:
+        return name
+    return "".join(_shown_char(c) for c in name)
+
+
+def _shown_char(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    if char.isprintable():
+        return char
+    if 0xDC80 <= ord(char) <= 0xDCFF:  # os.fsdecode's stand-in for a byte that is not UTF-8
+        return f"\\x{ord(char) - 0xDC00:02x}"
+    return repr(char)[1:-1]
 
 
 def outside_error(path: str) -> SandboxPathError:

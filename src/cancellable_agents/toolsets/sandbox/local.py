@@ -487,7 +487,9 @@ class LocalSandbox:
         return self._files().write_file(path, content)
 
     def list_files(self, path: str = ".") -> list[str]:
-        """Names in a directory, sorted; directories end with ``/``."""
+        """Names in a directory, sorted; directories end with ``/``. Escaped and capped as
+        :meth:`WorkdirFiles.list_files <cancellable_agents.toolsets.sandbox.files.WorkdirFiles.list_files>`
+        says."""
         return self._files().list_files(path)
 
 

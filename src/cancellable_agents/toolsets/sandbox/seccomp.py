@@ -30,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "DENIED",
+    "DENIED_SOCKET_FAMILIES",
     "PROTECTIONS",
     "SeccompFilter",
     "command_filter",
@@ -48,6 +49,7 @@ PROTECTIONS: tuple[str, ...] = (
     "no keyrings (the task's session keyring is readable otherwise)",
     "no ptrace or process_vm_readv/writev",
     "no io_uring",
+    "no AF_VSOCK sockets (the hypervisor's channel, which no network namespace confines)",
     "no mount, bpf, perf_event_open, userfaultfd, kernel modules, kexec, reboot, clock or swap changes",
 )
 
@@ -120,6 +122,14 @@ DENIED: dict[str, tuple[str, ...]] = {
     ),
 }
 
+#: Socket families a command may not create: ``socket(family, ...)`` fails with EPERM. AF_VSOCK
+#: (40) talks to the hypervisor and its other guests; it is not a network interface, so the
+#: sandbox's network namespace does not confine it (Docker's default profile refuses it too).
+#: On x86_64, libseccomp also writes the rule for the 32-bit ``socketcall(SYS_SOCKET, ...)``,
+#: whose family sits in memory a filter cannot read: that form is refused for every family (a
+#: 32-bit program gets sockets only from the direct ``socket`` call, kernel 4.3+).
+DENIED_SOCKET_FAMILIES: dict[str, int] = {"AF_VSOCK": 40}
+
 #: ``clone`` flags that create namespaces (``CLONE_NEWNS`` .. ``CLONE_NEWNET``): a clone with any
 #: of them is denied, a plain fork or thread is not.
 CLONE_NAMESPACE_FLAGS: tuple[int, ...] = (
@@ -173,6 +183,11 @@ def _compile(pyseccomp: Any) -> bytes:
         _deny(pyseccomp, rules, pyseccomp.ERRNO(errno.ENOSYS), name)
     for flag in CLONE_NAMESPACE_FLAGS:
         _deny(pyseccomp, rules, eperm, "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
+    for family in DENIED_SOCKET_FAMILIES.values():
+        # Masked to 32 bits: the kernel reads the family as an int, so 0x1_0000_0028 is AF_VSOCK
+        # too, and a plain EQ on the 64-bit register would let it through.
+        low32 = pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, family)
+        _deny(pyseccomp, rules, eperm, "socket", low32)
     # A memfd, not a pipe: a program larger than a pipe's buffer would block its own export.
     with os.fdopen(os.memfd_create("cancellable-agents-seccomp-build", os.MFD_CLOEXEC), "w+b") as buffer:
         rules.export_bpf(buffer)

@@ -208,6 +208,10 @@ class SandboxToolset(FunctionToolset[Any]):
     async def list_files(self, path: str = ".") -> list[str]:
         """List a folder of the sandbox's working directory; folders end with '/'.
 
+        Control characters and backslashes in names are shown escaped (\\n, \\x1b, \\\\). A long
+        listing is cut: its last entry says how many names were left out (use run_shell to
+        see them, e.g. with find or ls piped to head).
+
         Args:
             path: Folder relative to the working directory.
         """
