@@ -32,13 +32,39 @@ Where each idea lives. Layers, lowest first: each imports only its own and those
   operators with these semantics (optional extra). ``testing/``: the scripted OpenAI-compatible
   model server (leaf: imports nothing of the package).
 
-The package imports lazily: the names below are loaded on first use.
+The package imports lazily: the names below are loaded on first use. Type checkers see them
+through the ``TYPE_CHECKING`` imports, which mirror ``_EXPORTS`` (``tests/unit/test_provider.py``
+holds the two to each other); ``py.typed`` says the package is typed.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and linters alike
+    from cancellable_agents.airflow.mixin import CancellableAgentMixin as CancellableAgentMixin
+    from cancellable_agents.airflow.retry import CancellationAwareRetryPolicy as CancellationAwareRetryPolicy
+    from cancellable_agents.airflow.task_scope import cancellation_of as cancellation_of
+    from cancellable_agents.core.causes import CancelCause as CancelCause
+    from cancellable_agents.core.causes import UserAction as UserAction
+    from cancellable_agents.core.exceptions import ConfigurationError as ConfigurationError
+    from cancellable_agents.core.exceptions import TaskCancelled as TaskCancelled
+    from cancellable_agents.core.record import KillRecord as KillRecord
+    from cancellable_agents.core.record import TimelineEvent as TimelineEvent
+    from cancellable_agents.core.scope import Outcome as Outcome
+    from cancellable_agents.core.scope import TaskCancellation as TaskCancellation
+    from cancellable_agents.core.scope import current_cancellation as current_cancellation
+    from cancellable_agents.core.unwind import Phase as Phase
+    from cancellable_agents.operators.agent import AgentOperator as AgentOperator
+    from cancellable_agents.operators.llm import LLMOperator as LLMOperator
+    from cancellable_agents.toolsets.sandbox import EgressPolicy as EgressPolicy
+    from cancellable_agents.toolsets.sandbox import Limits as Limits
+    from cancellable_agents.toolsets.sandbox import LocalSandbox as LocalSandbox
+    from cancellable_agents.toolsets.sandbox import SandboxToolset as SandboxToolset
+    from cancellable_agents.toolsets.sandbox import attach_sandbox as attach_sandbox
+    from cancellable_agents.toolsets.subagents import Subagent as Subagent
+    from cancellable_agents.toolsets.subagents import SubagentToolset as SubagentToolset
 
 __version__ = "0.1.0"
 

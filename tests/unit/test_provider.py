@@ -238,3 +238,29 @@ def test_missing_model_id_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("AIRFLOW_CONN_EMPTY", json.dumps({"conn_type": "cancellable_agents_model"}))
     with pytest.raises(ConfigurationError, match="Model id"):
         ModelHook(llm_conn_id="empty").get_model()
+
+
+def test_the_package_is_typed_and_its_lazy_exports_are_visible_to_type_checkers() -> None:
+    """A user's mypy sees every export with its type (not ``Any``): ``py.typed`` ships with the
+    package and the ``TYPE_CHECKING`` imports name exactly the lazy table's modules."""
+    import ast
+
+    import cancellable_agents
+
+    package = Path(cancellable_agents.__file__).parent
+    assert (package / "py.typed").is_file()
+    tree = ast.parse((package / "__init__.py").read_text())
+    guarded = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+    )
+    seen = {
+        alias.name: node.module
+        for node in guarded.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert seen == cancellable_agents._EXPORTS
+    for name in cancellable_agents.__all__:
+        assert getattr(cancellable_agents, name) is not None
