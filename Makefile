@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-under-load ci-lane-a ci-lane-b test-local stress e2e-local e2e-celery lint typecheck unit process e2e bench bench-fleet system-deps clean compat-airflow compat-common-ai
+.PHONY: demo test test-under-load ci-lane-a ci-lane-b test-local stress e2e-local e2e-celery lint typecheck unit process e2e bench bench-fleet bench-parse system-deps clean compat-airflow compat-common-ai
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -110,6 +110,11 @@ bench: $(STAMP) system-deps
 # minutes per database; for a quiet machine, not CI.
 bench-fleet: $(STAMP) system-deps
 	$(PY) -m benchmarks.fleet
+
+# CPU per parse of an agent DAG file in the dag-processor's own fork-per-parse machinery, beside a
+# BashOperator DAG and common.ai's AgentOperator (benchmarks/parse_cost.py): about a minute.
+bench-parse: $(STAMP)
+	$(PY) -m benchmarks.parse_cost
 
 # The supported floor: the provider on older Airflow, each in its own venv built with the main
 # venv's uv. Real SIGTERMs go through that Airflow's own Task SDK handler (tests/process); the
