@@ -5,13 +5,15 @@ The Airflow side of :mod:`cancellable_agents.durable` (which is Airflow-free).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import comms_used_from_a_loop, has_task_state_store
 from cancellable_agents.airflow.metrics import step_write_timer
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.journal import RETURNS_FLUSH_S, Journal
 from cancellable_agents.durable.stores import PathStore, Store, TaskStateStore
+
+if TYPE_CHECKING:  # the journal (pydantic-ai) loads when a task runs, not when its DAG is parsed
+    from cancellable_agents.durable.journal import Journal
 
 
 def check_durable(operator: Any) -> None:
@@ -35,6 +37,8 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
     Each call of a task gets its own record (keyed by its order in ``execute``), so a task that
     runs several agents resumes each one.
     """
+    from cancellable_agents.durable.journal import Journal
+
     if context is None:
         from airflow.sdk import get_current_context
 
@@ -74,6 +78,8 @@ def _answers(operator: Any, run_key: str) -> Any:
 
 def _flush_after(operator: Any) -> float:
     """``durable_flush_after=``, or the journal's default when the operator leaves it unset."""
+    from cancellable_agents.durable.journal import RETURNS_FLUSH_S
+
     value = getattr(operator, "durable_flush_after", None)
     return RETURNS_FLUSH_S if value is None else float(value)
 

@@ -36,7 +36,6 @@ from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.scope import DEFAULT_BUDGET, Outcome, TaskCancellation
 from cancellable_agents.procs.reaper import DescendantReaper
-from cancellable_agents.run.runner import run_agent_in_scope
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +211,8 @@ class CancellableAgentMixin:
             run_kwargs["timeout"] = deadline
         if (spans := genai_spans_capability(self.genai_spans)) is not None:
             run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), spans]
+        from cancellable_agents.run.runner import run_agent_in_scope  # pydantic-ai: at run time only
+
         # The runner ends the journal, and logs the kill record (on_cancelled) before its end is written.
         result = run_agent_in_scope(
             scope, agent, user_prompt, journal=self._journal(), on_cancelled=self._log_record, **run_kwargs

@@ -33,9 +33,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic_ai import CancellationToken
+if TYPE_CHECKING:
+    from pydantic_ai import CancellationToken
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction, bounded
 from cancellable_agents.core.exceptions import TaskCancelled
@@ -110,7 +111,10 @@ class TaskCancellation:
         self.name = name
         self.budget = budget
         self.parent = parent
-        self.token = CancellationToken()
+        # The run's pydantic-ai token, made when a run first asks (never in a signal handler, never
+        # while a DAG file is parsed); guarded by _lock, as is whether a cancel already wanted it.
+        self._token: CancellationToken | None = None
+        self._token_cancelled = False
         self._clock = clock
         self._lock = threading.RLock()
         self._cancelled = threading.Event()  # set once, under _lock
@@ -487,12 +491,30 @@ class TaskCancellation:
             self._unwound = True
             self._release_done.notify_all()
 
+    @property
+    def token(self) -> CancellationToken:
+        """The pydantic-ai token a run of this scope carries; already cancelled if the scope's
+        unwind reached it first (a run started after the kill stops at once)."""
+        from pydantic_ai import CancellationToken
+
+        with self._lock:
+            if self._token is None:
+                self._token = CancellationToken()
+                if self._token_cancelled:
+                    self._token.cancel()
+            return self._token
+
     def _cancel_token(self) -> None:
         # Recorded first: the run reacts on its own loop at once, and may record its toolset
         # teardown before this thread runs again (a busy machine); the cause comes first.
         self.record("token_cancelled")
+        with self._lock:
+            self._token_cancelled = True
+            token = self._token
+        if token is None:  # no run asked for one yet: the property hands out a cancelled one
+            return
         try:
-            self.token.cancel()
+            token.cancel()
         except Exception as exc:  # a run whose loop cannot be reached must not stop the unwind
             log.warning("%s: could not cancel the pydantic-ai run: %s", self.name, exc)
             self.record("token_cancel_failed", error=repr(exc))

@@ -7,15 +7,51 @@ ran there (at-least-once for the step that was in flight).
 
 from __future__ import annotations
 
-from cancellable_agents.durable.approval import ApprovalRequest, AwaitingApproval, Decision, PendingCall
-from cancellable_agents.durable.capability import JournalCapability
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cancellable_agents.durable.approval import ApprovalRequest as ApprovalRequest
+    from cancellable_agents.durable.approval import AwaitingApproval as AwaitingApproval
+    from cancellable_agents.durable.approval import Decision as Decision
+    from cancellable_agents.durable.approval import PendingCall as PendingCall
+    from cancellable_agents.durable.capability import JournalCapability as JournalCapability
+    from cancellable_agents.durable.journal import Journal as Journal
+    from cancellable_agents.durable.reasons import FreshStart as FreshStart
+    from cancellable_agents.durable.reasons import RecordingOff as RecordingOff
+    from cancellable_agents.durable.record import RecordProblem as RecordProblem
+    from cancellable_agents.durable.resume import ResumeInfo as ResumeInfo
+    from cancellable_agents.durable.resume import current_resume as current_resume
+    from cancellable_agents.durable.stores import MemoryStore as MemoryStore
+    from cancellable_agents.durable.stores import PathStore as PathStore
+    from cancellable_agents.durable.stores import Store as Store
+    from cancellable_agents.durable.stores import TaskStateStore as TaskStateStore
+    from cancellable_agents.durable.usage import TryUsage as TryUsage
+
+# Eager, and light: a lazy ``fingerprint`` would lose to the submodule of the same name, which
+# Python binds on this package once anything imports it.
 from cancellable_agents.durable.fingerprint import fingerprint
-from cancellable_agents.durable.journal import Journal
-from cancellable_agents.durable.reasons import FreshStart, RecordingOff
-from cancellable_agents.durable.record import RecordProblem
-from cancellable_agents.durable.resume import ResumeInfo, current_resume
-from cancellable_agents.durable.stores import MemoryStore, PathStore, Store, TaskStateStore
-from cancellable_agents.durable.usage import TryUsage
+
+#: The names below load on first use: the operators import this package's light parts (the
+#: approval types) while a DAG file is parsed, and pydantic-ai must not load with them.
+_EXPORTS = {
+    "ApprovalRequest": "cancellable_agents.durable.approval",
+    "AwaitingApproval": "cancellable_agents.durable.approval",
+    "Decision": "cancellable_agents.durable.approval",
+    "PendingCall": "cancellable_agents.durable.approval",
+    "JournalCapability": "cancellable_agents.durable.capability",
+    "Journal": "cancellable_agents.durable.journal",
+    "FreshStart": "cancellable_agents.durable.reasons",
+    "RecordingOff": "cancellable_agents.durable.reasons",
+    "RecordProblem": "cancellable_agents.durable.record",
+    "ResumeInfo": "cancellable_agents.durable.resume",
+    "current_resume": "cancellable_agents.durable.resume",
+    "MemoryStore": "cancellable_agents.durable.stores",
+    "PathStore": "cancellable_agents.durable.stores",
+    "Store": "cancellable_agents.durable.stores",
+    "TaskStateStore": "cancellable_agents.durable.stores",
+    "TryUsage": "cancellable_agents.durable.usage",
+}
 
 __all__ = [
     "ApprovalRequest",
@@ -36,3 +72,12 @@ __all__ = [
     "current_resume",
     "fingerprint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cancellable_agents.durable' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

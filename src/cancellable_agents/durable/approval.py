@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+if TYPE_CHECKING:  # pydantic-ai loads when a run needs it, not when a DAG file is parsed
+    from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied
+    from pydantic_ai.messages import ModelMessage, ToolCallPart
 
 #: What a rejected call's model is told when the reviewer gave no message.
 DEFAULT_REJECTION = "A reviewer rejected this tool call."
@@ -101,6 +102,8 @@ class Decision:
         return cls(bool(data["approved"]), data.get("message"), dict(override) if override else None)
 
     def as_result(self) -> ToolApproved | ToolDenied:
+        from pydantic_ai import ToolApproved, ToolDenied
+
         if self.approved:
             return ToolApproved(override_args=self.override_args)
         return ToolDenied(self.message or DEFAULT_REJECTION)
@@ -141,6 +144,8 @@ def request_of(
 
 def _reason(messages: Sequence[ModelMessage], ids: set[str]) -> str:
     """The text of the model response that made the calls ``ids``."""
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+
     for message in reversed(messages):
         if isinstance(message, ModelResponse) and any(
             isinstance(p, ToolCallPart) and p.tool_call_id in ids for p in message.parts
@@ -151,12 +156,16 @@ def _reason(messages: Sequence[ModelMessage], ids: set[str]) -> str:
 
 def deferred_results(decisions: Mapping[str, Decision]) -> DeferredToolResults:
     """What the continuing run gets for the answered calls."""
+    from pydantic_ai import DeferredToolResults
+
     return DeferredToolResults(approvals={call_id: d.as_result() for call_id, d in decisions.items()})
 
 
 def with_deferred_output(output_type: Any) -> Any:
     """``output_type`` that also lets the run end with ``DeferredToolRequests`` (a run whose tools
     need no approval never does, so its output is unchanged)."""
+    from pydantic_ai import DeferredToolRequests
+
     if output_type is DeferredToolRequests:
         return output_type
     if isinstance(output_type, (list, tuple)):

@@ -12,9 +12,12 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from pydantic_ai.toolsets import ApprovalRequiredToolset
 
-from cancellable_agents.durable.record import canonical
+def canonical(value: Any) -> str:
+    """``value`` as JSON in one spelling (sorted keys, no spaces): what gets hashed (here and in
+    the record's hash chain)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
 
 #: The class attribute by which a toolset says whether what its tools wrote is still there on
 #: the task's next try. ``False`` (a sandbox's workspace): a resumed run is told it is gone, or
@@ -113,7 +116,12 @@ def tools_requiring_approval(
     for tool in [*tools, *_toolset_tools(all_toolsets)]:
         if getattr(tool, "requires_approval", False):
             found.append(str(getattr(tool, "name", tool)))
-    found += [type(t).__name__ for t in walk_toolsets(all_toolsets) if isinstance(t, ApprovalRequiredToolset)]
+    if all_toolsets:  # toolsets are pydantic-ai's: loaded already, so asking costs nothing
+        from pydantic_ai.toolsets import ApprovalRequiredToolset
+
+        found += [
+            type(t).__name__ for t in walk_toolsets(all_toolsets) if isinstance(t, ApprovalRequiredToolset)
+        ]
     return found
 
 

@@ -26,7 +26,6 @@ fencing, and it needs no read before a write.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from pydantic_ai.messages import (
 )
 
 from cancellable_agents.durable.approval import ApprovalRequest, Decision
+from cancellable_agents.durable.fingerprint import canonical
 from cancellable_agents.durable.reasons import FreshStart
 from cancellable_agents.durable.stores import Store
 from cancellable_agents.durable.usage import TryUsage
@@ -60,11 +60,6 @@ class RecordProblem(Exception):
     def __init__(self, message: str, reason: FreshStart = FreshStart.TAMPERED) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-def canonical(value: Any) -> str:
-    """``value`` as JSON in one spelling (sorted keys, no spaces): what gets hashed."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
 def chain(prev: str, body: dict[str, Any]) -> str:

@@ -1,0 +1,106 @@
+"""What a DAG file using the operators costs the dag-processor: nothing heavy loads at parse time.
+
+The dag-processor imports a file's ``airflow.*`` imports once in its parent and forks a child per
+parse; everything else is imported again in every child (DESIGN.md §4d). A fresh interpreter here
+does the same: it pre-imports what Airflow's ``iter_airflow_imports`` finds in the file, then runs
+the file and lists the heavy modules the run added. ``make bench-parse`` measures the CPU.
+
+Toolsets (``SandboxToolset``, ``SubagentToolset``) are still pydantic-ai toolsets when built, so a
+DAG file that builds one loads pydantic-ai: not covered here yet (issue #31).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.airflow_env import airflow_env
+
+#: What must not load while a DAG file is parsed (those Airflow itself loads in the parent, such
+#: as httpx, psutil and OpenTelemetry, are in the parent already and so not counted).
+HEAVY = (
+    "pydantic_ai",
+    "pydantic_graph",
+    "httpx",
+    "openai",
+    "anthropic",
+    "opentelemetry",
+    "psutil",
+    "pyseccomp",
+)
+
+DAG_FILE = '''
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, task
+
+from cancellable_agents import AgentOperator, CancellationAwareRetryPolicy, LLMOperator
+
+
+def lookup(order_id: str) -> str:
+    """A plain function tool."""
+    return order_id
+
+
+with DAG(dag_id="parse_light", schedule=None, start_date=datetime(2026, 1, 1), catchup=False) as dag:
+    policy = CancellationAwareRetryPolicy()
+    LLMOperator(task_id="llm", prompt="hi", model="test", retries=2, retry_policy=policy)
+    AgentOperator(
+        task_id="agent", prompt="hi", llm_conn_id="openai_default", tools=[lookup], durable=True,
+        execution_timeout=timedelta(minutes=5), stream=True,
+    )
+
+    @task.llm(model="test")
+    def haiku() -> str:
+        return "Write a haiku."
+
+    @task.agent(model="test", tools=[lookup])
+    def investigate() -> str:
+        return "Look it up."
+
+    haiku()
+    investigate()
+'''
+
+PARSE = """
+import importlib, json, runpy, sys
+from airflow.utils.file import iter_airflow_imports
+
+path = sys.argv[1]
+for module in iter_airflow_imports(path):  # the dag-processor's parent: _pre_import_airflow_modules
+    importlib.import_module(module)
+before = set(sys.modules)
+namespace = runpy.run_path(path)
+added = set(sys.modules) - before
+print(json.dumps({
+    "tasks": sorted(namespace["dag"].task_ids),
+    "added": sorted(added),
+}))
+"""
+
+
+def _parse(tmp_path: Path) -> dict[str, object]:
+    dag_file = tmp_path / "agents_dag.py"
+    dag_file.write_text(DAG_FILE)
+    done = subprocess.run(
+        [sys.executable, "-c", PARSE, str(dag_file)],
+        env=airflow_env(tmp_path / "airflow_home"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_dag_file_with_every_operator_and_decorator_loads_nothing_heavy(tmp_path: Path) -> None:
+    parsed = _parse(tmp_path)
+    assert parsed["tasks"] == ["agent", "haiku", "investigate", "llm"], parsed["tasks"]
+    added = parsed["added"]
+    assert isinstance(added, list)
+    heavy = sorted({name.split(".")[0] for name in added} & set(HEAVY))
+    assert heavy == [], f"parsing the DAG file loaded {heavy}: the dag-processor pays that on every parse"
+    assert any(name.startswith("cancellable_agents.operators") for name in added), "the file used ours"
