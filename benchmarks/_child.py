@@ -28,7 +28,7 @@ from tests.taskproc import (
     marker_processes,
 )
 
-from cancellable_agents.airflow.task_scope import cancellation_of
+from cancellable_agents.airflow.task_try import cancellation_of
 
 channel = Channel()
 seen = SignalLatch()

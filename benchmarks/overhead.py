@@ -102,9 +102,7 @@ def measure_task_setup(reps: int = 50) -> dict[str, Any]:
     for i in range(reps):
         op = LLMOperator(task_id=f"setup_{i}", prompt="x", model="test")
         times.append(timed(functools.partial(op.pre_execute, {})))
-        reaper = op.__dict__.get("_reaper")
-        if reaper is not None:
-            reaper.close()
+        op.task_try().close_reaper()
     return {"pre_execute_ms": round(statistics.median(times) * 1000, 3), "reps": reps}
 
 

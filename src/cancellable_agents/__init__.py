@@ -21,8 +21,9 @@ Where each idea lives. Layers, lowest first: each imports only its own and those
   process tree, bubblewrap profiles, seccomp filter, environment allowlist, race-free file
   access, egress allowlist, limits per sandbox) and ``subagents``.
 - ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
-  shim), ``task_scope`` (where an operator keeps its scope), ``mixin``
-  (``CancellableAgentMixin``: the operator surface and ``on_kill``), ``guard`` (``execute``
+  shim), ``task_try`` (``TaskTry``: one try's scope, task instance, reaper, supervisor watch,
+  approval and durable runs, as one typed object), ``mixin`` (``CancellableAgentMixin``: the
+  operator surface and ``on_kill``, a thin Airflow face over the try), ``guard`` (``execute``
   ends as ``TaskCancelled`` after a kill), ``kill_log`` (the record, written once), ``retry``
   (``CancellationAwareRetryPolicy``), ``supervisor`` (a lost supervisor is a kill),
   ``server_stop`` (the cause read from the supervisor's own log line, no round trip),
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and linters alike
     from cancellable_agents.airflow.mixin import CancellableAgentMixin as CancellableAgentMixin
     from cancellable_agents.airflow.retry import CancellationAwareRetryPolicy as CancellationAwareRetryPolicy
-    from cancellable_agents.airflow.task_scope import cancellation_of as cancellation_of
+    from cancellable_agents.airflow.task_try import cancellation_of as cancellation_of
     from cancellable_agents.core.causes import CancelCause as CancelCause
     from cancellable_agents.core.causes import UserAction as UserAction
     from cancellable_agents.core.exceptions import ConfigurationError as ConfigurationError
@@ -80,7 +81,7 @@ _EXPORTS = {
     "ConfigurationError": "cancellable_agents.core.exceptions",
     "TaskCancelled": "cancellable_agents.core.exceptions",
     "CancellableAgentMixin": "cancellable_agents.airflow.mixin",
-    "cancellation_of": "cancellable_agents.airflow.task_scope",
+    "cancellation_of": "cancellable_agents.airflow.task_try",
     "CancellationAwareRetryPolicy": "cancellable_agents.airflow.retry",
     "LLMOperator": "cancellable_agents.operators.llm",
     "AgentOperator": "cancellable_agents.operators.agent",

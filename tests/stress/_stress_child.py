@@ -33,10 +33,10 @@ from typing import Any
 from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
-import cancellable_agents.airflow.mixin as mixin
+import cancellable_agents.airflow.adapter as adapter
 from cancellable_agents import AgentOperator, TaskCancelled, current_cancellation
 from cancellable_agents.airflow.adapter import verdict_for_state
-from cancellable_agents.airflow.task_scope import cancellation_of
+from cancellable_agents.airflow.task_try import cancellation_of, try_of
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.scope import Outcome
 from cancellable_agents.hooks.model import build_model
@@ -266,7 +266,8 @@ class Run:
         if not self.signals:
             scope = self.scope()
             self.before_result = scope is None or scope.outcome is None
-            self.ti_known = self.task.__dict__.get("_ti_key") is not None
+            task_try = try_of(self.task)
+            self.ti_known = task_try is not None and task_try.key is not None
         self.signals.append(time.monotonic())
         _SEEN.set()
 
@@ -323,11 +324,14 @@ def _check_cancelled(run: Run, scope: Any) -> list[str]:
         return [f"killed before the result, but execute {run.outcome()}"]
     if scope.outcome is not Outcome.CANCELLED:
         out.append(f"killed before the result, but the scope's outcome is {scope.outcome}")
-    expected = EXPECTED_CAUSE[run.plan["state"]] if run.ti_known else CancelCause.UNKNOWN
+    # A kill before the task instance was known is remembered, and its cause asked for once the
+    # try knows who it is: classified like any other.
+    expected = EXPECTED_CAUSE[run.plan["state"]]
     if run.exc.cause is not expected or scope.cause is not expected:
+        early = "" if run.ti_known else " (the kill came before the task instance was known)"
         out.append(
             f"cause {run.exc.cause.value} (scope: {scope.cause}) for task state {run.plan['state']!r}, "
-            f"want {expected.value}{'' if run.ti_known else ' (the task instance was not known yet)'}"
+            f"want {expected.value}{early}"
         )
     return out
 
@@ -381,7 +385,7 @@ def main() -> None:
     # The parent asks for every thread's stack (SIGUSR1) before it gives up on a hung run.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.getLogger("cancellable_agents").addHandler(ON_KILL_LOG)
-    mixin.classify_sigterm = fake_classify_sigterm  # type: ignore[assignment]
+    adapter.classify_sigterm = fake_classify_sigterm  # type: ignore[assignment]
     warm_up()
     lines = iter(sys.stdin)
     for line in lines:

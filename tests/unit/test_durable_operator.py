@@ -62,12 +62,10 @@ def test_durable_settings_are_operator_arguments(tmp_path: Path) -> None:
         True,
         True,
     )
-    assert journal_for(op, {"ti": TI(1)}).returns_flush_s == 0
+    assert journal_for(op, op.task_try({"ti": TI(1)})).returns_flush_s == 0
     default = LLMOperator(task_id="u", model="test", prompt="p")
-    assert (
-        default.durable is False
-        and journal_for(default, {"ti": TI(1), "task_state_store": {}}).returns_flush_s > 0
-    )
+    context = {"ti": TI(1), "task_state_store": {}}
+    assert default.durable is False and journal_for(default, default.task_try(context)).returns_flush_s > 0
 
 
 def _agent(requests: list[int], kill_at: int | None, op_box: list[Any]) -> Agent[None, str]:

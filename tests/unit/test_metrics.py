@@ -173,7 +173,7 @@ def test_a_failing_backend_warns_once_and_never_raises(
     _kill_in_tool(caplog)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        metrics.emit_run_completed(KilledInTool(task_id="again"), None)
+        metrics.emit_run_completed(KilledInTool(task_id="again").task_try(), None)
     assert "metrics/traces not emitted" not in caplog.text, "one warning per process, not per try"
 
 

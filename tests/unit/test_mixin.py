@@ -17,6 +17,7 @@ from pydantic_ai import Agent
 from pydantic_ai.models.test import TestModel
 
 from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, TaskCancelled
+from cancellable_agents.airflow.task_try import try_of
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.report import RECORD_PREFIX
 from cancellable_agents.core.scope import Outcome
@@ -44,7 +45,7 @@ def test_wrong_base_order_is_refused_with_the_fix() -> None:
 
 def test_scope_is_lazy_survives_deepcopy_and_is_never_replaced() -> None:
     op = Echo(task_id="t")
-    assert "_task_cancellation" not in op.__dict__, "operators are deep-copied: no scope in __init__"
+    assert try_of(op) is None, "operators are deep-copied: no scope in __init__"
     clone = copy.deepcopy(op)
     scope = clone.cancellation
     assert clone.cancellation is scope
@@ -236,7 +237,7 @@ def test_reaping_survives_a_pre_execute_override_without_super() -> None:
     with pytest.raises(RuntimeError, match="the tool broke"):
         op.execute({})
     try:
-        assert op.__dict__.get("_reaper") is not None
+        assert op.task_try().reaper is not None
         assert not _alive(op.leftover), "the detached process outlived the failed task"
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):

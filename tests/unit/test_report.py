@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -226,12 +227,13 @@ def test_the_retry_outlook_follows_the_cause_and_the_servers_word() -> None:
         def execute(self, context: Any) -> None:
             return None
 
-    op = Op(task_id="t")
-    assert retry_outlook(op, CancelCause.USER, UserAction.CLEARED) is RetryOutlook.NEXT_TRY_STARTS
-    assert retry_outlook(op, CancelCause.USER, UserAction.MARKED_FAILED) is RetryOutlook.NOT_RETRYING
-    assert retry_outlook(op, CancelCause.EVICTION, None) is RetryOutlook.UNDECIDED  # no task instance
+    policy = Op(task_id="t").retry_policy
+    outlook = functools.partial(retry_outlook, policy)
+    assert outlook(None, CancelCause.USER, UserAction.CLEARED) is RetryOutlook.NEXT_TRY_STARTS
+    assert outlook(None, CancelCause.USER, UserAction.MARKED_FAILED) is RetryOutlook.NOT_RETRYING
+    assert outlook(None, CancelCause.EVICTION, None) is RetryOutlook.UNDECIDED  # no task instance
     # What the server sent with the task's start (the Task SDK's RuntimeTaskInstance holds it).
-    op.__dict__["_ti"] = SimpleNamespace(_ti_context_from_server=SimpleNamespace(should_retry=True))
-    assert retry_outlook(op, CancelCause.EVICTION, None) is RetryOutlook.RETRYING
-    op.__dict__["_ti"] = SimpleNamespace(_ti_context_from_server=SimpleNamespace(should_retry=False))
-    assert retry_outlook(op, CancelCause.TIMEOUT, None) is RetryOutlook.NO_RETRIES_LEFT
+    ti = SimpleNamespace(_ti_context_from_server=SimpleNamespace(should_retry=True))
+    assert outlook(ti, CancelCause.EVICTION, None) is RetryOutlook.RETRYING
+    ti = SimpleNamespace(_ti_context_from_server=SimpleNamespace(should_retry=False))
+    assert outlook(ti, CancelCause.TIMEOUT, None) is RetryOutlook.NO_RETRIES_LEFT

@@ -24,7 +24,7 @@ from pydantic_ai.exceptions import RunCancelled
 
 from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled, UserAction
 from cancellable_agents.airflow.retry import cancellation_cause, wrap_retry_policy
-from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.airflow.task_try import try_for
 
 
 class MustNotBeAsked(RetryPolicy):
@@ -133,8 +133,7 @@ def test_bare_run_cancelled_counts_only_when_the_task_scope_was_cancelled() -> N
         pass
 
     task = Task()
-    scope = TaskCancellation()
-    task.__dict__["_task_cancellation"] = scope
+    scope = try_for(task, budget=4.0)[0].scope
     context = {"task": task}
     error = RunCancelled("stopped")
     assert cancellation_cause(error, context) is None, "an unrelated RunCancelled is not a kill"

@@ -33,7 +33,7 @@ from airflow.sdk.exceptions import AirflowTaskTimeout
 from pydantic_ai.exceptions import RunCancelled
 
 from cancellable_agents import CancelCause, CancellationAwareRetryPolicy, TaskCancelled, UserAction
-from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.airflow.task_try import try_for
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 CONN_ID = "common_ai_model"
@@ -82,15 +82,14 @@ def _model_backed_policies() -> dict[str, RetryPolicy]:
 
 def _cancellations() -> list[tuple[BaseException, dict[str, object] | None, RetryAction]]:
     """Every shape a kill reaches the policy in, with what the default table decides for it."""
-    killed_scope = TaskCancellation()
-    killed_scope.cancel(CancelCause.EVICTION)
-    assert killed_scope.wait_cause(2) is CancelCause.EVICTION
 
     class Task:
         pass
 
     task = Task()
-    task.__dict__["_task_cancellation"] = killed_scope
+    killed_scope = try_for(task, budget=4.0)[0].scope
+    killed_scope.cancel(CancelCause.EVICTION)
+    assert killed_scope.wait_cause(2) is CancelCause.EVICTION
     context = {"task": task}
     return [
         (

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.airflow import mixin, server_stop
+from cancellable_agents.airflow import adapter, server_stop, task_try
 from cancellable_agents.airflow.server_stop import open_task_logs, server_stop_verdict
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
 from cancellable_agents.core.scope import TaskCancellation
@@ -183,11 +183,11 @@ def test_the_cause_holds_while_the_server_cannot_answer(
         never.wait(30)
         return CauseVerdict(CancelCause.EVICTION, "worker shutdown")
 
-    monkeypatch.setattr(mixin, "classify_sigterm", busy_server)
+    monkeypatch.setattr(adapter, "classify_sigterm", busy_server)
     monkeypatch.setattr(server_stop, "supervisor_pid", os.getppid)  # running under a supervisor
     scope = TaskCancellation()
     try:
-        classify = functools.partial(mixin._classify, ("d", "t", "r", -1))
+        classify = functools.partial(task_try._classify, ("d", "t", "r", -1))
         scope.cancel(CancelCause.UNKNOWN, classify=classify, classify_timeout=0.2)
         assert scope.wait_cause(5) is expected.cause
         assert scope.cause_detail == expected.detail

@@ -11,12 +11,14 @@ same payload as the standard provider's ``HITLOperator.execute_complete`` gets.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import has_task_awaiting_input
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.approval import ApprovalRequest, Decision
 from cancellable_agents.durable.fingerprint import tools_requiring_approval
+
+if TYPE_CHECKING:  # checked at parse time; the requests and decisions exist when a task runs
+    from cancellable_agents.durable.approval import ApprovalRequest, Decision
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,8 @@ def decisions_from_event(event: dict[str, Any], request: ApprovalRequest) -> dic
 
         names = [c.tool_name for c in request.calls]
         raise AirflowFailException(f"no answer to the approval of {names} in time: {event['error']}")
+    from cancellable_agents.durable.approval import Decision
+
     params = event.get("params_input") or {}
     if APPROVE in (event.get("chosen_options") or ()):
         edited = params.get("arguments") if _form_of(request, params) else None

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import comms_used_from_a_loop, has_task_state_store
-from cancellable_agents.airflow.metrics import step_write_timer
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.stores import PathStore, Store, TaskStateStore
 
-if TYPE_CHECKING:  # the journal (pydantic-ai) loads when a task runs, not when its DAG is parsed
+if TYPE_CHECKING:  # the journal (pydantic-ai) and the stores load when a task runs, not at parse
+    from cancellable_agents.airflow.task_try import TaskTry
     from cancellable_agents.durable.journal import Journal
+    from cancellable_agents.durable.stores import Store
 
 
 def check_durable(operator: Any) -> None:
@@ -31,14 +31,16 @@ def check_durable(operator: Any) -> None:
         )
 
 
-def journal_for(operator: Any, context: Any = None) -> Journal:
+def journal_for(operator: Any, task_try: TaskTry) -> Journal:
     """The journal of the operator's next ``run_agent_sync`` call in this try.
 
     Each call of a task gets its own record (keyed by its order in ``execute``), so a task that
     runs several agents resumes each one.
     """
+    from cancellable_agents.airflow.metrics import step_write_timer
     from cancellable_agents.durable.journal import Journal
 
+    context = task_try.context
     if context is None:
         from airflow.sdk import get_current_context
 
@@ -49,31 +51,21 @@ def journal_for(operator: Any, context: Any = None) -> Journal:
             f"{getattr(operator, 'task_id', '?')}: durable=True needs the task instance (try number, store); "
             f"call run_agent_sync from execute, with the task's context"
         )
-    run_index = operator.__dict__.get("_durable_runs", 0)
-    operator.__dict__["_durable_runs"] = run_index + 1
+    run_key = task_try.next_run_key()
     return Journal(
         _store(operator, context, ti),
         try_number=int(ti.try_number),
-        run_key=str(run_index),
+        run_key=run_key,
         resume_after_clear=operator.resume_after_clear,
         usage_spans_tries=operator.usage_limits_span_tries,
-        scope=operator.cancellation,
+        scope=task_try.scope,
         clear_count=_clear_number(context),
-        on_step_written=step_write_timer(operator),
+        on_step_written=step_write_timer(task_try),
         returns_flush_s=_flush_after(operator),
         write_ahead=bool(getattr(operator, "durable_write_ahead", False)),
         beside_is_safe=lambda: not comms_used_from_a_loop(),
-        answers=_answers(operator, str(run_index)),
+        answers=task_try.answers_for(run_key),
     )
-
-
-def _answers(operator: Any, run_key: str) -> Any:
-    """The reviewer's decisions if this execution resumes the run ``run_key`` after its approval
-    pause (``resume_after_approval`` put them there); ``None`` otherwise."""
-    approval = operator.__dict__.get("_approval")
-    if approval is None or approval[0].run_key != run_key:
-        return None
-    return approval[1]
 
 
 def _flush_after(operator: Any) -> float:
@@ -102,6 +94,8 @@ def _clear_number(context: Any) -> int | None:
 
 
 def _store(operator: Any, context: Any, ti: Any) -> Store:
+    from cancellable_agents.durable.stores import PathStore, TaskStateStore
+
     if operator.durable_path is not None:
         map_index = getattr(ti, "map_index", -1)
         return PathStore.for_task(

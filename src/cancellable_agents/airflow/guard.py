@@ -11,27 +11,28 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cancellable_agents.airflow.adapter import is_execution_timeout
-from cancellable_agents.airflow.approval import park
-from cancellable_agents.core.exceptions import TaskCancelled
-from cancellable_agents.core.report import hide_unwind_chain
-from cancellable_agents.core.scope import Outcome
-from cancellable_agents.durable.approval import AwaitingApproval
-
 if TYPE_CHECKING:
     from cancellable_agents.airflow.mixin import CancellableAgentMixin
 
 
 def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``execute`` end as ``TaskCancelled`` if a kill landed before it returned."""
+    """Make ``execute`` end as ``TaskCancelled`` if a kill landed before it returned.
+
+    Wraps at class creation, so a DAG file pays for this function only; what the guard uses
+    loads when a task runs.
+    """
     if getattr(execute, "_cancellable_agents_guard", False):
         return execute
 
     @functools.wraps(execute)
     def guarded(self: CancellableAgentMixin, context: Any) -> Any:
-        if self.__dict__.get("_in_execute"):
+        from cancellable_agents.core.exceptions import TaskCancelled
+        from cancellable_agents.core.report import hide_unwind_chain
+
+        task_try = self.task_try(context)
+        if task_try.in_execute:
             return execute(self, context)  # a subclass's execute calling super(): guard once
-        self.__dict__["_in_execute"] = True
+        task_try.in_execute = True
         try:
             return _run_guarded(self, execute, context)
         except TaskCancelled as exc:
@@ -39,18 +40,25 @@ def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
             hide_unwind_chain(exc)
             raise
         finally:
-            self.__dict__["_in_execute"] = False
+            task_try.in_execute = False
 
     guarded._cancellable_agents_guard = True  # type: ignore[attr-defined]
     return guarded
 
 
 def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], context: Any) -> Any:
-    scope = operator.cancellation
-    operator._know_task_instance(context)
+    from cancellable_agents.airflow.adapter import is_execution_timeout
+    from cancellable_agents.airflow.approval import park
+    from cancellable_agents.core.exceptions import TaskCancelled
+    from cancellable_agents.core.scope import Outcome
+    from cancellable_agents.durable.approval import AwaitingApproval
+
+    task_try = operator.task_try(context)
+    scope = task_try.scope
     # Here, not only in pre_execute: an operator that overrides pre_execute without super()
     # must not silently lose the reaping of what its tools leave behind.
-    operator._start_reaper()
+    if operator.reap_descendants:
+        task_try.start_reaper()
     if scope.cancelled:
         # Killed before execute began (while rendering templates, in pre_execute): don't build
         # agents or open clients only to tear them down again.
@@ -68,7 +76,7 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
         # The run stopped at a step boundary with its record written: this execution's work is
         # done, and nothing of it may keep running while the task waits without a worker.
         scope.settle(Outcome.COMPLETED)
-        operator._finish_reaper()
+        task_try.finish_reaper()
         raise park(operator, paused.request, context) from None
     except Exception as exc:
         if scope.cancelled:
@@ -77,14 +85,14 @@ def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], c
             scope.settle(Outcome.CANCELLED)
             raise operator.cancelled_error(f"killed; then execute failed with {exc!r}") from exc
         scope.settle(Outcome.FAILED)
-        operator._finish_reaper()  # a failed task leaves nothing running behind it
+        task_try.finish_reaper()  # a failed task leaves nothing running behind it
         raise
     except BaseException as exc:
         scope.settle(Outcome.FAILED)
         if not is_execution_timeout(exc):  # on the timeout path on_kill unwinds and reaps
-            operator._finish_reaper()  # a failed task leaves nothing running behind it
+            task_try.finish_reaper()  # a failed task leaves nothing running behind it
         raise
     if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
         raise operator.cancelled_error("killed before execute returned; its result is discarded")
-    operator._close_reaper()
+    task_try.close_reaper()
     return result

@@ -17,20 +17,28 @@ from cancellable_agents.core.usage import usage_dict
 from cancellable_agents.procs.proc import read_proc
 
 if TYPE_CHECKING:
-    from cancellable_agents.airflow.mixin import CancellableAgentMixin
+    from cancellable_agents.airflow.task_try import TaskTry
 
 log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the task log has always named
 
 
-def log_kill_record(operator: CancellableAgentMixin, exc: TaskCancelled | None = None) -> None:
-    """Once per task instance: wait for the unwind (within the budget), then write what
-    happened for the task log in the UI: one human line, then the structured record."""
-    if operator.__dict__.setdefault("_record_logged", False):
+def cancelled_error(task_try: TaskTry, retry_policy: Any, message: str) -> TaskCancelled:
+    """The :class:`TaskCancelled` to raise for a killed try, with its kill record logged first."""
+    exc = task_try.scope.cancelled_error(message)
+    log_kill_record(task_try, retry_policy, exc)
+    return exc
+
+
+def log_kill_record(task_try: TaskTry, retry_policy: Any, exc: TaskCancelled | None = None) -> None:
+    """Once per try: wait for the unwind (within the budget), then write what happened for the
+    task log in the UI: one human line, then the structured record. ``retry_policy`` is the
+    operator's (what happens next is decided as the Task SDK will decide it)."""
+    if task_try.record_logged:
         return
-    operator.__dict__["_record_logged"] = True
-    scope = operator.cancellation
+    task_try.record_logged = True
+    scope = task_try.scope
     scope.wait_released(scope.remaining())
-    operator._finish_reaper()
+    task_try.finish_reaper()
     record = scope.summary()
     record["usage"] = usage_dict(exc.usage if exc else None)
     record["messages"] = len(exc.messages) if exc else 0
@@ -39,12 +47,12 @@ def log_kill_record(operator: CancellableAgentMixin, exc: TaskCancelled | None =
         record,
         action=action,
         processes_left=_still_running(record["killed"]),
-        retry=retry_outlook(operator, cause, action),
+        retry=retry_outlook(retry_policy, task_try.ti, cause, action),
         airflow_logs_next=airflow_logs_next(cause, action),
     )
     log.warning("%s", summary_line(report))
     log.warning("%s", render_record(report.full_record()))
-    emit_kill(operator, report)  # after the record: metrics can never delay or hide it
+    emit_kill(task_try, report)  # after the record: metrics can never delay or hide it
     _exit_promptly()
 
 

@@ -43,31 +43,33 @@ def airflow_logs_next(cause: CancelCause | None, action: UserAction | None) -> t
     return _AFTER_RECORD.get(action, ())
 
 
-def retry_outlook(operator: Any, cause: CancelCause | None, action: UserAction | None) -> RetryOutlook:
+def retry_outlook(
+    retry_policy: Any, ti: Any, cause: CancelCause | None, action: UserAction | None
+) -> RetryOutlook:
     """What happens after this try, decided as the Task SDK will decide it.
 
     A user's stop is final on the server (a clear already made the next try); otherwise the
-    operator's retry policy (Airflow 3.3+) decides, and a retry needs retries left.
+    operator's ``retry_policy`` (Airflow 3.3+) decides, and a retry needs retries left, which
+    the server told the task instance ``ti`` at its start.
     """
     if action is UserAction.CLEARED:
         return RetryOutlook.NEXT_TRY_STARTS
     if cause is CancelCause.USER:
         return RetryOutlook.NOT_RETRYING
-    decide = getattr(getattr(operator, "retry_policy", None), "decide", None)
+    decide = getattr(retry_policy, "decide", None)
     if callable(decide) and cause is not None:  # CancellationAwareRetryPolicy: Airflow 3.3+
         from airflow.sdk.definitions.retry_policy import RetryAction
 
         if decide(cause, action).action is RetryAction.FAIL:
             return RetryOutlook.NOT_RETRYING
-    should_retry = _should_retry(operator)
+    should_retry = _should_retry(ti)
     if should_retry is None:
         return RetryOutlook.UNDECIDED
     return RetryOutlook.RETRYING if should_retry else RetryOutlook.NO_RETRIES_LEFT
 
 
-def _should_retry(operator: Any) -> bool | None:
+def _should_retry(ti: Any) -> bool | None:
     """The server's word on whether this try may be retried (sent with the task's start)."""
-    ti = operator.__dict__.get("_ti")
     server = getattr(ti, "_ti_context_from_server", None)
     answer = getattr(server, "should_retry", None)
     return answer if isinstance(answer, bool) else None

@@ -21,10 +21,13 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.core.report import KillReport, unwound_ms
 from cancellable_agents.core.usage import USAGE_FIELDS, usage_counts
+
+if TYPE_CHECKING:
+    from cancellable_agents.airflow.task_try import TaskTry
 
 log = logging.getLogger(__name__)
 
@@ -64,31 +67,32 @@ class Tags:
         return {**self.common(), **ids}
 
 
-def tags_of(operator: Any) -> Tags:
-    """The operator's tags: its class name, and its DAG and task ids."""
-    key = operator.__dict__.get("_ti_key") if hasattr(operator, "__dict__") else None
-    dag_id, task_id = (key[0], key[1]) if key else (getattr(operator, "dag_id", None), None)
-    return Tags(type(operator).__name__, dag_id, task_id or getattr(operator, "task_id", None))
+def tags_of(task_try: TaskTry) -> Tags:
+    """The try's tags: its operator's class name, and its DAG and task ids."""
+    key = task_try.key
+    if key is None:
+        return Tags(task_try.operator, task_id=task_try.scope.name)
+    return Tags(task_try.operator, key[0], key[1])
 
 
 # -- what is emitted -------------------------------------------------------------------------
 
 
-def emit_kill(operator: Any, report: KillReport) -> None:
+def emit_kill(task_try: TaskTry, report: KillReport) -> None:
     """A killed try's metrics and span, from its record. Never raises."""
-    _safely(_emit_kill, tags_of(operator), report)
+    _safely(_emit_kill, tags_of(task_try), report)
 
 
-def emit_run_completed(operator: Any, usage: Any) -> None:
+def emit_run_completed(task_try: TaskTry, usage: Any) -> None:
     """A completed run's usage and (``durable=True``) how it started. Never raises."""
-    _safely(_emit_completed, tags_of(operator), operator, usage)
+    _safely(_emit_completed, tags_of(task_try), task_try, usage)
 
 
-def step_write_timer(operator: Any) -> Callable[[float], None]:
+def step_write_timer(task_try: TaskTry) -> Callable[[float], None]:
     """What a ``durable=True`` run's journal calls with each step's write time (ms): one
     ``durable.step_write`` sample, sent as the step is recorded (a try SIGKILLed later still
     reported its writes). Never raises."""
-    tags = tags_of(operator).common()
+    tags = tags_of(task_try).common()
 
     def emit(ms: float) -> None:
         _safely(_emit_step_write, ms, tags)
@@ -145,12 +149,12 @@ def _emit_kill_metrics(
             stats.incr(PREFIX + name, count, tags=brief)
 
 
-def _emit_completed(tags: Tags, operator: Any, usage: Any) -> None:
+def _emit_completed(tags: Tags, task_try: TaskTry, usage: Any) -> None:
     stats = _stats()
     if stats is None:
         return
     end = {**tags.common(), "end": "completed"}
-    durable = operator.cancellation.attached.get("durable")
+    durable = task_try.scope.attached.get("durable")
     _emit_durable(stats, durable, end)
     this_try = (durable or {}).get("usage_this_try") or usage_counts(usage)
     _emit_usage(stats, this_try, end)

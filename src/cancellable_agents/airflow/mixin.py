@@ -10,32 +10,25 @@ helper thread and returns; the run unwinds on the main thread and ``execute`` ra
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from cancellable_agents.airflow.adapter import (
     GRACE_SECONDS,
-    TaskInstanceKey,
     base_operator,
-    classify_sigterm,
     has_retry_policies,
     is_execution_timeout,
-    ti_key,
 )
 from cancellable_agents.airflow.guard import guard_execute
-from cancellable_agents.airflow.kill_log import log_kill_record
-from cancellable_agents.airflow.metrics import emit_run_completed, genai_spans_capability
-from cancellable_agents.airflow.server_stop import server_stop_verdict
-from cancellable_agents.airflow.supervisor import watch_supervisor
-from cancellable_agents.airflow.task_scope import scope_for
-from cancellable_agents.core.causes import CancelCause, CauseVerdict
-from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
-from cancellable_agents.core.scope import DEFAULT_BUDGET, Outcome, TaskCancellation
-from cancellable_agents.procs.reaper import DescendantReaper
+from cancellable_agents.airflow.task_try import TaskTry, note_kill_before_try, try_for, try_of
+from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.core.unwind import DEFAULT_BUDGET
+
+if TYPE_CHECKING:
+    from cancellable_agents.core.exceptions import TaskCancelled
+    from cancellable_agents.core.scope import TaskCancellation
 
 log = logging.getLogger(__name__)
 
@@ -164,37 +157,36 @@ class CancellableAgentMixin:
         if callable(execute):
             cls.execute = guard_execute(execute)  # type: ignore[attr-defined]
 
-    # -- the scope -----------------------------------------------------------------------
+    # -- the try ------------------------------------------------------------------------
 
     @property
     def cancellation(self) -> TaskCancellation:
         """This task instance's scope, created on first use and never replaced."""
-        return scope_for(self, self.cancellation_budget)
+        return self.task_try().scope
+
+    def task_try(self, context: Any = None) -> TaskTry:
+        """This try's state (:class:`~cancellable_agents.airflow.task_try.TaskTry`), made on first
+        use; ``context`` tells it who the task instance is. A kill that came before it was made
+        cancels it now, once the cause can be asked for."""
+        task_try, killed_before = try_for(self, self.cancellation_budget)
+        if context is not None:
+            task_try.know(context)
+        if killed_before:
+            task_try.kill(self.classify_timeout)
+        return task_try
 
     def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
         # The first call that sees the task instance, before any pre_execute hook: remember
         # who we are so a SIGTERM that lands early can still be classified.
-        self._know_task_instance(context)
+        self.task_try(context)
         super().render_template_fields(context, jinja_env)  # type: ignore[misc]
 
     def pre_execute(self, context: Any) -> None:
-        self.cancellation  # noqa: B018 - the scope exists before any pre_execute hook runs
-        self._know_task_instance(context)
-        self._start_reaper()
-        if "_supervisor_watch" not in self.__dict__:  # stops by itself once the run settled
-            self.__dict__["_supervisor_watch"] = watch_supervisor(self.cancellation, context)
+        task_try = self.task_try(context)  # the scope exists before any pre_execute hook runs
+        if self.reap_descendants:
+            task_try.start_reaper()
+        task_try.watch_supervisor(context)
         super().pre_execute(context)  # type: ignore[misc]
-
-    def _know_task_instance(self, context: Any) -> None:
-        self.__dict__["_context"] = context  # durable=True: the task state store and try number
-        if self.__dict__.get("_ti_key") is None:
-            self.__dict__["_ti_key"] = ti_key(context)
-            self.__dict__["_ti"] = context.get("ti") if hasattr(context, "get") else None  # retry outlook
-
-    def _start_reaper(self) -> None:
-        """Watch for processes the task starts (once per task instance)."""
-        if self.reap_descendants and "_reaper" not in self.__dict__:
-            self.__dict__["_reaper"] = DescendantReaper.start(self.cancellation)
 
     # -- running agents ------------------------------------------------------------------
 
@@ -205,28 +197,34 @@ class CancellableAgentMixin:
         :class:`TaskCancelled` (with cause, transcript, usage and timeline) when the task is
         killed or its execution timeout is near.
         """
-        scope = self.cancellation
+        from cancellable_agents.airflow.metrics import emit_run_completed, genai_spans_capability
+        from cancellable_agents.run.runner import run_agent_in_scope  # pydantic-ai: at run time only
+
+        task_try = self.task_try()
         deadline = self._run_timeout()
         if deadline is not None and run_kwargs.get("timeout") is None:
             run_kwargs["timeout"] = deadline
         if (spans := genai_spans_capability(self.genai_spans)) is not None:
             run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), spans]
-        from cancellable_agents.run.runner import run_agent_in_scope  # pydantic-ai: at run time only
-
         # The runner ends the journal, and logs the kill record (on_cancelled) before its end is written.
         result = run_agent_in_scope(
-            scope, agent, user_prompt, journal=self._journal(), on_cancelled=self._log_record, **run_kwargs
+            task_try.scope,
+            agent,
+            user_prompt,
+            journal=self._journal(task_try),
+            on_cancelled=self._log_record,
+            **run_kwargs,
         )
-        emit_run_completed(self, getattr(result, "usage", None))
+        emit_run_completed(task_try, getattr(result, "usage", None))
         return result
 
-    def _journal(self) -> Any:
+    def _journal(self, task_try: TaskTry) -> Any:
         """``durable=True``: this run's continuity record (:mod:`cancellable_agents.durable`)."""
         if not (self.owns_durable and self.durable):
             return None
         from cancellable_agents.airflow.durable import journal_for
 
-        return journal_for(self, self.__dict__.get("_context"))
+        return journal_for(self, task_try)
 
     def resume_after_approval(self, context: Any, request: dict[str, Any], event: dict[str, Any]) -> Any:
         """Airflow calls this instead of ``execute`` once the reviewer answered (or the wait timed
@@ -236,7 +234,7 @@ class CancellableAgentMixin:
         from cancellable_agents.durable.approval import ApprovalRequest
 
         paused = ApprovalRequest.from_dict(request)
-        self.__dict__["_approval"] = (paused, decisions_from_event(event, paused))
+        self.task_try(context).approval = (paused, decisions_from_event(event, paused))
         return self.execute(context)  # type: ignore[attr-defined]
 
     def _run_timeout(self) -> float | None:
@@ -267,35 +265,21 @@ class CancellableAgentMixin:
                 log.warning("the operator's own on_kill failed: %r", exc)
 
     def _on_kill(self) -> None:
-        scope = self.cancellation
+        task_try = try_of(self)
+        if task_try is None:
+            # Before the try was made: nothing runs yet, and a signal handler must not build the
+            # scope (its import may be half done on this very thread). The try starts cancelled.
+            note_kill_before_try(self)
+            return
         if is_execution_timeout(sys.exc_info()[1]):
             # Airflow's SIGALRM beat the run's own deadline; execute already exited, so nothing
             # else will unwind the scope: do it here, within the budget, and write the record.
-            scope.cancel(CancelCause.TIMEOUT, detail="execution_timeout")
+            from cancellable_agents.core.causes import CancelCause
+
+            task_try.scope.cancel(CancelCause.TIMEOUT, detail="execution_timeout")
             self._log_record()
             return
-        classify = self._classifier()
-        started = scope.cancel(CancelCause.UNKNOWN, classify=classify, classify_timeout=self.classify_timeout)
-        if not started and scope.outcome is Outcome.COMPLETED:
-            log.info("%s: kill after the task finished its work; nothing to cancel", scope.name)
-
-    def _classifier(self) -> Callable[[], CauseVerdict] | None:
-        key = self.__dict__.get("_ti_key")
-        if key is None:
-            return None
-        return functools.partial(_classify, key)
-
-    def _finish_reaper(self) -> None:
-        reaper = self.__dict__.get("_reaper")
-        if reaper is not None:
-            reaper.reap(self.cancellation)
-
-    def _close_reaper(self) -> None:
-        """The work completed: stop the descendant watcher's polling thread (a later kill is a
-        no-op, so nothing will be reaped). Matters where a process runs several tasks (dag.test)."""
-        reaper = self.__dict__.get("_reaper")
-        if reaper is not None:
-            reaper.close()
+        task_try.kill(self.classify_timeout)
 
     # -- the record ----------------------------------------------------------------------
 
@@ -303,13 +287,15 @@ class CancellableAgentMixin:
         """The :class:`TaskCancelled` to raise for this killed task (cause, transcript, usage,
         timeline), with the kill record logged first (once per task instance). For subclasses
         whose own waits notice the kill (``raise self.cancelled_error("killed while ...")``)."""
-        exc = self.cancellation.cancelled_error(message)
-        self._log_record(exc)
-        return exc
+        from cancellable_agents.airflow.kill_log import cancelled_error
+
+        return cancelled_error(self.task_try(), getattr(self, "retry_policy", None), message)
 
     def _log_record(self, exc: TaskCancelled | None = None) -> None:
         """Once per task instance, after the unwind: the kill record into the task log."""
-        log_kill_record(self, exc)
+        from cancellable_agents.airflow.kill_log import log_kill_record
+
+        log_kill_record(self.task_try(), getattr(self, "retry_policy", None), exc)
 
 
 def _check_bases(cls: type) -> None:
@@ -364,11 +350,3 @@ def _cancellation_aware(policy: Any) -> Any:
     from cancellable_agents.airflow.retry import wrap_retry_policy
 
     return wrap_retry_policy(policy)
-
-
-def _classify(key: TaskInstanceKey) -> CauseVerdict:
-    """Why a SIGTERM came (on the cause thread): from the try's log file, where the supervisor
-    logs a refused heartbeat before it signals (``server_stop``); only where that cannot tell,
-    the server's view through ``classify_sigterm`` (a round trip that queues behind every other
-    task's requests at a busy API server, so the cause must not depend on it)."""
-    return server_stop_verdict() or classify_sigterm(*key)

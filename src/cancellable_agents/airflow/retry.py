@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import is_execution_timeout
-from cancellable_agents.airflow.task_scope import cancellation_of
+from cancellable_agents.airflow.task_try import cancellation_of
 from cancellable_agents.core.causes import CancelCause, UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
 

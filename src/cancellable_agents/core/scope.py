@@ -41,12 +41,16 @@ if TYPE_CHECKING:
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction, bounded
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.record import KillRecord, TimelineEvent
-from cancellable_agents.core.unwind import Cleanup, Phase, Resource, release_phases, release_together
+from cancellable_agents.core.unwind import (
+    DEFAULT_BUDGET,
+    Cleanup,
+    Phase,
+    Resource,
+    release_phases,
+    release_together,
+)
 
 log = logging.getLogger(__name__)
-
-#: Airflow gives a killed task 5 s before SIGKILL; keep a margin for logging and exit.
-DEFAULT_BUDGET = 4.0
 
 
 class Outcome(str, enum.Enum):

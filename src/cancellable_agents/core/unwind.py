@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from cancellable_agents.core.scope import TaskCancellation
 
+#: Airflow gives a killed task 5 s before SIGKILL; keep a margin for logging and exit.
+DEFAULT_BUDGET = 4.0
+
 log = logging.getLogger(__name__)
 
 Cleanup = Callable[[], Any] | Callable[[], Awaitable[Any]]

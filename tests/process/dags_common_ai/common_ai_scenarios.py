@@ -24,7 +24,7 @@ from airflow.sdk import DAG, chain
 from pydantic_ai.capabilities import ProcessEventStream
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents.airflow.task_scope import cancellation_of
+from cancellable_agents.airflow.task_try import cancellation_of
 
 IMPL = os.environ.get("IMPL", "ours")
 #: One task per scenario, run one after the other in one ``dag.test()`` (one process start).
