@@ -31,6 +31,22 @@ HEAVY = (
     "pyseccomp",
 )
 
+#: Ours, and needed only once a task runs: the scope and its unwind, process watching, the kill
+#: record, metrics, the supervisor watch, the durable stores and journal, the model hook.
+RUN_TIME_ONLY = (
+    "cancellable_agents.core.scope",
+    "cancellable_agents.core.report",
+    "cancellable_agents.procs",
+    "cancellable_agents.run",
+    "cancellable_agents.airflow.kill_log",
+    "cancellable_agents.airflow.metrics",
+    "cancellable_agents.airflow.supervisor",
+    "cancellable_agents.airflow.server_stop",
+    "cancellable_agents.durable.stores",
+    "cancellable_agents.durable.journal",
+    "cancellable_agents.hooks.model",
+)
+
 DAG_FILE = '''
 from datetime import datetime, timedelta
 
@@ -103,4 +119,6 @@ def test_a_dag_file_with_every_operator_and_decorator_loads_nothing_heavy(tmp_pa
     assert isinstance(added, list)
     heavy = sorted({name.split(".")[0] for name in added} & set(HEAVY))
     assert heavy == [], f"parsing the DAG file loaded {heavy}: the dag-processor pays that on every parse"
+    early = sorted(name for name in added if name.startswith(RUN_TIME_ONLY))
+    assert early == [], f"parsing the DAG file loaded {early}, which only a running task needs"
     assert any(name.startswith("cancellable_agents.operators") for name in added), "the file used ours"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from cancellable_agents.airflow.adapter import (
     GRACE_SECONDS,
@@ -23,7 +23,6 @@ from cancellable_agents.airflow.adapter import (
 )
 from cancellable_agents.airflow.guard import guard_execute
 from cancellable_agents.airflow.task_try import TaskTry, note_kill_before_try, try_for, try_of
-from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.unwind import DEFAULT_BUDGET
 
 if TYPE_CHECKING:
@@ -329,9 +328,9 @@ def _check_settings(operator: CancellableAgentMixin) -> None:
     for name in ("cancellation_budget", "classify_timeout"):
         value = getattr(operator, name)
         if not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+            _refuse(f"{name} must be a positive number of seconds, got {value!r}")
     if operator.timeout_margin < 0:
-        raise ConfigurationError(f"timeout_margin must be >= 0 seconds, got {operator.timeout_margin!r}")
+        _refuse(f"timeout_margin must be >= 0 seconds, got {operator.timeout_margin!r}")
     if operator.cancellation_budget >= GRACE_SECONDS:
         log.warning(
             "cancellation_budget=%.1fs: Airflow SIGKILLs a task %.0fs after SIGTERM, so the unwind is cut "
@@ -341,6 +340,13 @@ def _check_settings(operator: CancellableAgentMixin) -> None:
             GRACE_SECONDS,
             DEFAULT_BUDGET,
         )
+
+
+def _refuse(message: str) -> NoReturn:
+    """Raise ``ConfigurationError`` (imported here: a DAG file without the mistake never loads it)."""
+    from cancellable_agents.core.exceptions import ConfigurationError
+
+    raise ConfigurationError(message)
 
 
 def _cancellation_aware(policy: Any) -> Any:

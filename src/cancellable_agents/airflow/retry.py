@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from cancellable_agents.airflow.adapter import is_execution_timeout
 from cancellable_agents.airflow.task_try import cancellation_of
 from cancellable_agents.core.causes import CancelCause, UserAction
-from cancellable_agents.core.exceptions import TaskCancelled
 
 try:
     from airflow.sdk.definitions.retry_policy import RetryAction, RetryDecision, RetryPolicy
@@ -135,6 +134,8 @@ def cancellation_cause(exception: BaseException, context: Any = None) -> CancelC
     pydantic-ai ``RunCancelled`` or an ``AirflowTaskTimeout`` counts only when the task's scope
     was cancelled, so an unrelated error is never mistaken for a kill.
     """
+    from cancellable_agents.core.exceptions import TaskCancelled  # at failure time, not at parse
+
     if isinstance(exception, TaskCancelled):
         return exception.root_cause or exception.cause
     scope = _task_scope(context)
@@ -151,6 +152,8 @@ def cancellation_cause(exception: BaseException, context: Any = None) -> CancelC
 
 def _user_action(exception: BaseException, context: Any) -> UserAction | None:
     """Which user action it was (cleared, marked failed ...), from the error or the scope."""
+    from cancellable_agents.core.exceptions import TaskCancelled
+
     if isinstance(exception, TaskCancelled):
         return exception.action
     scope = _task_scope(context)

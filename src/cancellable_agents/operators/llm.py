@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.bases.operator import BaseOperator
 
 from cancellable_agents.airflow.mixin import CancellableAgentMixin
-from cancellable_agents.hooks.model import ModelHook
 
 if TYPE_CHECKING:
     from airflow.sdk.definitions.context import Context
@@ -60,6 +59,8 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
     def build_agent(self) -> Any:
         """The pydantic-ai agent this task runs (override to customise)."""
         from pydantic_ai import Agent
+
+        from cancellable_agents.hooks.model import ModelHook
 
         model = ModelHook(llm_conn_id=self.llm_conn_id, model=self.model).get_model()
         return Agent(model, output_type=self.output_type, system_prompt=self.system_prompt or ())
