@@ -29,7 +29,7 @@ from typing import Any
 
 from airflow.sdk import DAG, task
 
-from cancellable_agents import AgentOperator
+from cancellable_agents import AgentOperator, DurableOptions
 from cancellable_agents.durable import current_resume
 
 STATE_DIR = Path(os.environ.get("FLEET_STATE_DIR", "/tmp/cancellable-agents-fleet"))
@@ -119,8 +119,7 @@ def _agent(model: str, durable: bool, write_ahead: bool = False) -> AgentOperato
         llm_conn_id=CONN_ID,
         stream=True,
         tools=[work],
-        durable=durable,
-        durable_write_ahead=write_ahead,
+        durable=DurableOptions(write_ahead=write_ahead) if durable else False,
         pre_execute=begin_try,
     )
 

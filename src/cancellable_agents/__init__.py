@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and li
     from cancellable_agents.airflow.task_try import cancellation_of as cancellation_of
     from cancellable_agents.core.causes import CancelCause as CancelCause
     from cancellable_agents.core.causes import UserAction as UserAction
+    from cancellable_agents.core.exceptions import CancellableAgentsError as CancellableAgentsError
     from cancellable_agents.core.exceptions import ConfigurationError as ConfigurationError
     from cancellable_agents.core.exceptions import TaskCancelled as TaskCancelled
     from cancellable_agents.core.record import KillRecord as KillRecord
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and li
     from cancellable_agents.core.scope import TaskCancellation as TaskCancellation
     from cancellable_agents.core.scope import current_cancellation as current_cancellation
     from cancellable_agents.core.unwind import Phase as Phase
+    from cancellable_agents.durable.options import DurableOptions as DurableOptions
     from cancellable_agents.operators.agent import AgentOperator as AgentOperator
     from cancellable_agents.operators.llm import LLMOperator as LLMOperator
     from cancellable_agents.toolsets.sandbox import EgressPolicy as EgressPolicy
@@ -78,8 +80,10 @@ _EXPORTS = {
     "Outcome": "cancellable_agents.core.scope",
     "KillRecord": "cancellable_agents.core.record",
     "TimelineEvent": "cancellable_agents.core.record",
+    "CancellableAgentsError": "cancellable_agents.core.exceptions",
     "ConfigurationError": "cancellable_agents.core.exceptions",
     "TaskCancelled": "cancellable_agents.core.exceptions",
+    "DurableOptions": "cancellable_agents.durable.options",
     "CancellableAgentMixin": "cancellable_agents.airflow.mixin",
     "cancellation_of": "cancellable_agents.airflow.task_try",
     "CancellationAwareRetryPolicy": "cancellable_agents.airflow.retry",

@@ -26,7 +26,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from cancellable_agents import AgentOperator
+from cancellable_agents import AgentOperator, DurableOptions
 from cancellable_agents.airflow.adapter import has_task_awaiting_input
 from cancellable_agents.airflow.approval import LATER_PAUSES_NOTE, RESUME_METHOD, decisions_from_event
 from cancellable_agents.core.exceptions import ConfigurationError
@@ -100,8 +100,7 @@ def test_requires_approval_needs_airflow_3_3_and_says_so(tmp_path: Path) -> None
             model="test",
             prompt="p",
             tools=[_send_tool()],
-            durable=True,
-            durable_path=str(tmp_path),
+            durable=DurableOptions(path=str(tmp_path)),
         )
 
 
@@ -122,7 +121,7 @@ def test_the_task_parks_with_the_form_and_continues_from_the_record_after_the_an
 
     def operator() -> AgentOperator:
         return AgentOperator(
-            task_id="agent", agent=_agent(counts), prompt="report", durable=True, durable_path=str(tmp_path)
+            task_id="agent", agent=_agent(counts), prompt="report", durable=DurableOptions(path=str(tmp_path))
         )
 
     context = {"ti": TI(), "task_instance": TI()}

@@ -1,8 +1,9 @@
 """``durable=True`` on the operators: parse-time checks per Airflow version, and an operator's
-killed try resumed by the next try through ``durable_path`` (real files via ObjectStoragePath).
+killed try resumed by the next try through ``DurableOptions(path=...)`` (real files via
+ObjectStoragePath); the options' deployment defaults and the 0.1 keywords.
 
-Runs on every supported Airflow (the compat venvs too): on 3.1/3.2 ``durable=True`` without
-``durable_path`` must fail when the DAG is parsed, naming the fix.
+Runs on every supported Airflow (the compat venvs too): on 3.1/3.2 ``durable=True`` without a
+``path`` must fail when the DAG is parsed, naming the fix.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from cancellable_agents import AgentOperator, LLMOperator, TaskCancelled
+from cancellable_agents import AgentOperator, DurableOptions, LLMOperator, TaskCancelled
+from cancellable_agents.airflow import mixin
 from cancellable_agents.airflow.adapter import has_task_state_store
 from cancellable_agents.airflow.durable import journal_for
 from cancellable_agents.core.exceptions import ConfigurationError
@@ -41,31 +43,56 @@ def test_durable_needs_a_store_on_airflow_before_3_3_and_says_which() -> None:
     if has_task_state_store():
         AgentOperator(task_id="ok", model="test", prompt="p", durable=True)
         return
-    with pytest.raises(ConfigurationError, match=r"durable_path=.*ObjectStoragePath"):
+    with pytest.raises(ConfigurationError, match=r"DurableOptions\(path=\.\.\.\).*ObjectStoragePath"):
         AgentOperator(task_id="refused", model="test", prompt="p", durable=True)
 
 
-def test_durable_settings_are_operator_arguments(tmp_path: Path) -> None:
-    op = LLMOperator(
-        task_id="t",
-        model="test",
-        prompt="p",
-        durable=True,
-        durable_path=str(tmp_path),
-        resume_after_clear=True,
-        usage_limits_span_tries=True,
-        durable_flush_after=0,
+def test_durable_options_are_one_argument(tmp_path: Path) -> None:
+    options = DurableOptions(
+        path=str(tmp_path), resume_after_clear=True, usage_limits_span_tries=True, flush_after=0
     )
-    assert (op.durable, op.durable_path, op.resume_after_clear, op.usage_limits_span_tries) == (
-        True,
-        str(tmp_path),
-        True,
-        True,
+    op = LLMOperator(task_id="t", model="test", prompt="p", durable=options)
+    assert op.durable is options
+    journal = journal_for(op, op.task_try({"ti": TI(1)}))
+    assert (journal.returns_flush_s, journal.resume_after_clear, journal.usage_spans_tries) == (0, True, True)
+    assert LLMOperator(task_id="u", model="test", prompt="p", durable=True).durable == DurableOptions()
+    assert LLMOperator(task_id="v", model="test", prompt="p").durable is None
+
+
+def test_options_left_unset_take_the_deployments_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__DURABLE_FLUSH_AFTER", "0.25")
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__DURABLE_WRITE_AHEAD", "True")
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__CANCELLATION_BUDGET", "3.5")
+    op = LLMOperator(task_id="t", model="test", prompt="p", durable=True)
+    journal = journal_for(op, op.task_try({"ti": TI(1), "task_state_store": {}}))
+    assert (journal.returns_flush_s, journal.write_ahead, op.cancellation_budget) == (0.25, True, 3.5)
+    given = LLMOperator(
+        task_id="u", model="test", prompt="p", cancellation_budget=2, durable=DurableOptions(flush_after=1)
     )
-    assert journal_for(op, op.task_try({"ti": TI(1)})).returns_flush_s == 0
-    default = LLMOperator(task_id="u", model="test", prompt="p")
-    context = {"ti": TI(1), "task_state_store": {}}
-    assert default.durable is False and journal_for(default, default.task_try(context)).returns_flush_s > 0
+    journal = journal_for(given, given.task_try({"ti": TI(1), "task_state_store": {}}))
+    assert (journal.returns_flush_s, given.cancellation_budget) == (1, 2), "an operator's own value wins"
+
+
+def test_a_bad_deployment_value_is_refused_naming_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__TIMEOUT_MARGIN", "two")
+    with pytest.raises(
+        ConfigurationError,
+        match=r"\[cancellable_agents\] timeout_margin .*AIRFLOW__CANCELLABLE_AGENTS__TIMEOUT_MARGIN",
+    ):
+        LLMOperator(task_id="t", model="test", prompt="p")
+
+
+def test_the_old_durable_keywords_still_work_and_each_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mixin, "_warned_old_keywords", set())
+    old = {"durable_path": str(tmp_path), "resume_after_clear": True, "durable_flush_after": 0}
+    with pytest.warns(DeprecationWarning) as caught:
+        op = LLMOperator(task_id="t", model="test", prompt="p", durable=True, **old)
+        LLMOperator(task_id="u", model="test", prompt="p", durable=True, **old)
+    assert sorted(str(w.message).split("=")[0] for w in caught) == sorted(old), "one warning per keyword"
+    assert all("DurableOptions(" in str(w.message) and "0.3.0" in str(w.message) for w in caught)
+    assert op.durable == DurableOptions(path=str(tmp_path), resume_after_clear=True, flush_after=0)
 
 
 def _agent(requests: list[int], kill_at: int | None, op_box: list[Any]) -> Agent[None, str]:
@@ -97,8 +124,7 @@ def _try(tmp_path: Path, try_number: int, kill_at: int | None) -> tuple[AgentOpe
         task_id="agent",
         agent=_agent(requests, kill_at, box),
         prompt="four steps",
-        durable=True,
-        durable_path=str(tmp_path),
+        durable=DurableOptions(path=str(tmp_path)),
         classify_timeout=0.2,
     )
     box.append(op)

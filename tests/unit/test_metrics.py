@@ -24,7 +24,7 @@ from airflow.sdk.bases.operator import BaseOperator
 from pydantic_ai import Agent
 from pydantic_ai.models.test import TestModel
 
-from cancellable_agents import CancellableAgentMixin, TaskCancelled
+from cancellable_agents import CancellableAgentMixin, DurableOptions, TaskCancelled
 from cancellable_agents.airflow import metrics
 from cancellable_agents.core.report import RECORD_PREFIX
 from tests.statsd_receiver import StatsdReceiver, airflow_statsd_env, metric_tags, metric_value
@@ -278,9 +278,7 @@ def test_a_run_that_stopped_recording_says_why(statsd: StatsdReceiver, tmp_path:
         task_id="agent",
         agent=agent,
         prompt="go",
-        durable=True,
-        durable_path=str(tmp_path),
-        durable_write_ahead=True,
+        durable=DurableOptions(path=str(tmp_path), write_ahead=True),
     )
     op.execute({"ti": TI(1)})
     line = statsd.wait_line("durable.recording_off,")

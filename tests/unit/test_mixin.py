@@ -119,9 +119,9 @@ def test_execution_timeout_gives_the_run_an_earlier_deadline() -> None:
 
     op = Echo(task_id="t", execution_timeout=timedelta(seconds=10))
     op.timeout_margin = 2.0
-    deadline = op._run_timeout()
+    deadline = op.run_timeout()
     assert deadline is not None and 7.5 < deadline <= 8.0
-    assert Echo(task_id="u")._run_timeout() is None
+    assert Echo(task_id="u").run_timeout() is None
 
 
 def test_timeout_path_on_kill_records_timeout_and_releases() -> None:

@@ -34,6 +34,30 @@ def test_provider_info_is_provider_yaml() -> None:
     assert get_provider_info() == expected
 
 
+def test_provider_info_passes_airflows_own_schema() -> None:
+    import importlib.resources
+
+    import jsonschema
+
+    schema_file = importlib.resources.files("airflow").joinpath("provider_info.schema.json")
+    schema = json.loads(schema_file.read_text())
+    jsonschema.validate(get_provider_info(), schema)
+
+
+def test_the_config_section_is_the_one_the_code_reads() -> None:
+    """provider.yaml declares ``[cancellable_agents]`` (``airflow config list`` shows it); the code
+    reads :data:`OPTIONS`: the same names, types and defaults."""
+    from cancellable_agents.airflow.config import OPTIONS, SECTION
+
+    declared = get_provider_info()["config"][SECTION]["options"]
+    assert sorted(declared) == sorted(OPTIONS)
+    for name, option in OPTIONS.items():
+        kind = {"float": float, "boolean": bool}[declared[name]["type"]]
+        default = declared[name]["default"]
+        parsed = default == "True" if kind is bool else float(default)
+        assert (kind, parsed) == (option.kind, option.default), name
+
+
 def test_the_providers_page_links_to_the_documentation() -> None:
     """Airflow's *Providers* page shows ``documentation-url`` as the provider's link."""
     from airflow.providers_manager import ProvidersManager

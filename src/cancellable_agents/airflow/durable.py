@@ -8,26 +8,30 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import comms_used_from_a_loop, has_task_state_store
+from cancellable_agents.airflow.config import deployment_setting
 from cancellable_agents.core.exceptions import ConfigurationError
 
 if TYPE_CHECKING:  # the journal (pydantic-ai) and the stores load when a task runs, not at parse
     from cancellable_agents.airflow.task_try import TaskTry
     from cancellable_agents.durable.journal import Journal
+    from cancellable_agents.durable.options import DurableOptions
     from cancellable_agents.durable.stores import Store
 
 
 def check_durable(operator: Any) -> None:
     """At DAG parse time (operator ``__init__``): refuse ``durable=True`` that cannot work."""
-    if not getattr(operator, "durable", False):
+    options: DurableOptions | None = getattr(operator, "durable", None)
+    if not options:
         return
-    if operator.durable_path is None and not has_task_state_store():
+    if options.path is None and not has_task_state_store():
         import airflow
 
         name = getattr(operator, "task_id", type(operator).__name__)
         raise ConfigurationError(
             f"{name}: durable=True needs Airflow 3.3+'s task state store, and this is Airflow "
-            f"{airflow.__version__}. Pass durable_path= (an ObjectStoragePath or a path such as "
-            f"'s3://bucket/agents' or '/shared/agents') to keep the record there, or upgrade to Airflow 3.3."
+            f"{airflow.__version__}. Pass durable=DurableOptions(path=...) (an ObjectStoragePath or a path "
+            f"such as 's3://bucket/agents' or '/shared/agents') to keep the record there, or upgrade to "
+            f"Airflow 3.3."
         )
 
 
@@ -51,29 +55,27 @@ def journal_for(operator: Any, task_try: TaskTry) -> Journal:
             f"{getattr(operator, 'task_id', '?')}: durable=True needs the task instance (try number, store); "
             f"call run_agent_sync from execute, with the task's context"
         )
+    options: DurableOptions = operator.durable
     run_key = task_try.next_run_key()
     return Journal(
-        _store(operator, context, ti),
+        _store(options, context, ti),
         try_number=int(ti.try_number),
         run_key=run_key,
-        resume_after_clear=operator.resume_after_clear,
-        usage_spans_tries=operator.usage_limits_span_tries,
+        resume_after_clear=options.resume_after_clear,
+        usage_spans_tries=options.usage_limits_span_tries,
         scope=task_try.scope,
         clear_count=_clear_number(context),
         on_step_written=step_write_timer(task_try),
-        returns_flush_s=_flush_after(operator),
-        write_ahead=bool(getattr(operator, "durable_write_ahead", False)),
+        returns_flush_s=float(_deployment_or(options.flush_after, "durable_flush_after")),
+        write_ahead=bool(_deployment_or(options.write_ahead, "durable_write_ahead")),
         beside_is_safe=lambda: not comms_used_from_a_loop(),
         answers=task_try.answers_for(run_key),
     )
 
 
-def _flush_after(operator: Any) -> float:
-    """``durable_flush_after=``, or the journal's default when the operator leaves it unset."""
-    from cancellable_agents.durable.journal import RETURNS_FLUSH_S
-
-    value = getattr(operator, "durable_flush_after", None)
-    return RETURNS_FLUSH_S if value is None else float(value)
+def _deployment_or(value: float | bool | None, name: str) -> float | bool:
+    """An option as the operator set it, else the deployment's ``[cancellable_agents] <name>``."""
+    return deployment_setting(name) if value is None else value
 
 
 def storage_path(value: Any) -> Any:
@@ -93,13 +95,13 @@ def _clear_number(context: Any) -> int | None:
     return number if isinstance(number, int) else None
 
 
-def _store(operator: Any, context: Any, ti: Any) -> Store:
+def _store(options: DurableOptions, context: Any, ti: Any) -> Store:
     from cancellable_agents.durable.stores import PathStore, TaskStateStore
 
-    if operator.durable_path is not None:
+    if options.path is not None:
         map_index = getattr(ti, "map_index", -1)
         return PathStore.for_task(
-            storage_path(operator.durable_path),
+            storage_path(options.path),
             ti.dag_id,
             ti.run_id,
             ti.task_id,
@@ -108,7 +110,7 @@ def _store(operator: Any, context: Any, ti: Any) -> Store:
     accessor = context.get("task_state_store") if hasattr(context, "get") else None
     if accessor is None:
         raise ConfigurationError(
-            f"{ti.task_id}: durable=True but this task's context has no task_state_store; pass durable_path= "
-            f"(an ObjectStoragePath) to keep the record there."
+            f"{ti.task_id}: durable=True but this task's context has no task_state_store; pass "
+            f"durable=DurableOptions(path=...) (an ObjectStoragePath) to keep the record there."
         )
     return TaskStateStore(accessor)

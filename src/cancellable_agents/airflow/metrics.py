@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from cancellable_agents.airflow.config import deployment_setting
 from cancellable_agents.core.report import KillReport, unwound_ms
 from cancellable_agents.core.usage import USAGE_FIELDS, usage_counts
 
@@ -41,8 +42,6 @@ _STATS_MODULES = ("airflow.providers.common.compat.sdk", "airflow.sdk.observabil
 #: A span holds at most this many timeline events: a kill of a large process tree records one
 #: event per process, and the record in the log has them all anyway.
 _MAX_SPAN_EVENTS = 64
-#: The Airflow config section of the provider's switches (``AIRFLOW__CANCELLABLE_AGENTS__…``).
-CONFIG_SECTION = "cancellable_agents"
 
 _warned = False
 
@@ -247,26 +246,17 @@ def genai_spans_capability(setting: Any) -> Any | None:
 
     if isinstance(setting, InstrumentationSettings):
         return Instrumentation(settings=setting)
-    if not (_config_flag("genai_spans") if setting is None else setting):
+    if not (deployment_setting("genai_spans") if setting is None else setting):
         return None
     from opentelemetry import trace
 
-    content = _config_flag("genai_span_content")
+    content = bool(deployment_setting("genai_span_content"))
     settings = InstrumentationSettings(
         tracer_provider=trace.get_tracer_provider(),
         include_content=content,
         include_binary_content=content,
     )
     return Instrumentation(settings=settings)
-
-
-def _config_flag(key: str) -> bool:
-    """``[cancellable_agents] <key>`` from Airflow's config; off where there is none."""
-    try:
-        from airflow.configuration import conf
-    except ImportError:
-        return False
-    return bool(conf.getboolean(CONFIG_SECTION, key, fallback=False))
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ helper thread and returns; the run unwinds on the main thread and ``execute`` ra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -21,9 +23,10 @@ from cancellable_agents.airflow.adapter import (
     has_retry_policies,
     is_execution_timeout,
 )
+from cancellable_agents.airflow.config import OPTIONS, deployment_setting
 from cancellable_agents.airflow.guard import guard_execute
 from cancellable_agents.airflow.task_try import TaskTry, note_kill_before_try, try_for, try_of
-from cancellable_agents.core.unwind import DEFAULT_BUDGET
+from cancellable_agents.durable.options import DurableOptions
 
 if TYPE_CHECKING:
     from cancellable_agents.core.exceptions import TaskCancelled
@@ -32,17 +35,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: The mixin's ``durable=True`` settings (see ``owns_durable``).
-_DURABLE_SETTINGS = (
-    "durable",
-    "durable_path",
-    "resume_after_clear",
-    "usage_limits_span_tries",
-    "durable_flush_after",
-    "durable_write_ahead",
-    "approval_timeout",
-    "approval_timeout_default",
-)
+#: The release that drops the old spellings of the durable options (0.1 keyword -> option).
+_OLD_DURABLE_KEYWORDS_GO_IN = "0.3.0"
+_OLD_DURABLE_KEYWORDS = {
+    "durable_path": "path",
+    "resume_after_clear": "resume_after_clear",
+    "usage_limits_span_tries": "usage_limits_span_tries",
+    "durable_flush_after": "flush_after",
+    "durable_write_ahead": "write_ahead",
+}
+_warned_old_keywords: set[str] = set()
 
 
 class CancellableAgentMixin:
@@ -65,42 +67,25 @@ class CancellableAgentMixin:
     :param cancellation_retry_policy: wrap ``retry_policy`` in
         :class:`~cancellable_agents.airflow.retry.CancellationAwareRetryPolicy` (Airflow 3.3+), so kills
         are decided by cause and never sent to a retry classifier. Default ``True``.
-    :param durable: keep a continuity record while runs go, so the next try of a killed task
-        resumes where it stopped (docs/content/durable.md). Transcripts may hold sensitive data:
-        off by default.
-    :param durable_path: keep the record under this ``ObjectStoragePath`` (required on Airflow
-        3.1/3.2; default on 3.3+: the task state store).
-    :param resume_after_clear: resume also after a user's Clear (default: a Clear starts fresh).
-    :param usage_limits_span_tries: a durable run's ``usage_limits`` count earlier tries too.
-    :param durable_flush_after: seconds a step's tool returns wait to be written with the next
-        model response (one store call per step) before they are written alone; only a SIGKILL
-        in that window reruns a tool that had returned. ``0``: at once (two calls per step).
-        Default: ``cancellable_agents.durable.journal.RETURNS_FLUSH_S`` (1 s).
-    :param durable_write_ahead: write each step before its tools start instead of while they
-        run (default ``False``): a tool started just before a SIGKILL is then always known to
-        the next try as a re-run, for one store round trip on every step's path.
-    :param approval_timeout: how long a task whose run awaits a tool's approval waits for the
-        answer (a ``timedelta``; default: no limit). docs/content/approvals.md.
-    :param approval_timeout_default: when nobody answers in time: ``"reject"`` (the model is
-        told so and goes on; default) or ``"fail"`` (the task fails).
+    :param durable: ``True`` or :class:`~cancellable_agents.DurableOptions`: keep a continuity
+        record while runs go, so the next try of a killed task resumes where it stopped
+        (docs/content/durable.md). Transcripts may hold sensitive data: off by default.
     :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for this task's runs (agent run,
         model requests, tool calls), without message content: ``True``, ``False``, or a pydantic-ai
-        ``InstrumentationSettings``. Default: Airflow's ``[cancellable_agents] genai_spans``
-        (off). See docs/content/metrics.md.
+        ``InstrumentationSettings``. See docs/content/metrics.md.
+
+    Settings left ``None`` take the deployment's value from Airflow's ``[cancellable_agents]``
+    config section (``provider.yaml`` declares it; docs/content/reference.md lists it), or a value
+    a subclass sets as a class attribute.
     """
 
-    cancellation_budget: float = DEFAULT_BUDGET
-    timeout_margin: float = 2.0
-    classify_timeout: float = 1.0
+    cancellation_budget: float
+    timeout_margin: float
+    classify_timeout: float
     reap_descendants: bool = True
-    durable: bool = False
-    durable_path: Any = None
-    resume_after_clear: bool = False
-    usage_limits_span_tries: bool = False
-    durable_flush_after: float | None = None
-    durable_write_ahead: bool = False
-    approval_timeout: timedelta | None = None
-    approval_timeout_default: str = "reject"
+    #: This provider's durable options (``None``: off); common.ai's own ``durable`` where
+    #: ``owns_durable`` is ``False``.
+    durable: Any = None
     genai_spans: Any = None
     #: Whether ``durable=`` and friends are this provider's. ``False`` where the operator class
     #: has a ``durable`` of its own (common.ai's): then they are passed on to it, untouched.
@@ -119,23 +104,24 @@ class CancellableAgentMixin:
         reap_descendants: bool | None = None,
         cancellation_retry_policy: bool = True,
         genai_spans: Any = None,
+        durable: bool | DurableOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        durable_settings = {}
+        options = None
         if self.owns_durable:
-            durable_settings = {name: kwargs.pop(name, None) for name in _DURABLE_SETTINGS}
+            options = _durable_options(durable, kwargs)
+        elif durable is not None:
+            kwargs["durable"] = durable  # common.ai's own
         super().__init__(*args, **kwargs)
-        settings = {
-            "cancellation_budget": cancellation_budget,
-            "timeout_margin": timeout_margin,
-            "classify_timeout": classify_timeout,
-            "reap_descendants": reap_descendants,
-            "genai_spans": genai_spans,
-            **durable_settings,
-        }
-        for name, value in settings.items():
-            if value is not None:
-                setattr(self, name, value)
+        self.cancellation_budget = _setting(self, "cancellation_budget", cancellation_budget)
+        self.timeout_margin = _setting(self, "timeout_margin", timeout_margin)
+        self.classify_timeout = _setting(self, "classify_timeout", classify_timeout)
+        if reap_descendants is not None:
+            self.reap_descendants = reap_descendants
+        if genai_spans is not None:
+            self.genai_spans = genai_spans
+        if self.owns_durable:
+            self.durable = options
         _check_settings(self)
         if self.owns_durable and self.durable:
             from cancellable_agents.airflow.durable import check_durable
@@ -200,7 +186,7 @@ class CancellableAgentMixin:
         from cancellable_agents.run.runner import run_agent_in_scope  # pydantic-ai: at run time only
 
         task_try = self.task_try()
-        deadline = self._run_timeout()
+        deadline = self.run_timeout()
         if deadline is not None and run_kwargs.get("timeout") is None:
             run_kwargs["timeout"] = deadline
         if (spans := genai_spans_capability(self.genai_spans)) is not None:
@@ -236,8 +222,10 @@ class CancellableAgentMixin:
         self.task_try(context).approval = (paused, decisions_from_event(event, paused))
         return self.execute(context)  # type: ignore[attr-defined]
 
-    def _run_timeout(self) -> float | None:
-        """Seconds the run may take so it ends before ``execution_timeout`` fires."""
+    def run_timeout(self) -> float | None:
+        """Seconds a run started now may take so it ends (as ``timeout``, unwound) ``timeout_margin``
+        before ``execution_timeout`` fires; ``None`` without one. ``run_agent_sync`` passes it as
+        the run's ``timeout``; a subclass running agents its own way can too."""
         timeout: timedelta | None = getattr(self, "execution_timeout", None)
         if not timeout:
             return None
@@ -338,8 +326,43 @@ def _check_settings(operator: CancellableAgentMixin) -> None:
             operator.cancellation_budget,
             GRACE_SECONDS,
             GRACE_SECONDS,
-            DEFAULT_BUDGET,
+            OPTIONS["cancellation_budget"].default,
         )
+
+
+def _setting(operator: Any, name: str, given: float | None) -> float:
+    """An operator setting: as given, else a subclass's class attribute, else the deployment's."""
+    if given is not None:
+        return given
+    value = getattr(type(operator), name, None)
+    if value is not None:
+        return float(value)
+    return float(deployment_setting(name))
+
+
+def _durable_options(durable: bool | DurableOptions | None, kwargs: dict[str, Any]) -> DurableOptions | None:
+    """``durable=`` as options; the 0.1 keywords (``durable_path=`` ...) still work, with one
+    warning each naming the option that replaces them (alone, as before, they turn nothing on)."""
+    old = {name: kwargs.pop(name) for name in list(kwargs) if name in _OLD_DURABLE_KEYWORDS}
+    for name in old:
+        _warn_old_keyword(name)
+    options = DurableOptions.of(durable)
+    fields = {_OLD_DURABLE_KEYWORDS[name]: value for name, value in old.items() if value is not None}
+    if options is None or not fields:
+        return options
+    return dataclasses.replace(options, **fields)
+
+
+def _warn_old_keyword(name: str) -> None:
+    if name in _warned_old_keywords:
+        return
+    _warned_old_keywords.add(name)
+    warnings.warn(
+        f"{name}= is deprecated and goes away in {_OLD_DURABLE_KEYWORDS_GO_IN}: pass "
+        f"durable=DurableOptions({_OLD_DURABLE_KEYWORDS[name]}=...) instead",
+        DeprecationWarning,
+        stacklevel=4,
+    )
 
 
 def _refuse(message: str) -> NoReturn:

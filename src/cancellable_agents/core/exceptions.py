@@ -1,8 +1,14 @@
-"""Exceptions a cancelled run raises. They live in the package (not in DAG files) so that a
+"""The provider's exceptions. They live in the package (not in DAG files) so that a
 ``RetryRule("cancellable_agents.TaskCancelled")`` can import them on any worker.
 
-Built by :meth:`TaskCancellation.cancelled_error`, the one place that knows how long to wait
-for the cause and what the record holds.
+- :class:`TaskCancelled`: a cancelled run (a kill, a timeout, a stopped parent). Not an error of
+  the provider's: retry rules match it by name, and it is no :class:`CancellableAgentsError`, so
+  code catching the provider's errors never swallows a kill. Built by
+  :meth:`TaskCancellation.cancelled_error`, the one place that knows how long to wait for the
+  cause and what the record holds.
+- :class:`CancellableAgentsError`: the base of everything else the provider raises: a
+  configuration that cannot work (:class:`ConfigurationError`), a sandbox that cannot be had or
+  used (``SandboxError`` and its kinds), an approval that cannot be waited for.
 """
 
 from __future__ import annotations
@@ -57,7 +63,11 @@ class TaskCancelled(Exception):
         return self.__class__, (str(self),), self.__dict__
 
 
-class ConfigurationError(ValueError):
+class CancellableAgentsError(Exception):
+    """Base of the provider's errors (every one but :class:`TaskCancelled`)."""
+
+
+class ConfigurationError(CancellableAgentsError, ValueError):
     """A DAG author's configuration cannot work (bad model id, unknown connection, bad budget).
 
     The message names the fix.

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from pydantic_ai import CancellationToken
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction, bounded
-from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.record import KillRecord, TimelineEvent
 from cancellable_agents.core.unwind import (
     DEFAULT_BUDGET,
@@ -111,7 +111,7 @@ class TaskCancellation:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if budget <= 0:
-            raise ValueError(f"budget must be positive seconds, got {budget!r}; Airflow allows 5 s.")
+            raise ConfigurationError(f"budget must be positive seconds, got {budget!r}; Airflow allows 5 s.")
         self.name = name
         self.budget = budget
         self.parent = parent

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cancellable_agents.core.exceptions import CancellableAgentsError
+
 if TYPE_CHECKING:  # pydantic-ai loads when a run needs it, not when a DAG file is parsed
     from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied
     from pydantic_ai.messages import ModelMessage, ToolCallPart
@@ -121,7 +123,7 @@ class AwaitingApproval(BaseException):
         self.request = request
 
 
-class ApprovalNotPossible(Exception):
+class ApprovalNotPossible(CancellableAgentsError):
     """The run asked for an approval that cannot be waited for (no record, or an external call)."""
 
 

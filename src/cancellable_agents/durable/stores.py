@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from cancellable_agents.core.exceptions import ConfigurationError
+
 
 class Store(Protocol):
     """A key-value store of JSON values that survives the task's retries."""
@@ -157,7 +159,9 @@ def _path(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     if "://" in value:
-        raise ValueError(f"PathStore: pass {value!r} as an ObjectStoragePath (a string is a local path)")
+        raise ConfigurationError(
+            f"PathStore: pass {value!r} as an ObjectStoragePath (a string is a local path)"
+        )
     return Path(value)
 
 

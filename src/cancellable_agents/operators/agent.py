@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from cancellable_agents.airflow.approval import check_approvals
@@ -21,6 +22,13 @@ class AgentOperator(LLMOperator):
     :param deps: the run's dependencies, available to tools as ``ctx.deps``.
     :param agent: a pre-built pydantic-ai ``Agent``; the model arguments are then ignored.
     :param usage_limits: pydantic-ai ``UsageLimits`` for the run.
+    :param approval_timeout: how long the task waits, without a worker slot, for the answer to a
+        tool's approval (``requires_approval`` tools; needs ``durable``; Airflow 3.3+). A
+        ``timedelta``; default: no limit. docs/content/approvals.md.
+    :param approval_timeout_default: when nobody answers in time: ``"reject"`` (the model is told
+        so and goes on; default) or ``"fail"`` (the task fails).
+
+    Every :class:`LLMOperator` argument too (model, cancellation, ``durable``).
     """
 
     template_fields: Sequence[str] = (*LLMOperator.template_fields,)
@@ -33,9 +41,13 @@ class AgentOperator(LLMOperator):
         deps: Any = None,
         agent: Any = None,
         usage_limits: Any = None,
+        approval_timeout: timedelta | None = None,
+        approval_timeout_default: str = "reject",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.approval_timeout = approval_timeout
+        self.approval_timeout_default = approval_timeout_default
         self.tools = list(tools)
         self.toolsets = list(toolsets)
         self.deps = deps

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.bases.operator import BaseOperator
 
 from cancellable_agents.airflow.mixin import CancellableAgentMixin
+from cancellable_agents.durable.options import DurableOptions
 
 if TYPE_CHECKING:
     from airflow.sdk.definitions.context import Context
@@ -24,11 +25,23 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
     :param model_settings: pydantic-ai ``ModelSettings`` (temperature, max_tokens ...).
     :param stream: request a streamed response (tokens arrive as they are generated; a kill
         closes the live stream). Default ``False``.
+    :param cancellation_budget: seconds the unwind may take once the task is killed (Airflow
+        SIGKILLs 5 s after SIGTERM). ``None``: ``[cancellable_agents] cancellation_budget`` (4).
+    :param timeout_margin: with ``execution_timeout``, the run stops this much earlier so it ends
+        as ``timeout`` with everything unwound. ``None``: ``[cancellable_agents] timeout_margin`` (2).
+    :param classify_timeout: how long to wait to learn why the task was killed before recording
+        ``unknown``. ``None``: ``[cancellable_agents] classify_timeout`` (1).
+    :param reap_descendants: stop processes the task started outside a sandbox (subprocesses,
+        MCP stdio servers) when it is killed (Linux). Default ``True``.
+    :param cancellation_retry_policy: wrap ``retry_policy`` in
+        :class:`~cancellable_agents.CancellationAwareRetryPolicy` (Airflow 3.3+), so kills are
+        decided by cause and never sent to a retry classifier. Default ``True``.
+    :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for the run: ``True``, ``False``, or
+        an ``InstrumentationSettings``. ``None``: ``[cancellable_agents] genai_spans`` (off).
+    :param durable: ``True`` or :class:`~cancellable_agents.DurableOptions`: journal the run so the
+        next try of a killed task resumes where it stopped (docs/content/durable.md). Default off.
 
-    Cancellation settings (``cancellation_budget``, ``timeout_margin``, ``classify_timeout``,
-    ``reap_descendants``, ``cancellation_retry_policy``) are those of
-    :class:`~cancellable_agents.airflow.mixin.CancellableAgentMixin`, and so are the continuity
-    settings (``durable``, ``durable_path``, ``resume_after_clear``, ``usage_limits_span_tries``).
+    Everything else goes to ``BaseOperator`` (``retries``, ``execution_timeout``, ``retry_policy`` ...).
     """
 
     template_fields: Sequence[str] = ("prompt", "system_prompt", "model")
@@ -45,9 +58,25 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
         model: str | None = None,
         model_settings: dict[str, Any] | None = None,
         stream: bool = False,
+        cancellation_budget: float | None = None,
+        timeout_margin: float | None = None,
+        classify_timeout: float | None = None,
+        reap_descendants: bool | None = None,
+        cancellation_retry_policy: bool = True,
+        genai_spans: Any = None,
+        durable: bool | DurableOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(
+            cancellation_budget=cancellation_budget,
+            timeout_margin=timeout_margin,
+            classify_timeout=classify_timeout,
+            reap_descendants=reap_descendants,
+            cancellation_retry_policy=cancellation_retry_policy,
+            genai_spans=genai_spans,
+            durable=durable,
+            **kwargs,
+        )
         self.prompt = prompt
         self.system_prompt = system_prompt
         self.output_type = output_type

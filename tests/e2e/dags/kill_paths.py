@@ -29,7 +29,7 @@ from typing import Any
 from airflow.sdk import DAG, get_current_context, task
 from pydantic_ai import RunContext
 
-from cancellable_agents import AgentOperator, LocalSandbox, current_cancellation
+from cancellable_agents import AgentOperator, DurableOptions, LocalSandbox, current_cancellation
 from cancellable_agents.durable import current_resume
 from cancellable_agents.durable.record import KEY_PREFIX, segment_key
 
@@ -275,8 +275,8 @@ for _mode in CELERY_WORKER_KILLS:
             prompt=CELERY_PROMPT,
             model=CELERY_MODEL,
             tools=[append_line],
-            durable=True,
-            durable_flush_after=0,  # a tool's return is recorded before the request that carries it
+            # A tool's return is recorded before the request that carries it.
+            durable=DurableOptions(flush_after=0),
         )
 
 
@@ -311,8 +311,7 @@ if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
             prompt=CELERY_PROMPT,
             model=CELERY_MODEL,
             tools=[append_line],
-            durable=True,
-            durable_flush_after=0,
+            durable=DurableOptions(flush_after=0),
             executor=POD_EXECUTOR,
         )
     with _dag("e2e_pod_tool", "Run in a pod, killed while a sync tool runs."):
@@ -323,7 +322,6 @@ if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
                 "&then=all+lines+written"
             ),
             tools=[append_line_after_a_long_job],
-            durable=True,
-            durable_flush_after=0,
+            durable=DurableOptions(flush_after=0),
             executor=POD_EXECUTOR,
         )
