@@ -9,10 +9,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from cancellable_agents.airflow.mixin import CancellableAgentMixin
+    from cancellable_agents.airflow.task_try import TaskTry
+    from cancellable_agents.core.exceptions import TaskCancelled
+
+
+class GuardedOperator(Protocol):
+    """What the guard needs of an operator (the mixin's public face): its try, whether it reaps
+    what its tools leave behind, and the error a killed task raises."""
+
+    reap_descendants: bool
+
+    def task_try(self, context: Any = None) -> TaskTry: ...
+
+    def cancelled_error(self, message: str) -> TaskCancelled: ...
 
 
 def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
@@ -25,7 +37,7 @@ def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
         return execute
 
     @functools.wraps(execute)
-    def guarded(self: CancellableAgentMixin, context: Any) -> Any:
+    def guarded(self: GuardedOperator, context: Any) -> Any:
         from cancellable_agents.core.exceptions import TaskCancelled
         from cancellable_agents.core.report import hide_unwind_chain
 
@@ -46,7 +58,7 @@ def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _run_guarded(operator: CancellableAgentMixin, execute: Callable[..., Any], context: Any) -> Any:
+def _run_guarded(operator: GuardedOperator, execute: Callable[..., Any], context: Any) -> Any:
     from cancellable_agents.airflow.adapter import is_execution_timeout
     from cancellable_agents.airflow.approval import park
     from cancellable_agents.core.exceptions import TaskCancelled
