@@ -44,6 +44,7 @@ def test_no_record_or_a_refused_one_is_a_fresh_start_naming_why() -> None:
 def test_a_killed_try_is_resumed_with_its_call_in_flight_run_again(caplog: pytest.LogCaptureFixture) -> None:
     loaded = _killed_at_3()
     with caplog.at_level(logging.DEBUG, logger="cancellable_agents.durable"):
+        caplog.clear()  # what making the record logged
         plan = _plan(loaded)
     assert not caplog.records, "deciding logs nothing: announce() does"
     assert isinstance(plan, Resume) and plan.record is loaded

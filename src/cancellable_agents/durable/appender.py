@@ -61,7 +61,7 @@ class Appender:
     ) -> None:
         self.store, self.key, self.try_number = store, key, try_number
         self._scope, self._clock, self._owner_check_s = scope, clock, owner_check_s
-        self._write_ahead, self._beside_is_safe_hook = write_ahead, beside_is_safe
+        self._write_ahead, self._ask_beside_is_safe = write_ahead, beside_is_safe
         self._on_step_written = on_step_written
         # The run's thread only (the writer gets each entry whole, already chained).
         self._seq = 0  # the next entry's index in the whole record
@@ -175,10 +175,10 @@ class Appender:
 
     def _beside_is_safe(self) -> bool:
         """Whether this entry may be stored beside the run (``beside_is_safe``; unsure: no)."""
-        if self._beside_is_safe_hook is None:
+        if self._ask_beside_is_safe is None:
             return True
         try:
-            safe = self._beside_is_safe_hook()
+            safe = self._ask_beside_is_safe()
         except Exception:
             safe = False  # unsure: the old order, which is always safe
         if not safe and not self._write_ahead and not self._landing_noted:

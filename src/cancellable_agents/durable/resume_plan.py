@@ -107,14 +107,13 @@ def plan_resume(
         try_number, previous, len(found.messages), _in_flight(found, paused) - set(replay), frozenset(replay)
     )
     tries = found.tries()
+    this_try = next((t for t in tries if t.try_number == try_number), None)
     return Resume(
         record=found,
         info=info,
         replay=replay,
         earlier=[t for t in tries if t.try_number != try_number],
-        paused=next((t for t in tries if t.try_number == try_number), None)
-        if previous == try_number
-        else None,
+        paused=this_try if previous == try_number else None,
         approval=_approval(paused, answers),
         how_ended=f"ended {end.get('cause') or end.get('state')}" if end else "died without a word",
         alive_age=_alive_age(found, now) if end is None and previous != try_number else None,
