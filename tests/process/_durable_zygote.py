@@ -112,9 +112,8 @@ def run_try(
 
     scope = TaskCancellation(f"try{try_number}")
     store = KilledAtBoundary(ObjectStoragePath(store_url))
-    journal = Journal(store, try_number=try_number, scope=scope, write_ahead=write_ahead)
-    if flush is not None:
-        journal.returns_flush_s = flush
+    flush_kwargs = {} if flush is None else {"returns_flush_s": flush}
+    journal = Journal(store, try_number=try_number, scope=scope, write_ahead=write_ahead, **flush_kwargs)
     try:
         with scope.activate():
             result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)

@@ -166,7 +166,7 @@ def test_once_the_loop_used_the_async_api_each_step_is_stored_before_its_tools(
     task = AsyncToolTask(comms, store)
     journal = _journal(store, beside_is_safe=lambda: not comms_used_from_a_loop())
     assert not comms_used_from_a_loop()
-    with caplog.at_level(logging.INFO, logger="cancellable_agents.durable.journal"):
+    with caplog.at_level(logging.INFO, logger="cancellable_agents.durable"):
         result = task.run(journal)
     assert result.output == "done" and task.calls == [1, 2]
     assert comms_used_from_a_loop()

@@ -32,7 +32,8 @@ HEAVY = (
 )
 
 #: Ours, and needed only once a task runs: the scope and its unwind, process watching, the kill
-#: record, metrics, the supervisor watch, the durable stores and journal, the model hook.
+#: record, metrics, the supervisor watch, the durable stores and journal (and its rooms), the
+#: model hook.
 RUN_TIME_ONLY = (
     "cancellable_agents.core.scope",
     "cancellable_agents.core.report",
@@ -44,6 +45,10 @@ RUN_TIME_ONLY = (
     "cancellable_agents.airflow.server_stop",
     "cancellable_agents.durable.stores",
     "cancellable_agents.durable.journal",
+    "cancellable_agents.durable.appender",
+    "cancellable_agents.durable.resume_plan",
+    "cancellable_agents.durable.run_arguments",
+    "cancellable_agents.durable.steps",
     "cancellable_agents.hooks.model",
 )
 

@@ -9,7 +9,7 @@ from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import ToolCallPart
 
 if TYPE_CHECKING:
-    from cancellable_agents.durable.journal import Journal
+    from cancellable_agents.durable.steps import StepRecorder
 
 
 class JournalCapability(AbstractCapability[Any]):
@@ -20,11 +20,11 @@ class JournalCapability(AbstractCapability[Any]):
     step is recorded only once it completed.
     """
 
-    def __init__(self, journal: Journal) -> None:
-        self._journal = journal
+    def __init__(self, steps: StepRecorder) -> None:
+        self._steps = steps
 
     async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
-        self._journal.step(ctx.messages, result)
+        self._steps.step(ctx.messages, result)
         return result
 
     async def wrap_tool_execute(
@@ -32,9 +32,9 @@ class JournalCapability(AbstractCapability[Any]):
     ) -> Any:
         """A call that returned in an earlier try gets its recorded result; any other runs, and a
         parallel call's result is appended as soon as it returns."""
-        replayed, result = self._journal.replayed_result(call)
+        replayed, result = self._steps.replayed_result(call)
         if replayed:
             return result
         result = await handler(args)
-        self._journal.tool_returned(ctx.messages, call, result)
+        self._steps.tool_returned(ctx.messages, call, result)
         return result

@@ -5,7 +5,7 @@ Through Airflow's task state store a write is a round trip task -> supervisor ->
 metadata DB (p50 23 ms with 16 durable agents on one API server, measured in
 ``benchmarks/fleet.py``), and a step waited for it before its tools started. Now the write
 overlaps the tools: the next write, or :meth:`StoreWriter.wait`, waits for it, so entries land
-in order, at most one is unconfirmed, and a store error reaches the journal at its next append.
+in order, at most one is unconfirmed, and a store error reaches the appender at its next append.
 Airflow's comms channel may be called from any thread (its own lock orders the calls).
 """
 
@@ -26,7 +26,7 @@ class StoreWriter:
     """
 
     def __init__(self) -> None:
-        self._last: Future[None] | None = None  # the call in flight or not yet waited for
+        self._last: Future[None] | None = None  # the call in flight or not yet waited for (caller's thread)
 
     def submit(self, call: Callable[[], None]) -> None:
         """Wait for the previous call (raising what it raised), then start ``call``."""
