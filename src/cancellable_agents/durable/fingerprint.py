@@ -69,9 +69,15 @@ def workspace_lost_on_retry(toolsets: Iterable[Any]) -> bool:
 
 
 def walk_toolsets(toolsets: Iterable[Any]) -> Iterator[Any]:
-    """Every toolset of ``toolsets`` and, depth first, those it wraps or combines."""
+    """Every toolset of ``toolsets`` and, depth first, those it wraps or combines.
+
+    A light description (:mod:`cancellable_agents.toolsets.description`) is a leaf: its toolset
+    is made when the task runs, and asking it for its parts would make it here, at parse time.
+    """
     for toolset in toolsets:
         yield toolset
+        if is_description(toolset):
+            continue
         wrapped = getattr(toolset, "wrapped", None)
         if wrapped is not None:
             yield from walk_toolsets([wrapped])
@@ -116,7 +122,7 @@ def tools_requiring_approval(
     for tool in [*tools, *_toolset_tools(all_toolsets)]:
         if getattr(tool, "requires_approval", False):
             found.append(str(getattr(tool, "name", tool)))
-    if all_toolsets:  # toolsets are pydantic-ai's: loaded already, so asking costs nothing
+    if any(not is_description(t) for t in all_toolsets):  # pydantic-ai's: loaded already
         from pydantic_ai.toolsets import ApprovalRequiredToolset
 
         found += [
@@ -125,8 +131,15 @@ def tools_requiring_approval(
     return found
 
 
+def is_description(toolset: Any) -> bool:
+    """Whether ``toolset`` is a light description of one (it names the class it makes)."""
+    return hasattr(type(toolset), "toolset_class")
+
+
 def _toolset_tools(toolsets: Iterable[Any]) -> Iterator[Any]:
     for toolset in walk_toolsets(toolsets):
+        if is_description(toolset):
+            continue  # the toolsets described here (sandbox, sub-agents) require no approval
         tools = getattr(toolset, "tools", None)
         if isinstance(tools, dict):
             yield from tools.values()

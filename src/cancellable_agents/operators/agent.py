@@ -8,6 +8,7 @@ from typing import Any
 
 from cancellable_agents.airflow.approval import check_approvals
 from cancellable_agents.operators.llm import LLMOperator
+from cancellable_agents.toolsets.description import built
 
 
 class AgentOperator(LLMOperator):
@@ -18,7 +19,8 @@ class AgentOperator(LLMOperator):
     starts: the model request, async and sync tools, sandboxes and sub-agents.
 
     :param tools: plain functions or pydantic-ai ``Tool`` objects.
-    :param toolsets: pydantic-ai toolsets (``SandboxToolset``, ``SubagentToolset``, MCP ...).
+    :param toolsets: toolsets: this provider's (``SandboxToolset``: a light description, made into
+        its pydantic-ai toolset when the task runs), or any pydantic-ai toolset (MCP ...).
     :param deps: the run's dependencies, available to tools as ``ctx.deps``.
     :param agent: a pre-built pydantic-ai ``Agent``; the model arguments are then ignored.
     :param usage_limits: pydantic-ai ``UsageLimits`` for the run.
@@ -68,7 +70,7 @@ class AgentOperator(LLMOperator):
             output_type=self.output_type,
             system_prompt=self.system_prompt or (),
             tools=self.tools,
-            toolsets=self.toolsets,
+            toolsets=built(self.toolsets),
         )
 
     def run_kwargs(self) -> dict[str, Any]:
