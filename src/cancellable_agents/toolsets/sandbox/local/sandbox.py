@@ -8,12 +8,12 @@ command's main process ends, whatever it left running in the background is kille
 command never outlives itself.
 
 Isolation modes (``isolation=``: ``"namespace"``, ``"process-group"``, ``"auto"``) are described in
-:mod:`~cancellable_agents.toolsets.sandbox.isolation`.
+:mod:`~cancellable_agents.toolsets.sandbox.local.isolation`.
 
 Commands get the environment by allowlist in every mode (``PATH``, the locale, ``TERM``, ``TZ``,
-``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.env`).
+``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.local.env`).
 The file tools open paths below the workdir without following symlinks, so a command swapping
-folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.files`).
+folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.local.files`).
 This module imports no Airflow.
 """
 
@@ -38,40 +38,42 @@ from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
-from cancellable_agents.toolsets.sandbox.bwrap import (
+from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import (
     BoundaryProfile,
-    Limits,
     boundary_argv,
     bwrap_support,
     host_argv,
-    limits_prefix,
-    prlimit_path,
     sandbox_uid,
 )
-from cancellable_agents.toolsets.sandbox.cgroups import SandboxCgroup
-from cancellable_agents.toolsets.sandbox.command import (
-    BoundedReader,
-    CommandTree,
-    Mode,
-    feed_stdin,
-    spawner,
-    stop_bound,
+from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import SandboxCgroup
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
+    EGRESS_SOCKET,
+    EgressProxy,
+    forwarder_argv,
+    proxy_env,
 )
-from cancellable_agents.toolsets.sandbox.egress import EGRESS_SOCKET, EgressProxy, forwarder_argv, proxy_env
-from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
-from cancellable_agents.toolsets.sandbox.env import scrubbed_environment
-from cancellable_agents.toolsets.sandbox.files import WorkdirFiles, outside_error
-from cancellable_agents.toolsets.sandbox.isolation import (
+from cancellable_agents.toolsets.sandbox.local.boundary.limits import (
+    Limits,
+    limits_prefix,
+    mount_workdir,
+    prlimit_path,
+)
+from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import command_filter, warn_if_missing
+from cancellable_agents.toolsets.sandbox.local.command import CommandTree, stop_bound
+from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment
+from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, outside_error
+from cancellable_agents.toolsets.sandbox.local.isolation import (
     Isolation,
+    Mode,
     Profile,
     choose_mode,
     enforceable_egress,
     warn_no_boundary,
 )
+from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, spawner
+from cancellable_agents.toolsets.sandbox.local.workdirs import prepare_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
-from cancellable_agents.toolsets.sandbox.seccomp import command_filter, warn_if_missing
-from cancellable_agents.toolsets.sandbox.workdir_size import mount_workdir, remove_workdir
-from cancellable_agents.toolsets.sandbox.workdirs import prepare_workdir
 
 __all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "LocalSandbox"]
 
@@ -103,7 +105,7 @@ class LocalSandbox:
     interpreter, ``read_only_paths``, ``writable_paths`` and the workdir (read-write, also their
     ``HOME``) and nothing else; no network, except through the egress proxy to the hosts of an
     allowlist (``network=["pypi.org", ...]`` or an :class:`EgressPolicy`, see
-    :mod:`~cancellable_agents.toolsets.sandbox.egress`), or the host's network with
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`), or the host's network with
     ``network=True`` (no boundary for the network); ``limits`` (a
     :class:`Limits`, defaults when ``None``). On a root worker the workdir is handed to the
     sandbox's own uid, and ``writable_paths`` must be writable by it. ``profile="host"``: the
@@ -488,8 +490,8 @@ class LocalSandbox:
 
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a directory, sorted; directories end with ``/``. Escaped and capped as
-        :meth:`WorkdirFiles.list_files <cancellable_agents.toolsets.sandbox.files.WorkdirFiles.list_files>`
-        says."""
+        :meth:`WorkdirFiles.list_files
+        <cancellable_agents.toolsets.sandbox.local.files.WorkdirFiles.list_files>` says."""
         return self._files().list_files(path)
 
 

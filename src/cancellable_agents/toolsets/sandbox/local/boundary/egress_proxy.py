@@ -11,10 +11,11 @@ HTTP):
   that resolves to a public address for the check and a private one for the connection — DNS
   rebinding — gets nowhere), and refuses loopback, link-local, private, multicast and reserved
   addresses unless the policy lists the address (or its network) itself, on that entry's ports.
-  A request it cannot read for certain (:mod:`~cancellable_agents.toolsets.sandbox.egress_request`)
-  is answered 400 before anything is resolved or connected. Each refusal is one log line
-  (rate-limited) and an ``egress_denied`` event on the task's timeline (bounded); no request,
-  however malformed, ends in a traceback or leaves a connection open.
+  A request it cannot read for certain
+  (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_request`) is answered 400
+  before anything is resolved or connected. Each refusal is one log line (rate-limited) and an
+  ``egress_denied`` event on the task's timeline (bounded); no request, however malformed,
+  ends in a traceback or leaves a connection open.
 - :data:`FORWARDER` runs inside the sandbox, before the command: it listens on
   ``127.0.0.1:PROXY_PORT`` in the sandbox's own namespace and carries each connection to the
   unix socket, then the command runs with ``HTTP(S)_PROXY``/``ALL_PROXY`` pointing there.
@@ -42,13 +43,17 @@ import threading
 import time
 
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox.egress_policy import (
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import (
     EgressDenial,
     EgressPolicy,
     IPAddress,
     Resolver,
 )
-from cancellable_agents.toolsets.sandbox.egress_request import BadRequest, ProxyRequest, parse_head
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_request import (
+    BadRequest,
+    ProxyRequest,
+    parse_head,
+)
 
 __all__ = [
     "EGRESS_SOCKET",
