@@ -256,9 +256,8 @@ NAMES = {
 
 
 def _proxy(*allow: str, scope: TaskCancellation | None = None) -> EgressProxy:
-    proxy = EgressProxy(EgressPolicy(allow, resolver=lambda host: NAMES[host]), name="t").start()
-    proxy.scope = scope
-    return proxy
+    policy = EgressPolicy(allow, resolver=lambda host: NAMES[host])
+    return EgressProxy(policy, name="t", scope_of=lambda: scope).start()
 
 
 def _ask(proxy: EgressProxy, request: str) -> bytes:

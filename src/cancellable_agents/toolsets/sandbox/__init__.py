@@ -32,6 +32,7 @@ from cancellable_agents.toolsets.sandbox.protocol import (
     SandboxFiles,
     SandboxPathError,
     SandboxUnavailable,
+    ScopedSandbox,
 )
 from cancellable_agents.toolsets.sandbox.toolset import SandboxToolset
 
@@ -51,6 +52,7 @@ __all__ = [
     "SandboxPathError",
     "SandboxToolset",
     "SandboxUnavailable",
+    "ScopedSandbox",
     "attach_sandbox",
     "bwrap_support",
     "is_sensitive",

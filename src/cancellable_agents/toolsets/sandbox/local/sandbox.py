@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -97,17 +97,18 @@ class LocalSandbox:
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
     by :meth:`destroy` only if this sandbox created it. ``env`` is passed to commands on top of
     the allowlisted environment (so what the DAG author hands over explicitly does reach them).
-    With a ``scope`` (or the :func:`current_cancellation` found at creation or first use), a
-    cancel stops all commands (``Phase.IN_FLIGHT``) before destroying the sandbox
-    (``Phase.TEARDOWN``), inside the scope's budget (through :func:`attach_sandbox`).
+    With a ``scope`` (or the :func:`current_cancellation` found at creation or first use) the
+    sandbox attaches itself to it (:func:`attach_sandbox`, as any backend): a cancel stops all
+    commands (``Phase.IN_FLIGHT``) before destroying the sandbox (``Phase.TEARDOWN``), inside the
+    scope's budget, and :meth:`start` goes through that attachment (race-free against the cancel).
 
     Namespace mode, ``profile="boundary"`` (default): commands see the system folders, the
     interpreter, ``read_only_paths``, ``writable_paths`` and the workdir (read-write, also their
     ``HOME``) and nothing else; no network, except through the egress proxy to the hosts of an
     allowlist (``network=["pypi.org", ...]`` or an :class:`EgressPolicy`, see
-    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`), or the host's network with
-    ``network=True`` (no boundary for the network); ``limits`` (a
-    :class:`Limits`, defaults when ``None``). On a root worker the workdir is handed to the
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`), or the host's
+    network with ``network=True`` (no boundary for the network); ``limits`` (a :class:`Limits`,
+    defaults when ``None``). On a root worker the workdir is handed to the
     sandbox's own uid, and ``writable_paths`` must be writable by it. ``profile="host"``: the
     old view (whole host read-only, host network, no limits), for commands that need it.
     """
@@ -154,7 +155,7 @@ class LocalSandbox:
         self._commands: dict[str, CommandTree] = {}
         self._lock = threading.Lock()
         self._destroyed = False
-        self._scope: TaskCancellation | None = None
+        # Its own attachment, the one home of its scope (set once, under _lock).
         self._attachment: SandboxAttachment | None = None
         self.cgroup: SandboxCgroup | None = None
         self._boundary = self._boundary_profile(read_only_paths, writable_paths)
@@ -195,7 +196,7 @@ class LocalSandbox:
         """Start the egress proxy of a sandbox with an allowlist; its socket, shown inside."""
         if self.egress is None:
             return ()
-        self._proxy = EgressProxy(self.egress, name=self.id).start()
+        self._proxy = EgressProxy(self.egress, name=self.id, scope_of=_scope_of(self)).start()
         # A sandbox nobody destroyed does not leave its proxy listening.
         weakref.finalize(self, self._proxy.close)
         return ((self._proxy.socket_path, EGRESS_SOCKET),)
@@ -226,20 +227,27 @@ class LocalSandbox:
 
     @property
     def scope(self) -> TaskCancellation | None:
-        return self._scope
+        """The scope of the sandbox's own attachment (``None`` until it has one)."""
+        attachment = self._attachment
+        return None if attachment is None else attachment.scope
 
-    def _attach(self, scope: TaskCancellation | None) -> None:
+    def _attached(self) -> SandboxAttachment | None:
+        """The sandbox's attachment; at first use, to the run's scope, if there is one."""
+        return self._attachment or self._attach(current_cancellation())
+
+    def _attach(self, scope: TaskCancellation | None) -> SandboxAttachment | None:
+        """Attach to ``scope`` through :func:`attach_sandbox` (once: the first scope stays)."""
         if self.mode == "process-group":
             warn_no_boundary(scope)
         with self._lock:
-            if scope is None or self._scope is not None or self._destroyed:
-                return
-            self._scope = scope
-        if self._proxy is not None:
-            self._proxy.scope = scope
-        self._attachment = attach_sandbox(
-            self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
-        )
+            if scope is None or self._attachment is not None or self._destroyed:
+                return self._attachment
+            # Under the lock: two first uses at once attach once (a cancelled scope's release runs
+            # on a thread of its own, so it waits for this lock instead of deadlocking on it).
+            self._attachment = attach_sandbox(
+                self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
+            )
+            return self._attachment
 
     # -- starting ------------------------------------------------------------------------
 
@@ -252,13 +260,25 @@ class LocalSandbox:
     ) -> str:
         """Start ``command`` (an argv list, or a string run by ``/bin/sh -c``); return its id.
 
-        Raises :class:`SandboxClosed` after :meth:`destroy`, and ``TaskCancelled`` if the
-        attached scope was already cancelled (no command starts after a kill).
+        Attached, through the attachment (:meth:`SandboxAttachment.start`): ``TaskCancelled`` if
+        the scope was already cancelled (no command starts after a kill), and a start racing the
+        cancel is stopped. Raises :class:`SandboxClosed` after :meth:`destroy`.
         """
-        if self._scope is None:
-            self._attach(current_cancellation())
-        if self._scope is not None:
-            self._scope.raise_if_cancelled()
+        attachment = self._attached()
+        if attachment is None:
+            return self.launch(command, timeout=timeout, stdin=stdin)
+        return attachment.start(command, timeout=timeout, stdin=stdin)
+
+    def launch(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> str:
+        """Start ``command`` unguarded: what :meth:`start` and any attachment of this sandbox
+        call (:class:`ScopedSandbox`); nothing else should. Attaches at first use, as ``start``."""
+        self._attached()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         command_id = uuid.uuid4().hex[:12]
         tag = f"{self.id}:{command_id}"
@@ -276,9 +296,6 @@ class LocalSandbox:
                 cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, seccomp_fd)
             self._commands[command_id] = cmd
             self._forget_old_results()
-        if self._scope is not None and self._scope.cancelled:
-            # The scope's stop_all may have looked before this command existed.
-            self.stop(command_id)
         return command_id
 
     def _forget_old_results(self) -> None:
@@ -500,3 +517,15 @@ def _absolute(path: str | os.PathLike[str]) -> str:
     if not resolved.exists():
         raise ValueError(f"sandbox path {str(path)!r} does not exist")
     return str(resolved)
+
+
+def _scope_of(sandbox: LocalSandbox) -> Callable[[], TaskCancellation | None]:
+    """``sandbox.scope`` read at each call, weakly: the egress proxy records its refusals there,
+    and must not keep its sandbox alive (the sandbox's finalizer closes the proxy)."""
+    ref = weakref.ref(sandbox)
+
+    def scope() -> TaskCancellation | None:
+        alive = ref()
+        return None if alive is None else alive.scope
+
+    return scope

@@ -41,6 +41,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import (
@@ -103,14 +104,21 @@ class EgressProxy:
     """The policy's proxy on a unix socket, on an event loop of its own thread. Thread-safe.
 
     :meth:`start` returns once it listens; :meth:`close` closes every connection and the socket
-    (idempotent, bounded). Refusals go to the log and, when :attr:`scope` is set, the scope's
-    timeline (``egress_denied``).
+    (idempotent, bounded). Refusals go to the log and, where ``scope_of()`` names a scope (its
+    sandbox's, read at each refusal: the sandbox may attach after its proxy started), to that
+    scope's timeline (``egress_denied``).
     """
 
-    def __init__(self, policy: EgressPolicy, *, name: str = "egress") -> None:
+    def __init__(
+        self,
+        policy: EgressPolicy,
+        *,
+        name: str = "egress",
+        scope_of: Callable[[], TaskCancellation | None] = lambda: None,
+    ) -> None:
         self.policy = policy
         self.name = name
-        self.scope: TaskCancellation | None = None
+        self._scope_of = scope_of
         self._resolver: Resolver = policy.resolver or _system_resolver
         self._dir = tempfile.mkdtemp(prefix="cancellable-agents-egress-")
         self.socket_path = os.path.join(self._dir, "egress.sock")
@@ -169,8 +177,9 @@ class EgressProxy:
                 self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(CLOSE_TIMEOUT)
         shutil.rmtree(self._dir, ignore_errors=True)
-        if unrecorded > 0 and self.scope is not None:
-            self.scope.record("egress_denials_not_recorded", sandbox=self.name, count=unrecorded)
+        scope = self._scope_of()
+        if unrecorded > 0 and scope is not None:
+            scope.record("egress_denials_not_recorded", sandbox=self.name, count=unrecorded)
 
     async def _shutdown(self) -> None:
         if self._server is not None:
@@ -303,8 +312,8 @@ class EgressProxy:
             record = self._denied <= TIMELINE_LIMIT
         what = "request" if host is None else f"to [{host}]:{port}" if ":" in host else f"to {host}:{port}"
         self._log_limited("sandbox %s: egress %s refused: %s", self.name, what, reason)
-        scope = self.scope
-        if record and scope is not None:
+        scope = self._scope_of() if record else None
+        if scope is not None:
             scope.record("egress_denied", sandbox=self.name, host=denial.host, port=port, reason=reason)
         return _Refused(status, f"egress {what} refused: {reason}")
 
