@@ -14,7 +14,11 @@ Commands get the environment by allowlist in every mode (``PATH``, the locale, `
 ``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.local.env`).
 The file tools open paths below the workdir without following symlinks, so a command swapping
 folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.local.files`).
-This module imports no Airflow.
+
+The sandbox reaches its scope one way, as any backend: the attachment :func:`attach_sandbox` gave
+it; its commands and its egress proxy read the scope there. Its length (~500 lines) is one
+class whose parts share its state (workdir, mode, profile, commands, attachment); what stands on
+its own lives beside it. This module imports no Airflow.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -71,7 +74,7 @@ from cancellable_agents.toolsets.sandbox.local.isolation import (
     enforceable_egress,
     warn_no_boundary,
 )
-from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, spawner
+from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, start_process
 from cancellable_agents.toolsets.sandbox.local.workdirs import prepare_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
 
@@ -326,24 +329,11 @@ class LocalSandbox:
         stdin: str | bytes | None,
         seccomp_fd: int | None = None,
     ) -> CommandTree:
-        def popen() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(
-                argv,
-                cwd=self.workdir,
-                env=env,
-                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                # Its own session: Airflow's SIGTERM to the task's process group does not cut the
-                # tree up behind the sandbox's back; the sandbox's stop is the one way it ends.
-                start_new_session=True,
-                close_fds=True,
-                pass_fds=() if seccomp_fd is None else (seccomp_fd,),
-            )
-
         hits_before = self.cgroup.limit_hits() if self.cgroup is not None else None
         started = time.monotonic()
-        proc = spawner.call(popen)
+        proc = start_process(
+            argv, cwd=self.workdir, env=env, piped_stdin=stdin is not None, seccomp_fd=seccomp_fd
+        )
         info = read_proc(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
         cmd = CommandTree(

@@ -14,7 +14,7 @@ from typing import IO, TypeVar
 
 from cancellable_agents.core.workers import JobThread
 
-__all__ = ["BoundedReader", "feed_stdin", "spawner"]
+__all__ = ["BoundedReader", "feed_stdin", "start_process"]
 
 T = TypeVar("T")
 
@@ -82,7 +82,36 @@ class _Spawner:
         return thread.submit(fn).result()
 
 
-spawner = _Spawner()
+_spawner = _Spawner()
+
+
+def start_process(
+    argv: list[str],
+    *,
+    cwd: str | os.PathLike[str],
+    env: dict[str, str],
+    piped_stdin: bool,
+    seccomp_fd: int | None,
+) -> subprocess.Popen[bytes]:
+    """Start a command's main process on the spawning thread, its output piped, ``seccomp_fd``
+    (the filter bubblewrap loads) inherited and nothing else."""
+
+    def popen() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE if piped_stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            # Its own session: Airflow's SIGTERM to the task's process group does not cut the
+            # tree up behind the sandbox's back; the sandbox's stop is the one way it ends.
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=() if seccomp_fd is None else (seccomp_fd,),
+        )
+
+    return _spawner.call(popen)
 
 
 def feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
