@@ -59,7 +59,8 @@ STOP_SLACK = 2.0
 
 
 class CommandOwner(Protocol):
-    """What a command needs of its sandbox: read at each use, as the scope may attach later."""
+    """What a command needs of its sandbox, read at each use: its ``scope`` is the one of the
+    sandbox's attachment, which may come after the command started."""
 
     @property
     def id(self) -> str: ...
