@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--hostile", action="store_true", help="also run the hostile-command table")
     args = parser.parse_args()
     # The process-group rows would print the "not a boundary" warning once per run.
-    logging.getLogger("cancellable_agents.toolsets.sandbox.isolation").setLevel(logging.ERROR)
+    logging.getLogger("cancellable_agents.toolsets.sandbox.local.isolation").setLevel(logging.ERROR)
     support = bwrap_support()
     setups = [("process-group", "boundary")]
     if support.usable:
@@ -158,7 +158,7 @@ def filter_cost(runs: int) -> None:
     both share the same load: what the filter adds to each command's start."""
     from unittest import mock
 
-    from cancellable_agents.toolsets.sandbox import seccomp
+    from cancellable_agents.toolsets.sandbox.local.boundary import seccomp
 
     if seccomp.seccomp_filter().program is None:
         print(f"seccomp filter cost skipped: {seccomp.seccomp_filter().reason}")
@@ -185,7 +185,8 @@ def limits_cost(runs: int) -> None:
     ``sleep`` (until it returns: the tree gone and reaped)."""
     from unittest import mock
 
-    from cancellable_agents.toolsets.sandbox import Limits, cgroups
+    from cancellable_agents.toolsets.sandbox import Limits
+    from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
 
     if cgroups.cgroup_support().version is None:
         print(f"limits per sandbox cost skipped: {cgroups.cgroup_support().reason}")

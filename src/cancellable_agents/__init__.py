@@ -17,9 +17,10 @@ Where each idea lives. Layers, lowest first: each imports only its own and those
 - ``run/``: the pydantic-ai binding: ``tracker`` (in-flight tools, tool threads, model requests)
   and ``runner`` (an agent run under a scope: in-flight work stopped before teardown; a durable
   run's journal attached, stepped and ended in one place).
-- ``toolsets/``: ``sandbox/`` (protocol, ``attach_sandbox``, the local backend, one command's
-  process tree, bubblewrap profiles, seccomp filter, environment allowlist, race-free file
-  access, egress allowlist, limits per sandbox) and ``subagents``.
+- ``toolsets/``: ``sandbox/`` (the protocol, ``attach_sandbox`` and the toolset, for any
+  backend; ``local/``, the local backend: one command's process tree, isolation modes, workdirs,
+  race-free file access, environment allowlist; ``local/boundary/``: bubblewrap profiles,
+  seccomp filter, egress allowlist, cgroups, limits) and ``subagents``.
 - ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
   shim), ``task_try`` (``TaskTry``: one try's scope, task instance, reaper, supervisor watch,
   approval and durable runs, as one typed object), ``mixin`` (``CancellableAgentMixin``: the

@@ -25,8 +25,8 @@ import pytest
 
 from cancellable_agents.core.once import Once
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
-from cancellable_agents.toolsets.sandbox import seccomp as seccomp_module
-from cancellable_agents.toolsets.sandbox.files import WorkdirFiles, openat2_supported
+from cancellable_agents.toolsets.sandbox.local.boundary import seccomp as seccomp_module
+from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, openat2_supported
 from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError
 
 pytestmark = [
@@ -193,7 +193,9 @@ def no_libseccomp(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_without_libseccomp_the_sandbox_says_once_which_protections_are_off(
     no_libseccomp: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.seccomp"):
+    with caplog.at_level(
+        logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.boundary.seccomp"
+    ):
         first = _run(NESTED)
         second = _run("true")
     warnings = [r.getMessage() for r in caplog.records if "WITHOUT the seccomp filter" in r.getMessage()]

@@ -16,9 +16,14 @@ import pytest
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support, cgroups
-from cancellable_agents.toolsets.sandbox.bwrap import CPU_KILL_GRACE, MiB
-from cancellable_agents.toolsets.sandbox.cgroups import PLACEMENT_FAILED, CgroupSupport, cgroup_support
+from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
+from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
+    PLACEMENT_FAILED,
+    CgroupSupport,
+    cgroup_support,
+)
+from cancellable_agents.toolsets.sandbox.local.boundary.limits import CPU_KILL_GRACE, MiB
 from cancellable_agents.toolsets.sandbox.toolset import _for_model
 from tests.process.trees import eventually, survivors
 
@@ -158,7 +163,9 @@ def test_a_command_that_cannot_be_placed_in_the_cgroup_never_runs(boxes: list[Lo
 def test_without_a_cgroup_sandboxes_say_so_once_and_keep_the_per_process_limits(
     boxes: list[LocalSandbox], without_cgroups: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.cgroups"):
+    with caplog.at_level(
+        logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.boundary.cgroups"
+    ):
         first, second = _box(boxes, Limits()), _box(boxes, Limits())
     notes = [r.getMessage() for r in caplog.records if "no cgroup per sandbox" in r.getMessage()]
     assert len(notes) == 1 and "switched off by the test" in notes[0]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cancellable_agents.toolsets.sandbox import LocalSandbox
-from cancellable_agents.toolsets.sandbox.workdirs import WORKDIR_PREFIX, remove_orphaned_workdirs
+from cancellable_agents.toolsets.sandbox.local.workdirs import WORKDIR_PREFIX, remove_orphaned_workdirs
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 

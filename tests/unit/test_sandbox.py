@@ -23,7 +23,7 @@ from cancellable_agents.toolsets.sandbox import (
     SandboxPathError,
     scrubbed_environment,
 )
-from cancellable_agents.toolsets.sandbox.files import LIST_LIMIT, WorkdirFiles, shown_name
+from cancellable_agents.toolsets.sandbox.local.files import LIST_LIMIT, WorkdirFiles, shown_name
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,20 +16,26 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox import LocalSandbox, egress
-from cancellable_agents.toolsets.sandbox.egress import LOG_BURST, TIMELINE_LIMIT, EgressProxy, proxy_env
-from cancellable_agents.toolsets.sandbox.egress_policy import (
+from cancellable_agents.toolsets.sandbox import LocalSandbox
+from cancellable_agents.toolsets.sandbox.local.boundary import egress_proxy
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import (
     DEFAULT_PORTS,
     EgressPolicy,
     HostRule,
     canonical_host,
 )
-from cancellable_agents.toolsets.sandbox.egress_request import BadRequest, parse_head
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
+    LOG_BURST,
+    TIMELINE_LIMIT,
+    EgressProxy,
+    proxy_env,
+)
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_request import BadRequest, parse_head
 
 pytestmark = pytest.mark.timeout(60)
 
 #: The proxy's refusals (other loggers may log at INFO here, as Airflow's config sets).
-EGRESS_LOGGER = "cancellable_agents.toolsets.sandbox.egress"
+EGRESS_LOGGER = "cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy"
 
 
 # -- the policy -----------------------------------------------------------------------------
@@ -250,9 +256,8 @@ NAMES = {
 
 
 def _proxy(*allow: str, scope: TaskCancellation | None = None) -> EgressProxy:
-    proxy = EgressProxy(EgressPolicy(allow, resolver=lambda host: NAMES[host]), name="t").start()
-    proxy.scope = scope
-    return proxy
+    policy = EgressPolicy(allow, resolver=lambda host: NAMES[host])
+    return EgressProxy(policy, name="t", scope_of=lambda: scope).start()
 
 
 def _ask(proxy: EgressProxy, request: str) -> bytes:
@@ -447,7 +452,7 @@ def test_malformed_requests_are_refused_counted_logged_once_and_leave_nothing_op
     """250 hostile requests at once: each gets a 400 or 403 with a reason in plain ASCII, each is
     a counted denial, the log gets its rate-limited warnings and not one error or traceback, and
     no connection stays open, to the client or to the listener behind the allowed name."""
-    monkeypatch.setattr(egress, "LOG_WINDOW", 3600.0)  # one window, however slow this machine is
+    monkeypatch.setattr(egress_proxy, "LOG_WINDOW", 3600.0)  # one window, however slow this machine is
     scope = TaskCancellation("t", budget=5)
     proxy = _proxy(f"allowed.test:{origin.port}", f"*.example.test:{origin.port}", scope=scope)
     batch = [
@@ -517,7 +522,7 @@ def test_the_host_profile_refuses_an_allowlist() -> None:
 
 
 def test_process_group_mode_says_the_allowlist_is_not_enforced(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local"):
+    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.sandbox"):
         box = LocalSandbox(isolation="process-group", network=["pypi.org"])
     try:
         assert box.egress is None and box.network is False
@@ -527,7 +532,7 @@ def test_process_group_mode_says_the_allowlist_is_not_enforced(caplog: pytest.Lo
 
 
 def test_connections_past_the_cap_are_answered_503(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(egress, "MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(egress_proxy, "MAX_CONNECTIONS", 1)
     silent = socket.create_server(("127.0.0.1", 0))
     port = silent.getsockname()[1]
     proxy = _proxy(f"allowed.test:{port}", f"127.0.0.1:{port}")

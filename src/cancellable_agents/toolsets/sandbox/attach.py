@@ -1,10 +1,16 @@
-"""Tie any :class:`Sandbox` backend to a task's cancellation scope.
+"""Tie any :class:`Sandbox` backend to a task's cancellation scope: the one way a scope reaches one.
 
 :func:`attach_sandbox` registers two resources on the scope: the backend's in-flight commands are
 stopped in ``Phase.IN_FLIGHT`` (before any teardown), the backend is destroyed in
-``Phase.TEARDOWN``. :meth:`SandboxAttachment.start` is the race-free way to start a command: it
-refuses after a cancel, counts itself as *starting* while the backend's ``start`` runs, and a
-cancel that lands during that call waits (within the budget) for the id and stops it. Kills are
+``Phase.TEARDOWN``. A backend is attached to a scope once: asking again returns the same
+attachment, and each :meth:`SandboxAttachment.detach` releases one ask, so the toolset letting go
+of a backend does not untie it from a scope its owner tied it to.
+
+:meth:`SandboxAttachment.start` is the race-free way to start a command, and the only start-race
+guard: it refuses after a cancel, counts itself as *starting* while the backend starts the
+command, and a cancel that lands during that call waits (within the budget) for the id and stops
+it. A backend whose own ``start`` must be guarded too (:class:`LocalSandbox`) starts through its
+attachment and gives the attachment its unguarded start (:class:`ScopedSandbox`). Kills are
 recorded per command id, with no assumption of a local pid.
 """
 
@@ -13,12 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import Phase, ResourceHandle, TaskCancellation
-from cancellable_agents.toolsets.sandbox.protocol import CommandResult, Sandbox
+from cancellable_agents.toolsets.sandbox.protocol import CommandResult, Sandbox, ScopedSandbox
 
 __all__ = ["SandboxAttachment", "attach_sandbox"]
 
@@ -26,6 +33,10 @@ log = logging.getLogger(__name__)
 
 #: Budget kept back, when waiting for a racing ``start``, for stopping what it started.
 START_RESERVE = 0.5
+
+_attached_lock = threading.Lock()
+#: (backend, scope) ids -> their live attachment, which keeps both alive (the ids stay theirs).
+_attached: weakref.WeakValueDictionary[tuple[int, int], SandboxAttachment] = weakref.WeakValueDictionary()
 
 
 class SandboxAttachment:
@@ -36,10 +47,14 @@ class SandboxAttachment:
         self.scope = scope
         self.name = name
         self._records = not getattr(backend, "records_kills", False)
+        # A backend whose own start comes here is started without it (or it would come back).
+        self._launch = backend.launch if isinstance(backend, ScopedSandbox) else backend.start
         self._cond = threading.Condition()
-        self._starting = 0  # guarded by _cond: calls inside backend.start right now
+        self._starting = 0  # guarded by _cond: calls inside the backend's start right now
         self._stopping = 0  # guarded by _cond: stops whose kill record is not written yet
-        self._running: dict[str, str] = {}  # guarded by _cond: id -> command text, until waited
+        # guarded by _cond: id -> command text, until waited (only to write this one's records)
+        self._running: dict[str, str] = {}
+        self._holds = 1  # guarded by _attached_lock: attach_sandbox calls not yet detached
         self._handles: list[ResourceHandle] = []
 
     # -- the command path ----------------------------------------------------------------
@@ -51,16 +66,17 @@ class SandboxAttachment:
         timeout: float | None = None,
         stdin: str | bytes | None = None,
     ) -> str:
-        """``backend.start`` made safe against a cancel: raises ``TaskCancelled`` if the scope was
-        cancelled before, and stops the new command (then raises) if it was cancelled during."""
+        """The backend's start made safe against a cancel: raises ``TaskCancelled`` if the scope
+        was cancelled before, and stops the new command (then raises) if it was cancelled during."""
         self.scope.raise_if_cancelled()
         text = command if isinstance(command, str) else " ".join(command)
         with self._cond:
             self._starting += 1
         try:
-            command_id = self.backend.start(command, timeout=timeout, stdin=stdin)
-            with self._cond:
-                self._running[command_id] = text[:120]
+            command_id = self._launch(command, timeout=timeout, stdin=stdin)
+            if self._records:
+                with self._cond:
+                    self._running[command_id] = text[:120]
             if self.scope.cancelled:
                 # The IN_FLIGHT stop may have looked before this id existed: stop it here, while
                 # still counted as starting, so the unwind waits for this stop and its record.
@@ -107,12 +123,23 @@ class SandboxAttachment:
 
     def destroy(self) -> None:
         """``Phase.TEARDOWN``: destroy the backend (once; later calls return at once)."""
-        for handle in self._handles:
-            handle.unregister()
+        with _attached_lock:
+            self._holds = 0
+            self._forget()
         self.backend.destroy()
 
     def detach(self) -> None:
-        """Unregister from the scope without stopping anything (the caller destroys it)."""
+        """Release one :func:`attach_sandbox` call; the last one unregisters from the scope
+        without stopping anything (whoever owns the backend destroys it). Idempotent past zero."""
+        with _attached_lock:
+            self._holds = max(0, self._holds - 1)
+            if self._holds == 0:
+                self._forget()
+
+    def _forget(self) -> None:
+        """Untie from the scope (the caller holds ``_attached_lock``): a later attach makes anew."""
+        if _attached.get(_key(self.backend, self.scope)) is self:
+            del _attached[_key(self.backend, self.scope)]
         for handle in self._handles:
             handle.unregister()
 
@@ -151,6 +178,10 @@ def _kill_record(sandbox: str, command_id: str, command: str, reason: str) -> Ki
     )
 
 
+def _key(backend: Sandbox, scope: TaskCancellation) -> tuple[int, int]:
+    return id(backend), id(scope)
+
+
 def attach_sandbox(
     backend: Sandbox, scope: TaskCancellation, *, name: str | None = None, **detail: Any
 ) -> SandboxAttachment:
@@ -158,14 +189,25 @@ def attach_sandbox(
     (``Phase.IN_FLIGHT``), then it is destroyed (``Phase.TEARDOWN``), inside the scope's budget.
 
     Start commands through the returned attachment's ``start`` (race-free against the cancel).
-    Attaching after the scope was cancelled stops and destroys at once. ``detail`` goes into the
+    A backend already attached to ``scope`` gets the same attachment back (its first ``name`` and
+    ``detail`` stay); each call is released by one :meth:`~SandboxAttachment.detach`. Attaching
+    after the scope was cancelled stops and destroys at once. ``detail`` goes into the
     timeline's ``sandbox_attached`` event.
     """
     label = name or f"{type(backend).__name__}@{id(backend):x}"
-    attachment = SandboxAttachment(backend, scope, label)
-    attachment._handles = [
-        scope.register(attachment.stop_in_flight, name=f"sandbox {label} commands", phase=Phase.IN_FLIGHT),
-        scope.register(attachment.destroy, name=f"sandbox {label}", phase=Phase.TEARDOWN),
-    ]
+    with _attached_lock:
+        attachment = _attached.get(_key(backend, scope))
+        if attachment is not None:
+            attachment._holds += 1
+            return attachment
+        attachment = SandboxAttachment(backend, scope, label)
+        _attached[_key(backend, scope)] = attachment
+        # Registered under the lock: a detach racing this call finds the handles to unregister.
+        attachment._handles = [
+            scope.register(
+                attachment.stop_in_flight, name=f"sandbox {label} commands", phase=Phase.IN_FLIGHT
+            ),
+            scope.register(attachment.destroy, name=f"sandbox {label}", phase=Phase.TEARDOWN),
+        ]
     scope.record("sandbox_attached", sandbox=label, backend=type(backend).__name__, **detail)
     return attachment

@@ -2,8 +2,9 @@
 
 Any backend (the local one, a container, a remote API) implements :class:`Sandbox`; file access
 is the optional :class:`SandboxFiles`. :func:`~cancellable_agents.toolsets.sandbox.attach_sandbox`
-ties any of them to a task's scope, and :class:`~cancellable_agents.toolsets.sandbox.SandboxToolset`
-gives any of them to an agent.
+ties any of them to a task's scope (a backend never needs to know its scope otherwise;
+:class:`ScopedSandbox` is for one whose own ``start`` is guarded by its attachment), and
+:class:`~cancellable_agents.toolsets.sandbox.SandboxToolset` gives any of them to an agent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "SandboxFiles",
     "SandboxPathError",
     "SandboxUnavailable",
+    "ScopedSandbox",
 ]
 
 
@@ -88,8 +90,8 @@ class Sandbox(Protocol):
       process surviving: on a SIGKILL of the task nothing here runs, so it must end orphaned
       commands itself (a TTL or a lease the backend renews while the task lives).
     - ``records_kills = True`` (optional attribute) says the backend records its own kills on
-      the scope (as :class:`LocalSandbox` does, with pids); otherwise the attachment records one
-      entry per command it stopped.
+      the scope its attachment gave it (as :class:`LocalSandbox` does, with pids); otherwise the
+      attachment records one entry per command it stopped.
     """
 
     def start(
@@ -118,3 +120,23 @@ class SandboxFiles(Protocol):
     def write_file(self, path: str, content: str) -> int: ...
 
     def list_files(self, path: str = ".") -> list[str]: ...
+
+
+@runtime_checkable
+class ScopedSandbox(Sandbox, Protocol):
+    """A backend whose own ``start`` goes through its attachment (:class:`LocalSandbox`).
+
+    Such a backend attaches itself (``attach_sandbox``) to the scope it is given or finds, and
+    its ``start`` is :meth:`SandboxAttachment.start
+    <cancellable_agents.toolsets.sandbox.attach.SandboxAttachment.start>`, so the one start-race
+    guard covers its direct callers too. The attachment starts its commands with ``launch``:
+    the unguarded start, which nothing else calls.
+    """
+
+    def launch(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> str: ...

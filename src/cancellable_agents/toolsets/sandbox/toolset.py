@@ -17,10 +17,10 @@ from cancellable_agents.core.scope import current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
-from cancellable_agents.toolsets.sandbox.bwrap import Limits
-from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
-from cancellable_agents.toolsets.sandbox.isolation import Isolation, Profile
-from cancellable_agents.toolsets.sandbox.local import DEFAULT_OUTPUT_LIMIT, LocalSandbox
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits
+from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
+from cancellable_agents.toolsets.sandbox.local.sandbox import DEFAULT_OUTPUT_LIMIT, LocalSandbox
 from cancellable_agents.toolsets.sandbox.protocol import (
     CommandResult,
     Sandbox,
@@ -53,11 +53,13 @@ class SandboxToolset(FunctionToolset[Any]):
 
     ``Agent(model, toolsets=[SandboxToolset()])``. Without ``sandbox`` a :class:`LocalSandbox`
     (``isolation``, ``profile``, ``network``: ``True``, ``False`` or an egress allowlist,
-    ``limits``) is created on first use, attached to the
-    run's :func:`current_cancellation`, and destroyed when the toolset is exited; a sandbox passed
-    in belongs to the caller and is never destroyed here, but a backend that is not attached to
-    the run's scope yet is attached on first use (:func:`attach_sandbox`), so a kill stops its
-    commands. Commands run at most ``command_timeout`` seconds (a tool call may ask for less).
+    ``limits``) is created on first use and destroyed when the toolset is exited; a sandbox passed
+    in belongs to the caller and is never destroyed here. Either way, every backend is attached
+    to the run's :func:`current_cancellation` on first use (:func:`attach_sandbox`: the same
+    attachment where it is attached to that scope already) and its commands are started through
+    that attachment, so a kill stops them, one that races the kill included; the toolset lets go
+    of the attachment when it is exited. Commands run at most ``command_timeout`` seconds (a tool
+    call may ask for less).
     """
 
     #: The workspace is created per try and gone on the next: a durable run resumed in a later
@@ -109,22 +111,20 @@ class SandboxToolset(FunctionToolset[Any]):
                     network=self._network,
                     limits=self._limits,
                     output_limit=self.output_limit,
-                    scope=current_cancellation(),
                 )
                 self._owned = True
             return self._sandbox
 
     def _attached(self, sandbox: Sandbox) -> SandboxAttachment | None:
-        """The attachment of a backend that does not attach itself, to the run's scope."""
+        """The backend's attachment to the run's scope (``None`` outside a run); the one it had
+        for an earlier run's scope is let go."""
         scope = current_cancellation()
         with self._lock:
             if self._attachment is not None and self._attachment.scope is scope:
                 return self._attachment
-            if scope is None or getattr(sandbox, "scope", None) is scope:
-                return None
             if self._attachment is not None:
                 self._attachment.detach()
-            self._attachment = attach_sandbox(sandbox, scope)
+            self._attachment = None if scope is None else attach_sandbox(sandbox, scope)
             return self._attachment
 
     async def __aenter__(self) -> SandboxToolset:
@@ -156,10 +156,7 @@ class SandboxToolset(FunctionToolset[Any]):
     ) -> dict[str, Any]:
         sandbox = self._get_sandbox()
         limit = self._timeout(timeout)
-        if isinstance(sandbox, LocalSandbox):
-            result = await sandbox.arun(command, timeout=limit, stdin=stdin)
-        else:
-            result = await _run_on_backend(self._attached(sandbox) or sandbox, command, limit, stdin)
+        result = await _run_on_backend(self._attached(sandbox) or sandbox, command, limit, stdin)
         return _for_model(result, limit)
 
     async def run_shell(self, command: str, timeout: float | None = None) -> dict[str, Any]:

@@ -8,13 +8,17 @@ command's main process ends, whatever it left running in the background is kille
 command never outlives itself.
 
 Isolation modes (``isolation=``: ``"namespace"``, ``"process-group"``, ``"auto"``) are described in
-:mod:`~cancellable_agents.toolsets.sandbox.isolation`.
+:mod:`~cancellable_agents.toolsets.sandbox.local.isolation`.
 
 Commands get the environment by allowlist in every mode (``PATH``, the locale, ``TERM``, ``TZ``,
-``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.env`).
+``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.local.env`).
 The file tools open paths below the workdir without following symlinks, so a command swapping
-folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.files`).
-This module imports no Airflow.
+folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.local.files`).
+
+The sandbox reaches its scope one way, as any backend: the attachment :func:`attach_sandbox` gave
+it; its commands and its egress proxy read the scope there. Its length (~500 lines) is one
+class whose parts share its state (workdir, mode, profile, commands, attachment); what stands on
+its own lives beside it. This module imports no Airflow.
 """
 
 from __future__ import annotations
@@ -23,13 +27,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -38,40 +41,42 @@ from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
-from cancellable_agents.toolsets.sandbox.bwrap import (
+from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import (
     BoundaryProfile,
-    Limits,
     boundary_argv,
     bwrap_support,
     host_argv,
-    limits_prefix,
-    prlimit_path,
     sandbox_uid,
 )
-from cancellable_agents.toolsets.sandbox.cgroups import SandboxCgroup
-from cancellable_agents.toolsets.sandbox.command import (
-    BoundedReader,
-    CommandTree,
-    Mode,
-    feed_stdin,
-    spawner,
-    stop_bound,
+from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import SandboxCgroup
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
+    EGRESS_SOCKET,
+    EgressProxy,
+    forwarder_argv,
+    proxy_env,
 )
-from cancellable_agents.toolsets.sandbox.egress import EGRESS_SOCKET, EgressProxy, forwarder_argv, proxy_env
-from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
-from cancellable_agents.toolsets.sandbox.env import scrubbed_environment
-from cancellable_agents.toolsets.sandbox.files import WorkdirFiles, outside_error
-from cancellable_agents.toolsets.sandbox.isolation import (
+from cancellable_agents.toolsets.sandbox.local.boundary.limits import (
+    Limits,
+    limits_prefix,
+    mount_workdir,
+    prlimit_path,
+)
+from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import command_filter, warn_if_missing
+from cancellable_agents.toolsets.sandbox.local.command import CommandTree, stop_bound
+from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment
+from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, outside_error
+from cancellable_agents.toolsets.sandbox.local.isolation import (
     Isolation,
+    Mode,
     Profile,
     choose_mode,
     enforceable_egress,
     warn_no_boundary,
 )
+from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, start_process
+from cancellable_agents.toolsets.sandbox.local.workdirs import prepare_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
-from cancellable_agents.toolsets.sandbox.seccomp import command_filter, warn_if_missing
-from cancellable_agents.toolsets.sandbox.workdir_size import mount_workdir, remove_workdir
-from cancellable_agents.toolsets.sandbox.workdirs import prepare_workdir
 
 __all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "LocalSandbox"]
 
@@ -95,17 +100,18 @@ class LocalSandbox:
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
     by :meth:`destroy` only if this sandbox created it. ``env`` is passed to commands on top of
     the allowlisted environment (so what the DAG author hands over explicitly does reach them).
-    With a ``scope`` (or the :func:`current_cancellation` found at creation or first use), a
-    cancel stops all commands (``Phase.IN_FLIGHT``) before destroying the sandbox
-    (``Phase.TEARDOWN``), inside the scope's budget (through :func:`attach_sandbox`).
+    With a ``scope`` (or the :func:`current_cancellation` found at creation or first use) the
+    sandbox attaches itself to it (:func:`attach_sandbox`, as any backend): a cancel stops all
+    commands (``Phase.IN_FLIGHT``) before destroying the sandbox (``Phase.TEARDOWN``), inside the
+    scope's budget, and :meth:`start` goes through that attachment (race-free against the cancel).
 
     Namespace mode, ``profile="boundary"`` (default): commands see the system folders, the
     interpreter, ``read_only_paths``, ``writable_paths`` and the workdir (read-write, also their
     ``HOME``) and nothing else; no network, except through the egress proxy to the hosts of an
     allowlist (``network=["pypi.org", ...]`` or an :class:`EgressPolicy`, see
-    :mod:`~cancellable_agents.toolsets.sandbox.egress`), or the host's network with
-    ``network=True`` (no boundary for the network); ``limits`` (a
-    :class:`Limits`, defaults when ``None``). On a root worker the workdir is handed to the
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`), or the host's
+    network with ``network=True`` (no boundary for the network); ``limits`` (a :class:`Limits`,
+    defaults when ``None``). On a root worker the workdir is handed to the
     sandbox's own uid, and ``writable_paths`` must be writable by it. ``profile="host"``: the
     old view (whole host read-only, host network, no limits), for commands that need it.
     """
@@ -152,7 +158,7 @@ class LocalSandbox:
         self._commands: dict[str, CommandTree] = {}
         self._lock = threading.Lock()
         self._destroyed = False
-        self._scope: TaskCancellation | None = None
+        # Its own attachment, the one home of its scope (set once, under _lock).
         self._attachment: SandboxAttachment | None = None
         self.cgroup: SandboxCgroup | None = None
         self._boundary = self._boundary_profile(read_only_paths, writable_paths)
@@ -193,7 +199,7 @@ class LocalSandbox:
         """Start the egress proxy of a sandbox with an allowlist; its socket, shown inside."""
         if self.egress is None:
             return ()
-        self._proxy = EgressProxy(self.egress, name=self.id).start()
+        self._proxy = EgressProxy(self.egress, name=self.id, scope_of=_scope_of(self)).start()
         # A sandbox nobody destroyed does not leave its proxy listening.
         weakref.finalize(self, self._proxy.close)
         return ((self._proxy.socket_path, EGRESS_SOCKET),)
@@ -224,20 +230,27 @@ class LocalSandbox:
 
     @property
     def scope(self) -> TaskCancellation | None:
-        return self._scope
+        """The scope of the sandbox's own attachment (``None`` until it has one)."""
+        attachment = self._attachment
+        return None if attachment is None else attachment.scope
 
-    def _attach(self, scope: TaskCancellation | None) -> None:
+    def _attached(self) -> SandboxAttachment | None:
+        """The sandbox's attachment; at first use, to the run's scope, if there is one."""
+        return self._attachment or self._attach(current_cancellation())
+
+    def _attach(self, scope: TaskCancellation | None) -> SandboxAttachment | None:
+        """Attach to ``scope`` through :func:`attach_sandbox` (once: the first scope stays)."""
         if self.mode == "process-group":
             warn_no_boundary(scope)
         with self._lock:
-            if scope is None or self._scope is not None or self._destroyed:
-                return
-            self._scope = scope
-        if self._proxy is not None:
-            self._proxy.scope = scope
-        self._attachment = attach_sandbox(
-            self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
-        )
+            if scope is None or self._attachment is not None or self._destroyed:
+                return self._attachment
+            # Under the lock: two first uses at once attach once (a cancelled scope's release runs
+            # on a thread of its own, so it waits for this lock instead of deadlocking on it).
+            self._attachment = attach_sandbox(
+                self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
+            )
+            return self._attachment
 
     # -- starting ------------------------------------------------------------------------
 
@@ -250,13 +263,25 @@ class LocalSandbox:
     ) -> str:
         """Start ``command`` (an argv list, or a string run by ``/bin/sh -c``); return its id.
 
-        Raises :class:`SandboxClosed` after :meth:`destroy`, and ``TaskCancelled`` if the
-        attached scope was already cancelled (no command starts after a kill).
+        Attached, through the attachment (:meth:`SandboxAttachment.start`): ``TaskCancelled`` if
+        the scope was already cancelled (no command starts after a kill), and a start racing the
+        cancel is stopped. Raises :class:`SandboxClosed` after :meth:`destroy`.
         """
-        if self._scope is None:
-            self._attach(current_cancellation())
-        if self._scope is not None:
-            self._scope.raise_if_cancelled()
+        attachment = self._attached()
+        if attachment is None:
+            return self.launch(command, timeout=timeout, stdin=stdin)
+        return attachment.start(command, timeout=timeout, stdin=stdin)
+
+    def launch(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> str:
+        """Start ``command`` unguarded: what :meth:`start` and any attachment of this sandbox
+        call (:class:`ScopedSandbox`); nothing else should. Attaches at first use, as ``start``."""
+        self._attached()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         command_id = uuid.uuid4().hex[:12]
         tag = f"{self.id}:{command_id}"
@@ -274,9 +299,6 @@ class LocalSandbox:
                 cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, seccomp_fd)
             self._commands[command_id] = cmd
             self._forget_old_results()
-        if self._scope is not None and self._scope.cancelled:
-            # The scope's stop_all may have looked before this command existed.
-            self.stop(command_id)
         return command_id
 
     def _forget_old_results(self) -> None:
@@ -307,24 +329,11 @@ class LocalSandbox:
         stdin: str | bytes | None,
         seccomp_fd: int | None = None,
     ) -> CommandTree:
-        def popen() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(
-                argv,
-                cwd=self.workdir,
-                env=env,
-                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                # Its own session: Airflow's SIGTERM to the task's process group does not cut the
-                # tree up behind the sandbox's back; the sandbox's stop is the one way it ends.
-                start_new_session=True,
-                close_fds=True,
-                pass_fds=() if seccomp_fd is None else (seccomp_fd,),
-            )
-
         hits_before = self.cgroup.limit_hits() if self.cgroup is not None else None
         started = time.monotonic()
-        proc = spawner.call(popen)
+        proc = start_process(
+            argv, cwd=self.workdir, env=env, piped_stdin=stdin is not None, seccomp_fd=seccomp_fd
+        )
         info = read_proc(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
         cmd = CommandTree(
@@ -488,8 +497,8 @@ class LocalSandbox:
 
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a directory, sorted; directories end with ``/``. Escaped and capped as
-        :meth:`WorkdirFiles.list_files <cancellable_agents.toolsets.sandbox.files.WorkdirFiles.list_files>`
-        says."""
+        :meth:`WorkdirFiles.list_files
+        <cancellable_agents.toolsets.sandbox.local.files.WorkdirFiles.list_files>` says."""
         return self._files().list_files(path)
 
 
@@ -498,3 +507,15 @@ def _absolute(path: str | os.PathLike[str]) -> str:
     if not resolved.exists():
         raise ValueError(f"sandbox path {str(path)!r} does not exist")
     return str(resolved)
+
+
+def _scope_of(sandbox: LocalSandbox) -> Callable[[], TaskCancellation | None]:
+    """``sandbox.scope`` read at each call, weakly: the egress proxy records its refusals there,
+    and must not keep its sandbox alive (the sandbox's finalizer closes the proxy)."""
+    ref = weakref.ref(sandbox)
+
+    def scope() -> TaskCancellation | None:
+        alive = ref()
+        return None if alive is None else alive.scope
+
+    return scope

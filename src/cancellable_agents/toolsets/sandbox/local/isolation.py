@@ -1,4 +1,4 @@
-"""Which isolation a :class:`~cancellable_agents.toolsets.sandbox.local.LocalSandbox` gets here.
+"""Which isolation a :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox` gets here.
 
 ``"namespace"`` when bubblewrap can give the chosen profile on this host, else (for
 ``isolation="auto"``) ``"process-group"``, which stops commands but is no boundary: that is
@@ -12,7 +12,7 @@ Isolation modes (``isolation=``):
     double forks, daemons) can leave it, when the namespace's init dies the kernel kills every
     process in it, and ``--die-with-parent`` ends it even when the task process is SIGKILLed.
     With the default ``profile="boundary"`` it is also a boundary (see
-    :mod:`~cancellable_agents.toolsets.sandbox.bwrap`): no home folders, no Airflow config, no
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.bwrap`): no home folders, no Airflow config, no
     network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
 ``"process-group"`` (fallback, any POSIX)
     Each command starts a new session. A watcher thread records the pid and start time of every
@@ -33,16 +33,17 @@ import weakref
 from typing import Literal
 
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox.bwrap import bwrap_support, unavailable_message
-from cancellable_agents.toolsets.sandbox.command import Mode
-from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support, unavailable_message
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.protocol import SandboxUnavailable
 
-__all__ = ["Isolation", "Profile", "choose_mode", "enforceable_egress", "warn_no_boundary"]
+__all__ = ["Isolation", "Mode", "Profile", "choose_mode", "enforceable_egress", "warn_no_boundary"]
 
 log = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespace", "process-group"]
+#: The isolation a sandbox got: what :data:`Isolation` resolves to here.
+Mode = Literal["namespace", "process-group"]
 Profile = Literal["boundary", "host"]
 
 

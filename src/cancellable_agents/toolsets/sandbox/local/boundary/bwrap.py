@@ -7,8 +7,9 @@ Two profiles in namespace mode:
     :data:`HIDDEN_ETC`), the interpreter's installation, ``/dev``, a fresh ``/proc``, a private
     size-capped ``/tmp``, the paths the author listed and the workdir (read-write). New PID, IPC,
     UTS and (unless ``network=True``) network namespaces, no new privileges, no capabilities,
-    and the :class:`Limits` (memory and processes in the sandbox's cgroup where it has one,
-    the rest set with ``prlimit`` just before the command runs). Not root: a
+    and the :class:`~cancellable_agents.toolsets.sandbox.local.boundary.limits.Limits` (memory
+    and processes in the sandbox's cgroup where it has one, the rest set with ``prlimit`` just
+    before the command runs). Not root: a
     non-root worker gets its own user namespace; a root worker cannot (a user namespace made by
     root maps to host root, which ``RLIMIT_NPROC`` exempts), so each sandbox switches to a uid of
     its own (``setpriv``) after bubblewrap has mounted everything.
@@ -19,8 +20,6 @@ Two profiles in namespace mode:
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import random
 import shutil
@@ -32,13 +31,9 @@ from dataclasses import dataclass, replace
 
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.procs.proc import IS_LINUX
+from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits, limits_prefix, prlimit_path
 
-__all__ = ["HIDDEN_ETC", "BwrapSupport", "Limits", "bwrap_support", "sandbox_uid"]
-
-log = logging.getLogger(__name__)
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+__all__ = ["HIDDEN_ETC", "BwrapSupport", "bwrap_support", "sandbox_uid"]
 
 #: Files and folders under /etc a command never sees (masked with an empty file or folder).
 HIDDEN_ETC: tuple[str, ...] = (
@@ -62,56 +57,6 @@ SANDBOX_UID_BASE = 1_900_000_000
 #: no nested user namespaces, no capabilities in it. (--disable-userns needs bubblewrap 0.8+.)
 USERNS_ARGS = ("--unshare-user", "--disable-userns", "--cap-drop", "ALL")
 SANDBOX_UID_SPAN = 100_000_000
-#: CPU seconds between ``Limits.cpu_seconds`` (SIGXCPU, once a second) and the SIGKILL.
-CPU_KILL_GRACE = 2
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits of a sandbox's commands (``None``: unlimited); they bind the command and
-    everything it starts, not the task.
-
-    ``memory_bytes`` and ``max_processes`` are totals for the whole sandbox (all its commands,
-    their ``/tmp``, bubblewrap's two processes per command) where the worker can create a
-    cgroup per sandbox (:mod:`~cancellable_agents.toolsets.sandbox.cgroups`); the kernel's OOM
-    killer ends a process of a sandbox at its memory total (SIGKILL), a fork past the count fails
-    (``EAGAIN``). Elsewhere (logged once) they bind each process: address space
-    (``RLIMIT_AS``; a runtime reserving much more than it uses, the JVM or Go, needs more) and
-    ``RLIMIT_NPROC`` (per sandbox on a root worker, its own uid; per command otherwise).
-    ``cpu_seconds`` is CPU time per process: SIGXCPU at it (a command may catch it to wrap up),
-    SIGKILL :data:`CPU_KILL_GRACE` CPU seconds later. ``file_size_bytes`` caps each file
-    (SIGXFSZ), ``workdir_bytes`` the workdir's total (a tmpfs, on a workdir the sandbox created,
-    where the worker is root; see :mod:`~cancellable_agents.toolsets.sandbox.workdir_size`),
-    ``tmp_bytes`` the private ``/tmp`` (a tmpfs per command): writes past them fail with
-    ``ENOSPC``. Output is capped separately (``output_limit``).
-    """
-
-    max_processes: int | None = 256
-    memory_bytes: int | None = 4 * GiB
-    cpu_seconds: int | None = 600
-    file_size_bytes: int | None = 1 * GiB
-    open_files: int | None = 1024
-    tmp_bytes: int | None = 512 * MiB
-    workdir_bytes: int | None = 1 * GiB
-
-    def __post_init__(self) -> None:
-        for name, value in self.__dict__.items():
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"Limits.{name} must be a positive int or None, got {value!r}")
-
-    def prlimit_args(self) -> list[str]:
-        """``prlimit`` options: soft = hard (the command cannot raise them), except the CPU time,
-        whose soft limit sends SIGXCPU and whose hard limit, a grace later, SIGKILL."""
-        pairs = (
-            ("nproc", self.max_processes),
-            ("as", self.memory_bytes),
-            ("fsize", self.file_size_bytes),
-            ("nofile", self.open_files),
-        )
-        args = [f"--{name}={value}:{value}" for name, value in pairs if value is not None]
-        if self.cpu_seconds is not None:
-            args.append(f"--cpu={self.cpu_seconds}:{self.cpu_seconds + CPU_KILL_GRACE}")
-        return args
 
 
 @dataclass(frozen=True)
@@ -227,12 +172,6 @@ def _runs_ok(argv: list[str]) -> tuple[bool, str]:
     return proc.returncode == 0, proc.stderr.decode("utf-8", "replace").strip() or f"exit {proc.returncode}"
 
 
-@functools.cache
-def prlimit_path() -> str | None:
-    """``prlimit`` (util-linux), found once; process-group mode needs it without bubblewrap."""
-    return shutil.which("prlimit")
-
-
 def sandbox_uid() -> int:
     """A fresh uid for one sandbox of a root worker (unused by anyone else, in practice)."""
     return SANDBOX_UID_BASE + random.randrange(SANDBOX_UID_SPAN)
@@ -300,8 +239,9 @@ def boundary_argv(
     support: BwrapSupport, profile: BoundaryProfile, *, seccomp_fd: int | None = None
 ) -> list[str]:
     """The boundary profile's command line, up to the command. ``seccomp_fd``: a descriptor the
-    child inherits holding the seccomp filter (:mod:`~cancellable_agents.toolsets.sandbox.seccomp`),
-    which bubblewrap loads last, right before the command runs."""
+    child inherits holding the seccomp filter
+    (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.seccomp`), which bubblewrap loads
+    last, right before the command runs."""
     assert support.path is not None
     argv = [support.path, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]
     argv += ["--hostname", "sandbox"]
@@ -340,17 +280,6 @@ def boundary_argv(
         assert support.setpriv is not None
         argv += [support.setpriv, *_setpriv_args(profile.uid)]
     return argv + limits_prefix(support.prlimit, profile.limits)
-
-
-def limits_prefix(prlimit: str | None, limits: Limits) -> list[str]:
-    """``prlimit --...= --`` before the command, or nothing without prlimit (logged)."""
-    args = limits.prlimit_args()
-    if not args:
-        return []
-    if prlimit is None:
-        log.warning("LocalSandbox: prlimit (util-linux) is not installed; commands run without limits")
-        return []
-    return [prlimit, *args, "--"]
 
 
 def _show(path: str, *, writable: bool) -> list[str]:

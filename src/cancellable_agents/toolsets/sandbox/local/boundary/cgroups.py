@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cancellable_agents.core.once import Once
-from cancellable_agents.toolsets.sandbox.workdirs import owner_gone, owner_tag
+from cancellable_agents.procs.owner import owner_gone, owner_tag
 
 __all__ = [
     "PLACEMENT_FAILED",

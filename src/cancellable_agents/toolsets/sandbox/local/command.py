@@ -1,6 +1,6 @@
 """One sandbox command's process tree: watched while it runs, stopped whole, reaped, recorded.
 
-:class:`CommandTree` is everything :class:`~cancellable_agents.toolsets.sandbox.local.LocalSandbox`
+:class:`CommandTree` is everything :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox`
 knows about one command once it was spawned: its main process, every descendant the watcher has
 seen, its bounded output, its result. It decides how that tree ends: on its own (whatever it left
 running in the background is killed), at its timeout, or by a stop (SIGTERM to the whole tree,
@@ -19,11 +19,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Literal, Protocol, TypeVar
+from typing import Protocol
 
 from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.core.workers import JobThread
 from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,
@@ -38,14 +37,14 @@ from cancellable_agents.procs.proc import (
     wait_gone,
     walk_descendants,
 )
-from cancellable_agents.toolsets.sandbox.cgroups import LimitHits, SandboxCgroup
+from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import LimitHits, SandboxCgroup
+from cancellable_agents.toolsets.sandbox.local.isolation import Mode
+from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult
 
-__all__ = ["KILL_WAIT", "READER_JOIN", "STOP_SLACK", "BoundedReader", "CommandOwner", "CommandTree", "Mode"]
+__all__ = ["KILL_WAIT", "READER_JOIN", "STOP_SLACK", "CommandOwner", "CommandTree", "stop_bound"]
 
 log = logging.getLogger(__name__)
-
-Mode = Literal["namespace", "process-group"]
 
 #: How often a running command's process tree is scanned for new descendants.
 TRACK_INTERVAL = 0.02
@@ -60,7 +59,8 @@ STOP_SLACK = 2.0
 
 
 class CommandOwner(Protocol):
-    """What a command needs of its sandbox: read at each use, as the scope may attach later."""
+    """What a command needs of its sandbox, read at each use: its ``scope`` is the one of the
+    sandbox's attachment, which may come after the command started."""
 
     @property
     def id(self) -> str: ...
@@ -76,46 +76,6 @@ def stop_bound(stop_grace: float) -> float:
     """The longest stopping one command can take: the SIGTERM grace, the SIGKILL wait, the
     output drain, and slack for a busy machine. Every wait for a stop is bounded by it."""
     return stop_grace + KILL_WAIT + READER_JOIN + STOP_SLACK
-
-
-class BoundedReader:
-    """Drains one pipe on its own thread, keeping at most ``limit`` bytes.
-
-    Reading on a thread means a chatty command never blocks on a full pipe; the cap means it
-    never costs more than ``limit`` bytes of memory however much it writes.
-    """
-
-    def __init__(self, pipe: IO[bytes], limit: int, name: str) -> None:
-        self._pipe = pipe
-        self._limit = limit
-        self._data = bytearray()
-        self._dropped = 0
-        self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._drain, name=name, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        fd = self._pipe.fileno()
-        try:
-            while chunk := os.read(fd, 65536):
-                with self._lock:
-                    room = max(0, self._limit - len(self._data))
-                    self._data += chunk[:room]
-                    self._dropped += len(chunk) - min(room, len(chunk))
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                self._pipe.close()
-
-    def text(self) -> tuple[str, bool]:
-        """The captured text (with a truncation marker) and whether anything was dropped."""
-        with self._lock:
-            text = bytes(self._data).decode("utf-8", "replace")
-            dropped = self._dropped
-        if dropped:
-            text += f"\n[... truncated {dropped} bytes ...]"
-        return text, dropped > 0
 
 
 @dataclass(eq=False)
@@ -470,49 +430,3 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True  # reaped by someone else
-
-
-# -- spawning -------------------------------------------------------------------------------
-
-
-T = TypeVar("T")
-
-
-class _Spawner:
-    """Starts every command from one thread that lives as long as the process.
-
-    ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the
-    child exits, not the process. Sync tools run on one short-lived thread per call, so a
-    command started there would be SIGKILLed (and its namespace orphaned) as the tool returns.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: JobThread | None = None  # guarded by _lock
-        self._owner: int | None = None  # guarded by _lock: the pid the thread belongs to
-
-    def call(self, fn: Callable[[], T]) -> T:
-        with self._lock:
-            # After a fork the thread is gone; the child gets its own.
-            if self._thread is None or self._owner != os.getpid():
-                self._thread = JobThread("cancellable-agents-spawner")
-                self._owner = os.getpid()
-            thread = self._thread
-        return thread.submit(fn).result()
-
-
-spawner = _Spawner()
-
-
-def feed_stdin(proc: subprocess.Popen[bytes], data: bytes) -> None:
-    """Write ``data`` to a command's stdin on a thread of its own (a full pipe must not block the
-    caller), then close it."""
-
-    def feed() -> None:
-        assert proc.stdin is not None
-        with contextlib.suppress(OSError):
-            proc.stdin.write(data)
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-
-    threading.Thread(target=feed, name=f"sandbox-stdin-{proc.pid}", daemon=True).start()

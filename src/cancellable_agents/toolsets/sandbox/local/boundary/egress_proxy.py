@@ -11,10 +11,11 @@ HTTP):
   that resolves to a public address for the check and a private one for the connection — DNS
   rebinding — gets nowhere), and refuses loopback, link-local, private, multicast and reserved
   addresses unless the policy lists the address (or its network) itself, on that entry's ports.
-  A request it cannot read for certain (:mod:`~cancellable_agents.toolsets.sandbox.egress_request`)
-  is answered 400 before anything is resolved or connected. Each refusal is one log line
-  (rate-limited) and an ``egress_denied`` event on the task's timeline (bounded); no request,
-  however malformed, ends in a traceback or leaves a connection open.
+  A request it cannot read for certain
+  (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_request`) is answered 400
+  before anything is resolved or connected. Each refusal is one log line (rate-limited) and an
+  ``egress_denied`` event on the task's timeline (bounded); no request, however malformed,
+  ends in a traceback or leaves a connection open.
 - :data:`FORWARDER` runs inside the sandbox, before the command: it listens on
   ``127.0.0.1:PROXY_PORT`` in the sandbox's own namespace and carries each connection to the
   unix socket, then the command runs with ``HTTP(S)_PROXY``/``ALL_PROXY`` pointing there.
@@ -40,15 +41,20 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox.egress_policy import (
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import (
     EgressDenial,
     EgressPolicy,
     IPAddress,
     Resolver,
 )
-from cancellable_agents.toolsets.sandbox.egress_request import BadRequest, ProxyRequest, parse_head
+from cancellable_agents.toolsets.sandbox.local.boundary.egress_request import (
+    BadRequest,
+    ProxyRequest,
+    parse_head,
+)
 
 __all__ = [
     "EGRESS_SOCKET",
@@ -98,14 +104,21 @@ class EgressProxy:
     """The policy's proxy on a unix socket, on an event loop of its own thread. Thread-safe.
 
     :meth:`start` returns once it listens; :meth:`close` closes every connection and the socket
-    (idempotent, bounded). Refusals go to the log and, when :attr:`scope` is set, the scope's
-    timeline (``egress_denied``).
+    (idempotent, bounded). Refusals go to the log and, where ``scope_of()`` names a scope (its
+    sandbox's, read at each refusal: the sandbox may attach after its proxy started), to that
+    scope's timeline (``egress_denied``).
     """
 
-    def __init__(self, policy: EgressPolicy, *, name: str = "egress") -> None:
+    def __init__(
+        self,
+        policy: EgressPolicy,
+        *,
+        name: str = "egress",
+        scope_of: Callable[[], TaskCancellation | None] = lambda: None,
+    ) -> None:
         self.policy = policy
         self.name = name
-        self.scope: TaskCancellation | None = None
+        self._scope_of = scope_of
         self._resolver: Resolver = policy.resolver or _system_resolver
         self._dir = tempfile.mkdtemp(prefix="cancellable-agents-egress-")
         self.socket_path = os.path.join(self._dir, "egress.sock")
@@ -164,8 +177,9 @@ class EgressProxy:
                 self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(CLOSE_TIMEOUT)
         shutil.rmtree(self._dir, ignore_errors=True)
-        if unrecorded > 0 and self.scope is not None:
-            self.scope.record("egress_denials_not_recorded", sandbox=self.name, count=unrecorded)
+        scope = self._scope_of()
+        if unrecorded > 0 and scope is not None:
+            scope.record("egress_denials_not_recorded", sandbox=self.name, count=unrecorded)
 
     async def _shutdown(self) -> None:
         if self._server is not None:
@@ -298,8 +312,8 @@ class EgressProxy:
             record = self._denied <= TIMELINE_LIMIT
         what = "request" if host is None else f"to [{host}]:{port}" if ":" in host else f"to {host}:{port}"
         self._log_limited("sandbox %s: egress %s refused: %s", self.name, what, reason)
-        scope = self.scope
-        if record and scope is not None:
+        scope = self._scope_of() if record else None
+        if scope is not None:
             scope.record("egress_denied", sandbox=self.name, host=denial.host, port=port, reason=reason)
         return _Refused(status, f"egress {what} refused: {reason}")
 

@@ -7,7 +7,8 @@ unless an entry lists that address or network itself, and then only on that entr
 behind IPv4-mapped, 6to4 and NAT64 forms). Every host, in a rule or a request, is read by
 :func:`canonical_host`: a spelling ``inet_aton`` takes as an IPv4 address (``127.1``,
 ``2130706433``, ``0x7f000001``, ``0177.0.0.1``) *is* that address, never a name. The proxy that
-enforces the policy is :mod:`cancellable_agents.toolsets.sandbox.egress`. Imports no Airflow.
+enforces the policy is :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`.
+Imports no Airflow.
 """
 
 from __future__ import annotations

@@ -1,0 +1,13 @@
+"""The local backend: :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox`,
+commands run as process trees on this host that a cancel really stops.
+
+- :mod:`.sandbox`: :class:`LocalSandbox`, a workdir and a command runner (the :class:`Sandbox`
+  protocol, plus ``run``, ``arun`` and the file tools);
+- :mod:`.command`: one command's process tree: watched, stopped whole, reaped, recorded;
+- :mod:`.spawn`: the spawning thread and the pipes' readers;
+- :mod:`.isolation`: which isolation mode a local sandbox gets here;
+- :mod:`.workdirs`: workdirs, and those a SIGKILLed task left behind;
+- :mod:`.files`: the file tools' race-free access to the workdir (no symlink followed);
+- :mod:`.env`: the environment commands get (an allowlist);
+- :mod:`.boundary`: what keeps a command in (namespaces, seccomp, egress, cgroups, limits).
+"""
