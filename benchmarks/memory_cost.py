@@ -8,9 +8,12 @@ from ``import airflow.sdk``:
 - **plain**: a pydantic-ai agent (OpenAI model, one tool) runs a 3-step job against the local
   model server with ``Agent.run_sync``: pydantic-ai's import and first-run cost;
 - **ours**: the same job through :func:`run_agent_in_scope` with a durable journal, the provider's
-  operators imported: the plain cost plus the provider's.
+  operators imported: the plain cost plus the provider's;
+- **operator**: the same agent as an ``AgentOperator`` task, not durable: its ``pre_execute`` and
+  ``execute`` (the try, the descendant reaper, the guard, the kill log's and metrics' modules as
+  a task loads them).
 
-Prints the RSS added over ``airflow.sdk`` alone (median of the rounds) and the difference.
+Prints the RSS added over ``airflow.sdk`` alone (median of the rounds) and the differences.
 ``.venv/bin/python -m benchmarks.memory_cost``; not part of CI.
 """
 
@@ -45,7 +48,14 @@ agent = Agent(OpenAIChatModel("steps?name=work&count=3&then=done", provider=prov
 def work(n: int) -> str:
     return "ok"
 
-if sys.argv[1] == "ours":
+if sys.argv[1] == "operator":
+    from cancellable_agents import AgentOperator
+
+    op = AgentOperator(task_id="memory", prompt="go", agent=agent)
+    op.render_template_fields({})
+    op.pre_execute({})
+    op.execute({})
+elif sys.argv[1] == "ours":
     import cancellable_agents.operators  # noqa: F401
     from cancellable_agents.core.scope import TaskCancellation
     from cancellable_agents.durable import Journal, MemoryStore
@@ -72,16 +82,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    added: dict[str, list[float]] = {"plain": [], "ours": []}
+    added: dict[str, list[float]] = {"plain": [], "ours": [], "operator": []}
     for _ in range(args.reps):
         for variant in added:
             added[variant].append(measure(variant))
-    plain, ours = (statistics.median(added[v]) for v in ("plain", "ours"))
+    plain, ours, operator = (statistics.median(added[v]) for v in ("plain", "ours", "operator"))
     print(f"| variant | RSS added over `import airflow.sdk` (median of {args.reps}) |")
     print("|---|---|")
     print(f"| pydantic-ai agent, `run_sync` | {plain:.1f} MiB |")
     print(f"| the same through the provider, durable | {ours:.1f} MiB |")
-    print(f"| the provider's own | {ours - plain:+.1f} MiB |")
+    print(f"| the provider's own (durable run) | {ours - plain:+.1f} MiB |")
+    print(f"| the same agent as an `AgentOperator` task | {operator:.1f} MiB |")
+    print(f"| the provider's own (operator task) | {operator - plain:+.1f} MiB |")
 
 
 if __name__ == "__main__":

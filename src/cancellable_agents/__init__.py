@@ -41,8 +41,9 @@ holds the two to each other); ``py.typed`` says the package is typed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from cancellable_agents.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and linters alike
     from cancellable_agents.airflow.mixin import CancellableAgentMixin as CancellableAgentMixin
@@ -102,14 +103,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cancellable_agents' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,8 +5,9 @@ parse; everything else is imported again in every child (DESIGN.md §4d). A fres
 does the same: it pre-imports what Airflow's ``iter_airflow_imports`` finds in the file, then runs
 the file and lists the heavy modules the run added. ``make bench-parse`` measures the CPU.
 
-Toolsets (``SandboxToolset``, ``SubagentToolset``) are still pydantic-ai toolsets when built, so a
-DAG file that builds one loads pydantic-ai: not covered here yet (issue #31).
+``SandboxToolset`` is a light description (made into its pydantic-ai toolset when the task runs),
+so the file builds one too. ``SubagentToolset`` takes pydantic-ai agents: a DAG file that builds
+those has chosen the import, and is not checked here.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ RUN_TIME_ONLY = (
     "cancellable_agents.durable.run_arguments",
     "cancellable_agents.durable.steps",
     "cancellable_agents.hooks.model",
+    "cancellable_agents.toolsets.sandbox.toolset",
+    "cancellable_agents.toolsets.sandbox.local.sandbox",
+    "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
+    "cancellable_agents.toolsets.sandbox.local.boundary.seccomp",
+    "cancellable_agents.toolsets.sandbox.local.boundary.cgroups",
+    "cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy",
 )
 
 DAG_FILE = '''
@@ -57,7 +64,10 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, task
 
-from cancellable_agents import AgentOperator, CancellationAwareRetryPolicy, LLMOperator
+from cancellable_agents import (
+    AgentOperator, CancellationAwareRetryPolicy, DurableOptions, EgressPolicy, Limits, LLMOperator,
+    SandboxToolset,
+)
 
 
 def lookup(order_id: str) -> str:
@@ -69,15 +79,16 @@ with DAG(dag_id="parse_light", schedule=None, start_date=datetime(2026, 1, 1), c
     policy = CancellationAwareRetryPolicy()
     LLMOperator(task_id="llm", prompt="hi", model="test", retries=2, retry_policy=policy)
     AgentOperator(
-        task_id="agent", prompt="hi", llm_conn_id="openai_default", tools=[lookup], durable=True,
-        execution_timeout=timedelta(minutes=5), stream=True,
+        task_id="agent", prompt="hi", llm_conn_id="openai_default", tools=[lookup],
+        durable=DurableOptions(flush_after=0), execution_timeout=timedelta(minutes=5), stream=True,
+        toolsets=[SandboxToolset(network=EgressPolicy(["api.github.com"]), limits=Limits(max_processes=64))],
     )
 
     @task.llm(model="test")
     def haiku() -> str:
         return "Write a haiku."
 
-    @task.agent(model="test", tools=[lookup])
+    @task.agent(model="test", tools=[lookup], toolsets=[SandboxToolset(network=["*.pypi.org:443"])])
     def investigate() -> str:
         return "Look it up."
 

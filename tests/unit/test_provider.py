@@ -289,3 +289,17 @@ def test_the_package_is_typed_and_its_lazy_exports_are_visible_to_type_checkers(
     needs_3_3 = set() if has_retry_policies() else {"CancellationAwareRetryPolicy"}  # refused below 3.3
     for name in sorted(set(cancellable_agents.__all__) - needs_3_3):
         assert getattr(cancellable_agents, name) is not None
+
+
+def test_the_providers_errors_have_one_base_and_a_kill_is_not_one() -> None:
+    from cancellable_agents import CancellableAgentsError, ConfigurationError, TaskCancelled
+    from cancellable_agents.durable.approval import ApprovalNotPossible
+    from cancellable_agents.toolsets.sandbox import SandboxClosed, SandboxError, SandboxUnavailable
+
+    for error in (ConfigurationError, SandboxError, SandboxUnavailable, SandboxClosed, ApprovalNotPossible):
+        assert issubclass(error, CancellableAgentsError), error
+    assert not issubclass(TaskCancelled, CancellableAgentsError), "catching them never swallows a kill"
+    with pytest.raises(ConfigurationError, match="isolation must be"):  # a misconfiguration is one class
+        from cancellable_agents.toolsets.sandbox import LocalSandbox
+
+        LocalSandbox(isolation="sideways")  # type: ignore[arg-type]

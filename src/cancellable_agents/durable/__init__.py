@@ -7,8 +7,7 @@ ran there (at-least-once for the step that was in flight).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cancellable_agents.durable.approval import ApprovalRequest as ApprovalRequest
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
 
 # Eager, and light: a lazy ``fingerprint`` would lose to the submodule of the same name, which
 # Python binds on this package once anything imports it.
+from cancellable_agents.core.lazy import lazy_exports
 from cancellable_agents.durable.fingerprint import fingerprint
 
 #: The names below load on first use: the operators import this package's light parts (the
@@ -74,10 +74,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cancellable_agents.durable' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

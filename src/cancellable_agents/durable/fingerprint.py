@@ -78,6 +78,9 @@ def walk_toolsets(toolsets: Iterable[Any]) -> Iterator[Any]:
         yield toolset
         if is_description(toolset):
             continue
+        made_by = getattr(toolset, "toolset_func", None)  # an Agent given a description directly
+        if is_description(made_by):
+            yield from walk_toolsets([made_by])
         wrapped = getattr(toolset, "wrapped", None)
         if wrapped is not None:
             yield from walk_toolsets([wrapped])

@@ -54,7 +54,7 @@ from pydantic_ai.toolsets import FunctionToolset
 from pydantic_ai.usage import RunUsage
 
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.usage import usage_dict
@@ -393,7 +393,7 @@ def _by_name(agents: Mapping[str, AbstractAgent[Any, Any]] | Sequence[Subagent])
         else list(agents)
     )
     if not subs:
-        raise ValueError(
+        raise ConfigurationError(
             "SubagentToolset needs at least one sub-agent, e.g. SubagentToolset({'helper': agent})."
         )
     by_name: dict[str, Subagent] = {}
@@ -401,7 +401,9 @@ def _by_name(agents: Mapping[str, AbstractAgent[Any, Any]] | Sequence[Subagent])
         if not isinstance(sub, Subagent):
             raise TypeError(f"expected Subagent(name, agent) items, got {sub!r}")
         if not sub.name or sub.name in by_name:
-            raise ValueError(f"sub-agent names must be unique and non-empty, got {sub.name!r} twice or empty")
+            raise ConfigurationError(
+                f"sub-agent names must be unique and non-empty, got {sub.name!r} twice or empty"
+            )
         by_name[sub.name] = sub
     return by_name
 

@@ -4,8 +4,9 @@ Three floors, each importing only the ones below it:
 
 - here, any backend: :mod:`.protocol` (the :class:`Sandbox` protocol, its result and errors),
   :mod:`.attach` (:func:`attach_sandbox`, the one way a backend is tied to a task's scope, with
-  the one guard against a start racing a cancel) and :mod:`.toolset` (:class:`SandboxToolset`,
-  the agent's tools on any backend);
+  the one guard against a start racing a cancel), :mod:`.toolset` (:class:`SandboxTools`, the
+  agent's tools on any backend, a pydantic-ai toolset) and :mod:`.description`
+  (:class:`SandboxToolset`, how a DAG file describes those tools: light, made when the task runs);
 - :mod:`.local`: the local backend, :class:`LocalSandbox`: process trees on this host, one
   command's tree (``command``), how it is spawned (``spawn``), the isolation mode (``isolation``),
   workdirs, race-free file access (``files``) and the environment allowlist (``env``);
@@ -15,46 +16,63 @@ Three floors, each importing only the ones below it:
   (``limits``).
 
 See ``docs/content/sandbox.md`` for what a sandboxed command can and cannot do in each mode.
-This package imports no Airflow.
+This package imports no Airflow, and its names load on first use: a DAG file that describes a
+``SandboxToolset`` imports neither pydantic-ai nor the local backend.
 """
 
-from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
-from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BwrapSupport, bwrap_support
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
-from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits
-from cancellable_agents.toolsets.sandbox.local.env import is_sensitive, scrubbed_environment
-from cancellable_agents.toolsets.sandbox.local.sandbox import COMMAND_TAG, DEFAULT_OUTPUT_LIMIT, LocalSandbox
-from cancellable_agents.toolsets.sandbox.protocol import (
-    CommandResult,
-    Sandbox,
-    SandboxClosed,
-    SandboxError,
-    SandboxFiles,
-    SandboxPathError,
-    SandboxUnavailable,
-    ScopedSandbox,
-)
-from cancellable_agents.toolsets.sandbox.toolset import SandboxToolset
+from __future__ import annotations
 
-__all__ = [
-    "COMMAND_TAG",
-    "DEFAULT_OUTPUT_LIMIT",
-    "BwrapSupport",
-    "CommandResult",
-    "EgressPolicy",
-    "Limits",
-    "LocalSandbox",
-    "Sandbox",
-    "SandboxAttachment",
-    "SandboxClosed",
-    "SandboxError",
-    "SandboxFiles",
-    "SandboxPathError",
-    "SandboxToolset",
-    "SandboxUnavailable",
-    "ScopedSandbox",
-    "attach_sandbox",
-    "bwrap_support",
-    "is_sensitive",
-    "scrubbed_environment",
-]
+from typing import TYPE_CHECKING
+
+from cancellable_agents.core.lazy import lazy_exports
+
+if TYPE_CHECKING:  # ``X as X``: explicit re-exports, for type checkers and linters alike
+    from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment as SandboxAttachment
+    from cancellable_agents.toolsets.sandbox.attach import attach_sandbox as attach_sandbox
+    from cancellable_agents.toolsets.sandbox.description import SandboxToolset as SandboxToolset
+    from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BwrapSupport as BwrapSupport
+    from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support as bwrap_support
+    from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy as EgressPolicy
+    from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits as Limits
+    from cancellable_agents.toolsets.sandbox.local.env import is_sensitive as is_sensitive
+    from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment as scrubbed_environment
+    from cancellable_agents.toolsets.sandbox.local.sandbox import COMMAND_TAG as COMMAND_TAG
+    from cancellable_agents.toolsets.sandbox.local.sandbox import DEFAULT_OUTPUT_LIMIT as DEFAULT_OUTPUT_LIMIT
+    from cancellable_agents.toolsets.sandbox.local.sandbox import LocalSandbox as LocalSandbox
+    from cancellable_agents.toolsets.sandbox.protocol import CommandResult as CommandResult
+    from cancellable_agents.toolsets.sandbox.protocol import Sandbox as Sandbox
+    from cancellable_agents.toolsets.sandbox.protocol import SandboxClosed as SandboxClosed
+    from cancellable_agents.toolsets.sandbox.protocol import SandboxError as SandboxError
+    from cancellable_agents.toolsets.sandbox.protocol import SandboxFiles as SandboxFiles
+    from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError as SandboxPathError
+    from cancellable_agents.toolsets.sandbox.protocol import SandboxUnavailable as SandboxUnavailable
+    from cancellable_agents.toolsets.sandbox.protocol import ScopedSandbox as ScopedSandbox
+    from cancellable_agents.toolsets.sandbox.toolset import SandboxTools as SandboxTools
+
+_EXPORTS = {
+    "COMMAND_TAG": "cancellable_agents.toolsets.sandbox.local.sandbox",
+    "DEFAULT_OUTPUT_LIMIT": "cancellable_agents.toolsets.sandbox.local.sandbox",
+    "LocalSandbox": "cancellable_agents.toolsets.sandbox.local.sandbox",
+    "BwrapSupport": "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
+    "bwrap_support": "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
+    "CommandResult": "cancellable_agents.toolsets.sandbox.protocol",
+    "Sandbox": "cancellable_agents.toolsets.sandbox.protocol",
+    "SandboxClosed": "cancellable_agents.toolsets.sandbox.protocol",
+    "SandboxError": "cancellable_agents.toolsets.sandbox.protocol",
+    "SandboxFiles": "cancellable_agents.toolsets.sandbox.protocol",
+    "SandboxPathError": "cancellable_agents.toolsets.sandbox.protocol",
+    "SandboxUnavailable": "cancellable_agents.toolsets.sandbox.protocol",
+    "ScopedSandbox": "cancellable_agents.toolsets.sandbox.protocol",
+    "EgressPolicy": "cancellable_agents.toolsets.sandbox.local.boundary.egress_policy",
+    "Limits": "cancellable_agents.toolsets.sandbox.local.boundary.limits",
+    "is_sensitive": "cancellable_agents.toolsets.sandbox.local.env",
+    "scrubbed_environment": "cancellable_agents.toolsets.sandbox.local.env",
+    "SandboxAttachment": "cancellable_agents.toolsets.sandbox.attach",
+    "attach_sandbox": "cancellable_agents.toolsets.sandbox.attach",
+    "SandboxToolset": "cancellable_agents.toolsets.sandbox.description",
+    "SandboxTools": "cancellable_agents.toolsets.sandbox.toolset",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

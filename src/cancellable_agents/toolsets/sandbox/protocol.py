@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from cancellable_agents.core.exceptions import CancellableAgentsError
+
 __all__ = [
     "CommandResult",
     "Sandbox",
@@ -25,8 +27,8 @@ __all__ = [
 ]
 
 
-class SandboxError(RuntimeError):
-    """Base class of the sandbox's errors."""
+class SandboxError(CancellableAgentsError, RuntimeError):
+    """Base class of the sandbox's errors (a :class:`CancellableAgentsError`)."""
 
 
 class SandboxUnavailable(SandboxError):

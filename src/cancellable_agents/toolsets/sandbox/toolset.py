@@ -1,4 +1,5 @@
-"""The agent's side of a sandbox: ``run_shell``, ``run_python`` and file tools on any backend."""
+"""The agent's side of a sandbox: ``run_shell``, ``run_python`` and file tools on any backend, as
+a pydantic-ai toolset (:class:`SandboxTools`; DAG files describe it with ``SandboxToolset``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from cancellable_agents.toolsets.sandbox.protocol import (
     SandboxPathError,
 )
 
-__all__ = ["SandboxToolset"]
+__all__ = ["SandboxTools"]
 
 T = TypeVar("T")
 
@@ -48,10 +49,12 @@ _SIGKILL_NOT_MEMORY = (
 )
 
 
-class SandboxToolset(FunctionToolset[Any]):
-    """Shell, Python and file tools for a pydantic-ai agent, run in any :class:`Sandbox` backend.
+class SandboxTools(FunctionToolset[Any]):
+    """Shell, Python and file tools for a pydantic-ai agent, run in any :class:`Sandbox` backend:
+    the toolset a :class:`~cancellable_agents.toolsets.sandbox.description.SandboxToolset` makes
+    when the task runs (its arguments are this class's).
 
-    ``Agent(model, toolsets=[SandboxToolset()])``. Without ``sandbox`` a :class:`LocalSandbox`
+    ``Agent(model, toolsets=[SandboxTools()])``. Without ``sandbox`` a :class:`LocalSandbox`
     (``isolation``, ``profile``, ``network``: ``True``, ``False`` or an egress allowlist,
     ``limits``) is created on first use and destroyed when the toolset is exited; a sandbox passed
     in belongs to the caller and is never destroyed here. Either way, every backend is attached
@@ -127,7 +130,7 @@ class SandboxToolset(FunctionToolset[Any]):
             self._attachment = None if scope is None else attach_sandbox(sandbox, scope)
             return self._attachment
 
-    async def __aenter__(self) -> SandboxToolset:
+    async def __aenter__(self) -> SandboxTools:
         self._entered += 1
         return self
 

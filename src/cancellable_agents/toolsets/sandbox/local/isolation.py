@@ -32,6 +32,7 @@ import threading
 import weakref
 from typing import Literal
 
+from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support, unavailable_message
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
@@ -49,11 +50,14 @@ Profile = Literal["boundary", "host"]
 
 def choose_mode(isolation: str, profile: str) -> Mode:
     """The mode for ``isolation`` and ``profile``; :class:`SandboxUnavailable` (saying how to
-    fix it) if ``"namespace"`` was required and cannot be had, ``ValueError`` for nonsense."""
+    fix it) if ``"namespace"`` was required and cannot be had, ``ConfigurationError`` (a
+    ``ValueError``) for nonsense."""
     if isolation not in ("auto", "namespace", "process-group"):
-        raise ValueError(f"isolation must be 'auto', 'namespace' or 'process-group', got {isolation!r}")
+        raise ConfigurationError(
+            f"isolation must be 'auto', 'namespace' or 'process-group', got {isolation!r}"
+        )
     if profile not in ("boundary", "host"):
-        raise ValueError(f"profile must be 'boundary' or 'host', got {profile!r}")
+        raise ConfigurationError(f"profile must be 'boundary' or 'host', got {profile!r}")
     if isolation == "process-group":
         return "process-group"
     support = bwrap_support()
@@ -100,7 +104,9 @@ def enforceable_egress(policy: bool | EgressPolicy, mode: Mode, profile: Profile
     if not isinstance(policy, EgressPolicy):
         return None
     if profile == "host":
-        raise ValueError("an egress allowlist needs profile='boundary' ('host' has the host's network)")
+        raise ConfigurationError(
+            "an egress allowlist needs profile='boundary' ('host' has the host's network)"
+        )
     if mode != "namespace":
         log.warning("LocalSandbox: process-group mode has the host's network: no egress allowlist")
         return None

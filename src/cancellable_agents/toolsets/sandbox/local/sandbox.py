@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
+from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.procs.proc import ProcKey, read_proc
@@ -136,9 +137,9 @@ class LocalSandbox:
         python: str | None = None,
     ) -> None:
         if stop_grace < 0:
-            raise ValueError(f"stop_grace must be >= 0 seconds, got {stop_grace!r}")
+            raise ConfigurationError(f"stop_grace must be >= 0 seconds, got {stop_grace!r}")
         if output_limit <= 0:
-            raise ValueError(f"output_limit must be a positive number of bytes, got {output_limit!r}")
+            raise ConfigurationError(f"output_limit must be a positive number of bytes, got {output_limit!r}")
         self.mode: Mode = choose_mode(isolation, profile)
         self.profile: Profile = profile
         policy = EgressPolicy.coerce(network)

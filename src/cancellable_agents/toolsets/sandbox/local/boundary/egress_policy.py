@@ -19,6 +19,8 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from cancellable_agents.core.exceptions import ConfigurationError
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 #: Resolves a host name to IP address strings (blocking; called on a worker thread).
@@ -48,7 +50,7 @@ class HostRule:
         if text.startswith("["):
             end = text.find("]")
             if end < 0:
-                raise ValueError(f"egress rule {entry!r}: unclosed '['")
+                raise ConfigurationError(f"egress rule {entry!r}: unclosed '['")
             host, rest = text[1:end], text[end + 1 :]
             if rest:
                 ports = _parse_ports(entry, rest.removeprefix(":"))
@@ -60,11 +62,11 @@ class HostRule:
             try:
                 name, address = canonical_host(host.removeprefix("*."))
             except ValueError:
-                raise ValueError(
+                raise ConfigurationError(
                     f"egress rule {entry!r}: not a host name, wildcard, address or network"
                 ) from None
             if address is not None and host.startswith("*."):
-                raise ValueError(f"egress rule {entry!r}: a wildcard over an address")
+                raise ConfigurationError(f"egress rule {entry!r}: a wildcard over an address")
             if address is not None:
                 network = ipaddress.ip_network(address)
             elif not host.startswith("*."):
@@ -98,7 +100,7 @@ def _parse_ports(entry: str, text: str) -> frozenset[int] | None:
     if text == "*":
         return None
     if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ValueError(f"egress rule {entry!r}: port must be 1-65535 or '*'")
+        raise ConfigurationError(f"egress rule {entry!r}: port must be 1-65535 or '*'")
     return frozenset({int(text)})
 
 

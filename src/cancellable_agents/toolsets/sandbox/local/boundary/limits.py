@@ -32,6 +32,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.once import Once
 
 __all__ = [
@@ -85,7 +86,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
             if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"Limits.{name} must be a positive int or None, got {value!r}")
+                raise ConfigurationError(f"Limits.{name} must be a positive int or None, got {value!r}")
 
     def prlimit_args(self) -> list[str]:
         """``prlimit`` options: soft = hard (the command cannot raise them), except the CPU time,
