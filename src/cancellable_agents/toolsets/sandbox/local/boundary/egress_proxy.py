@@ -85,6 +85,8 @@ LOG_WINDOW = 10.0
 TIMELINE_LIMIT = 100
 #: Connections served at once; more are answered 503 (each holds descriptors of the task process).
 MAX_CONNECTIONS = 256
+#: How long a connection past ``MAX_CONNECTIONS`` may take to send its request head before its 503.
+CROWDED_HEAD_WAIT = 1.0
 #: How long closing the proxy waits for its thread.
 CLOSE_TIMEOUT = 2.0
 CHUNK = 64 * 1024
@@ -211,6 +213,7 @@ class EgressProxy:
             crowded = self._open > MAX_CONNECTIONS
         try:
             if crowded:
+                await _read_head_briefly(reader)
                 writer.write(_refusal(_Refused(503, f"more than {MAX_CONNECTIONS} connections at once")))
                 await writer.drain()
             else:
@@ -342,6 +345,13 @@ def _address(host: str) -> IPAddress | None:
 def _system_resolver(host: str) -> list[str]:
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+async def _read_head_briefly(reader: asyncio.StreamReader) -> None:
+    """Take the request before answering it, as HTTP has it: answered and closed while it still
+    wrote its request, a client gets EPIPE instead of the answer (seen under load)."""
+    with contextlib.suppress(asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CROWDED_HEAD_WAIT)
 
 
 def _refusal(refused: _Refused) -> bytes:
