@@ -69,6 +69,7 @@ ROWS = (
     Row("BashOperator", "bash_operator.py", "parse_cost_bash"),
     Row("ours: AgentOperator + SandboxToolset", "agent_operator.py", "parse_cost_agent"),
     Row("ours: LLMOperator", "llm_operator.py", "parse_cost_llm"),
+    Row("TaskFlow: two plain @task", "taskflow.py", "parse_cost_taskflow"),
     Row("ours: @task.agent + @task.llm", "task_decorators.py", "parse_cost_decorators"),
     Row("common.ai: AgentOperator", "common_ai_agent.py", "parse_cost_common_ai_agent", common_ai=True),
 )
