@@ -63,13 +63,13 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and li
     from cancellable_agents.durable.options import DurableOptions as DurableOptions
     from cancellable_agents.operators.agent import AgentOperator as AgentOperator
     from cancellable_agents.operators.llm import LLMOperator as LLMOperator
+    from cancellable_agents.toolsets.delegation import Subagent as Subagent
+    from cancellable_agents.toolsets.delegation import SubagentToolset as SubagentToolset
     from cancellable_agents.toolsets.sandbox import EgressPolicy as EgressPolicy
     from cancellable_agents.toolsets.sandbox import Limits as Limits
     from cancellable_agents.toolsets.sandbox import LocalSandbox as LocalSandbox
     from cancellable_agents.toolsets.sandbox import SandboxToolset as SandboxToolset
     from cancellable_agents.toolsets.sandbox import attach_sandbox as attach_sandbox
-    from cancellable_agents.toolsets.subagents import Subagent as Subagent
-    from cancellable_agents.toolsets.subagents import SubagentToolset as SubagentToolset
 
 __version__ = "0.1.0"
 
@@ -96,8 +96,8 @@ _EXPORTS = {
     "Limits": "cancellable_agents.toolsets.sandbox",
     "EgressPolicy": "cancellable_agents.toolsets.sandbox",
     "attach_sandbox": "cancellable_agents.toolsets.sandbox",
-    "SubagentToolset": "cancellable_agents.toolsets.subagents",
-    "Subagent": "cancellable_agents.toolsets.subagents",
+    "SubagentToolset": "cancellable_agents.toolsets.delegation",
+    "Subagent": "cancellable_agents.toolsets.delegation",
 }
 
 __all__ = sorted(_EXPORTS)

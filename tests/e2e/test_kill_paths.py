@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.airflow.mixin import CancellableAgentMixin
+from cancellable_agents.airflow.config import OPTIONS
 from cancellable_agents.core.report import RetryOutlook, unwound_ms
 from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv, KilledRuns
 from tests.e2e.dags.kill_paths import EXECUTION_TIMEOUT_S
@@ -34,7 +34,7 @@ BUDGET_MS = 5000.0
 #: keeps its own bound, the 5 s grace.
 HEARTBEAT_S = 5.0
 HEARTBEATS_ALLOWED = 3
-TIMEOUT_MARGIN_S = CancellableAgentMixin.timeout_margin
+TIMEOUT_MARGIN_S = OPTIONS["timeout_margin"].default  # the deployment default the DAGs leave unset
 
 
 @pytest.fixture(scope="module")

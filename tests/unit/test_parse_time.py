@@ -5,9 +5,9 @@ parse; everything else is imported again in every child (DESIGN.md §4d). A fres
 does the same: it pre-imports what Airflow's ``iter_airflow_imports`` finds in the file, then runs
 the file and lists the heavy modules the run added. ``make bench-parse`` measures the CPU.
 
-``SandboxToolset`` is a light description (made into its pydantic-ai toolset when the task runs),
-so the file builds one too. ``SubagentToolset`` takes pydantic-ai agents: a DAG file that builds
-those has chosen the import, and is not checked here.
+``SandboxToolset`` and ``SubagentToolset`` are light descriptions (made into their pydantic-ai
+toolsets when the task runs), and so is a ``Subagent`` described by its instructions and toolsets:
+the file builds them too. (A DAG file that builds a pydantic-ai ``Agent`` has chosen that import.)
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ RUN_TIME_ONLY = (
     "cancellable_agents.durable.steps",
     "cancellable_agents.hooks.model",
     "cancellable_agents.toolsets.sandbox.toolset",
+    "cancellable_agents.toolsets.subagents",
     "cancellable_agents.toolsets.sandbox.local.sandbox",
     "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
     "cancellable_agents.toolsets.sandbox.local.boundary.seccomp",
@@ -66,7 +67,7 @@ from airflow.sdk import DAG, task
 
 from cancellable_agents import (
     AgentOperator, CancellationAwareRetryPolicy, DurableOptions, EgressPolicy, Limits, LLMOperator,
-    SandboxToolset,
+    SandboxToolset, Subagent, SubagentToolset,
 )
 
 
@@ -81,7 +82,10 @@ with DAG(dag_id="parse_light", schedule=None, start_date=datetime(2026, 1, 1), c
     AgentOperator(
         task_id="agent", prompt="hi", llm_conn_id="openai_default", tools=[lookup],
         durable=DurableOptions(flush_after=0), execution_timeout=timedelta(minutes=5), stream=True,
-        toolsets=[SandboxToolset(network=EgressPolicy(["api.github.com"]), limits=Limits(max_processes=64))],
+        toolsets=[
+            SandboxToolset(network=EgressPolicy(["api.github.com"]), limits=Limits(max_processes=64)),
+            SubagentToolset([Subagent("helper", instructions="Help.", toolsets=[SandboxToolset()])]),
+        ],
     )
 
     @task.llm(model="test")

@@ -37,12 +37,8 @@ from cancellable_agents.core.scope import Outcome, TaskCancellation, current_can
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
-from cancellable_agents.toolsets.subagents import (
-    Subagent,
-    SubagentToolset,
-    run_subagent,
-    run_subagent_sync,
-)
+from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
+from cancellable_agents.toolsets.subagents import run_subagent, run_subagent_sync
 from tests.unit.scopes import cancel_when
 
 #: Each level's toolset teardown in the depth tests (seconds).
@@ -608,7 +604,7 @@ def test_a_sub_agent_without_a_model_runs_on_its_parents() -> None:
 
     from cancellable_agents.core.scope import TaskCancellation
     from cancellable_agents.run.runner import run_agent_in_scope
-    from cancellable_agents.toolsets.subagents import SubagentToolset
+    from cancellable_agents.toolsets.delegation import SubagentToolset
 
     seen: list[str] = []
 
@@ -625,3 +621,38 @@ def test_a_sub_agent_without_a_model_runs_on_its_parents() -> None:
     result = run_agent_in_scope(TaskCancellation(), parent, "start")
     assert result.output == "parent done"
     assert "do the task" in seen
+
+
+def test_a_described_sub_agent_is_made_when_first_asked_and_runs_on_its_parents_model() -> None:
+    """``Subagent(name, instructions=..., tools=...)`` costs a DAG file nothing; the task makes
+    the ``Agent`` when the child is first asked, with its parent's model where it names none."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import FunctionModel
+
+    from cancellable_agents.core.scope import TaskCancellation
+    from cancellable_agents.run.runner import run_agent_in_scope
+
+    counted: list[int] = []
+
+    def count(n: int) -> str:
+        """Count to n."""
+        counted.append(n)
+        return "counted"
+
+    def model(messages: Any, info: Any) -> ModelResponse:
+        first = messages[0].parts[-1].content
+        if first == "count to 3":  # the child's run, on the parent's model
+            if len(messages) == 1:
+                assert info.instructions == "You count.", info.instructions
+                return ModelResponse(parts=[ToolCallPart("count", {"n": 3})])
+            return ModelResponse(parts=[TextPart("child counted")])
+        if len(messages) == 1:
+            return ModelResponse(parts=[ToolCallPart("delegate", {"agent": "counter", "task": "count to 3"})])
+        return ModelResponse(parts=[TextPart("parent done")])
+
+    counter = Subagent("counter", instructions="You count.", tools=[count])
+    toolset = SubagentToolset([counter])
+    result = run_agent_in_scope(TaskCancellation(), Agent(FunctionModel(model), toolsets=[toolset]), "start")
+    assert (result.output, counted) == ("parent done", [3])
+    assert counter.the_agent() is counter.the_agent(), "made once"

@@ -44,7 +44,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic_ai import ModelRetry, RunContext
@@ -54,47 +53,23 @@ from pydantic_ai.toolsets import FunctionToolset
 from pydantic_ai.usage import RunUsage
 
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
+from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.usage import usage_dict
 from cancellable_agents.run.runner import run_agent_in_scope_async
 from cancellable_agents.run.tracker import RunTracker, current_run_tracker
+from cancellable_agents.toolsets.delegation import Subagent, by_name
 
-__all__ = ["Subagent", "SubagentToolset", "run_subagent", "run_subagent_sync"]
+__all__ = ["SubagentTools", "run_subagent", "run_subagent_sync"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Subagent:
-    """One named sub-agent of a :class:`SubagentToolset`.
-
-    :param name: what the model passes as ``agent`` (also the child scope's name in the record).
-    :param agent: any pydantic-ai agent (with its own tools, toolsets, model, instructions).
-    :param description: when to use it; shown to the model in the tool description.
-    :param stream: request streamed model responses (a cancel then closes a live stream).
-    :param run_kwargs: extra arguments for ``agent.run`` (``model_settings``, ``usage_limits``,
-        ``deps``, ``timeout`` ...). A ``timeout`` here is the child's own deadline: when it
-        passes, the child ends as ``TIMEOUT`` and, like any child cancellation, stops the parent.
-    """
-
-    name: str
-    agent: AbstractAgent[Any, Any]
-    description: str = ""
-    stream: bool = False
-    run_kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the child's run."""
-        kwargs = dict(self.run_kwargs)
-        if self.stream:
-            kwargs.setdefault("event_stream_handler", _drain_events)
-        return kwargs
-
-
-class SubagentToolset(FunctionToolset[Any]):
-    """A ``delegate(agent, task) -> str`` tool that runs named sub-agents under child scopes.
+class SubagentTools(FunctionToolset[Any]):
+    """A ``delegate(agent, task) -> str`` tool that runs named sub-agents under child scopes: the
+    pydantic-ai toolset a :class:`~cancellable_agents.toolsets.delegation.SubagentToolset` makes
+    when the task runs (same arguments).
 
     :param agents: ``{"name": agent}`` or a sequence of :class:`Subagent` (names must be unique).
     :param tool_name: the tool's name (default ``delegate``).
@@ -116,14 +91,14 @@ class SubagentToolset(FunctionToolset[Any]):
         id: str | None = None,
     ) -> None:
         super().__init__(id=id)
-        self.subagents = _by_name(agents)
+        self.subagents = by_name(agents)
         self.tool_name = tool_name
         self.threaded = threaded
         self.add_function(
             self._tool_function(), name=tool_name, description=self._description(), takes_ctx=True
         )
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> SubagentToolset:
+    def __deepcopy__(self, memo: dict[int, Any]) -> SubagentTools:
         return type(self)(
             list(self.subagents.values()), tool_name=self.tool_name, threaded=self.threaded, id=self.id
         )
@@ -138,14 +113,14 @@ class SubagentToolset(FunctionToolset[Any]):
         """
         sub = self._get(agent)
         kwargs = _with_fallback_model(sub, model)
-        result = await run_subagent(sub.agent, task, name=sub.name, parent_usage=usage, **kwargs)
+        result = await run_subagent(sub.the_agent(), task, name=sub.name, parent_usage=usage, **kwargs)
         return _as_text(result.output)
 
     def ask_sync(self, agent: str, task: str, *, usage: RunUsage | None = None, model: Any = None) -> str:
         """Run sub-agent ``agent`` on ``task`` from this thread and return its output as text."""
         sub = self._get(agent)
         kwargs = _with_fallback_model(sub, model)
-        result = run_subagent_sync(sub.agent, task, name=sub.name, parent_usage=usage, **kwargs)
+        result = run_subagent_sync(sub.the_agent(), task, name=sub.name, parent_usage=usage, **kwargs)
         return _as_text(result.output)
 
     def _get(self, name: str) -> Subagent:
@@ -386,28 +361,6 @@ def _transcript(messages: list[ModelMessage]) -> list[Any]:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _by_name(agents: Mapping[str, AbstractAgent[Any, Any]] | Sequence[Subagent]) -> dict[str, Subagent]:
-    subs = (
-        [Subagent(name, agent) for name, agent in agents.items()]
-        if isinstance(agents, Mapping)
-        else list(agents)
-    )
-    if not subs:
-        raise ConfigurationError(
-            "SubagentToolset needs at least one sub-agent, e.g. SubagentToolset({'helper': agent})."
-        )
-    by_name: dict[str, Subagent] = {}
-    for sub in subs:
-        if not isinstance(sub, Subagent):
-            raise TypeError(f"expected Subagent(name, agent) items, got {sub!r}")
-        if not sub.name or sub.name in by_name:
-            raise ConfigurationError(
-                f"sub-agent names must be unique and non-empty, got {sub.name!r} twice or empty"
-            )
-        by_name[sub.name] = sub
-    return by_name
-
-
 def _agent_name(agent: AbstractAgent[Any, Any]) -> str:
     return getattr(agent, "name", None) or "subagent"
 
@@ -415,9 +368,17 @@ def _agent_name(agent: AbstractAgent[Any, Any]) -> str:
 def _with_fallback_model(sub: Subagent, parent_model: Any) -> dict[str, Any]:
     """A sub-agent built without a model (``Agent(None, ...)``) runs on its parent's, so it can
     use the task's connection instead of needing one of its own."""
-    kwargs = sub.kwargs()
-    if parent_model is not None and getattr(sub.agent, "model", None) is None and "model" not in kwargs:
+    kwargs = _run_kwargs(sub)
+    if parent_model is not None and getattr(sub.the_agent(), "model", None) is None and "model" not in kwargs:
         kwargs["model"] = parent_model
+    return kwargs
+
+
+def _run_kwargs(sub: Subagent) -> dict[str, Any]:
+    """Keyword arguments for the child's run."""
+    kwargs = dict(sub.run_kwargs)
+    if sub.stream:
+        kwargs.setdefault("event_stream_handler", _drain_events)
     return kwargs
 
 

@@ -27,7 +27,7 @@ from pydantic_ai.toolsets import FunctionToolset
 from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, current_cancellation
 from cancellable_agents.core.unwind import Phase
 from cancellable_agents.hooks.model import build_model
-from cancellable_agents.toolsets.subagents import Subagent, SubagentToolset
+from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
 
 _FD = int(os.environ["SCENARIO_EVENTS_FD"])
 CONN = "local_model"
