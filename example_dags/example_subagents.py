@@ -15,24 +15,27 @@ import os
 from datetime import datetime, timedelta
 
 from airflow.sdk import DAG
-from pydantic_ai import Agent
 
 from cancellable_agents import AgentOperator, SandboxToolset, Subagent, SubagentToolset
 
 LLM_CONN_ID = os.environ.get("CANCELLABLE_AGENTS_CONN")
 MODEL = None if LLM_CONN_ID else "test"
 
-# Sub-agents built without a model (``Agent(None, ...)``) run on the lead's: the task's connection.
-researcher = Agent(
-    None,
-    instructions="Find facts by running commands in your sandbox. Report only what you saw.",
-    toolsets=[SandboxToolset(command_timeout=60)],
-)
-writer = Agent(None, instructions="Turn notes into a five-line report for engineers.")
+# Described, not built: the task makes each sub-agent when it is first asked (a parse of this file
+# imports no pydantic-ai), on the lead's model, the task's connection, as they name none.
 team = SubagentToolset(
     [
-        Subagent("researcher", researcher, description="runs shell commands to find facts"),
-        Subagent("writer", writer, description="writes the final report from notes"),
+        Subagent(
+            "researcher",
+            instructions="Find facts by running commands in your sandbox. Report only what you saw.",
+            toolsets=[SandboxToolset(command_timeout=60)],
+            description="runs shell commands to find facts",
+        ),
+        Subagent(
+            "writer",
+            instructions="Turn notes into a five-line report for engineers.",
+            description="writes the final report from notes",
+        ),
     ]
 )
 
