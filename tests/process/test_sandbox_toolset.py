@@ -77,3 +77,19 @@ def test_toolset_rejects_escaping_paths_and_keeps_a_sandbox_it_was_given(tmp_pat
     assert box.workdir.exists(), "a sandbox passed in belongs to the caller"
     assert box.run("echo still usable").ok
     box.destroy()
+
+
+def test_a_described_toolset_makes_its_sandbox_in_the_workdir_with_the_env_it_names(tmp_path: Path) -> None:
+    """What a DAG file would otherwise build a ``LocalSandbox`` for (a workdir, variables) is a
+    description's argument: the task makes the sandbox there, and leaves a workdir it was given."""
+    seen: list[Any] = []
+    workdir = tmp_path / "checkout"
+    workdir.mkdir()
+    (workdir / "README").write_text("kept\n")
+    toolset = SandboxToolset(isolation="process-group", workdir=workdir, env={"REPORT_LEVEL": "brief"})
+    calls = [ToolCallPart("run_shell", {"command": "cat README; echo $REPORT_LEVEL; touch made"})]
+    agent = Agent(_scripted(calls, seen), toolsets=[toolset])
+    result = run_agent_in_scope(TaskCancellation("t"), agent, "go")
+    assert result.output == "done"
+    assert seen[0]["stdout"] == "kept\nbrief\n", seen
+    assert (workdir / "made").exists() and (workdir / "README").read_text() == "kept\n", "a given workdir stays"

@@ -7,7 +7,8 @@ task runs. The network setting is checked here, so a bad egress rule fails the D
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.toolsets.description import ToolsetDescription
@@ -39,6 +40,9 @@ class SandboxToolset(ToolsetDescription):
     :param command_timeout: seconds a command may run (a tool call may ask for less). Default 60.
     :param output_limit: bytes of a command's output the model gets. Default: the sandbox's.
     :param id: the toolset's id (pydantic-ai durable execution needs one).
+    :param workdir: the local sandbox's working directory (default: a temporary one, removed with
+        the sandbox); ``LocalSandbox``'s ``workdir``.
+    :param env: variables added to the commands' environment (``LocalSandbox``'s ``env``).
     """
 
     toolset_class = "cancellable_agents.toolsets.sandbox.toolset:SandboxTools"
@@ -54,6 +58,8 @@ class SandboxToolset(ToolsetDescription):
         command_timeout: float = 60,
         output_limit: int | None = None,
         id: str | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         kwargs: dict[str, Any] = {
             "isolation": isolation,
@@ -62,6 +68,8 @@ class SandboxToolset(ToolsetDescription):
             "limits": limits,
             "command_timeout": command_timeout,
             "id": id,
+            "workdir": workdir,
+            "env": env,
         }
         if output_limit is not None:
             kwargs["output_limit"] = output_limit

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import os
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic_ai import ModelRetry
@@ -80,8 +81,12 @@ class SandboxTools(FunctionToolset[Any]):
         command_timeout: float = 60,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         id: str | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(id=id)
+        self._workdir = workdir
+        self._env = env
         self._sandbox = sandbox
         self._owned = False
         self._isolation = isolation
@@ -109,6 +114,8 @@ class SandboxTools(FunctionToolset[Any]):
         with self._lock:
             if self._sandbox is None:
                 self._sandbox = LocalSandbox(
+                    self._workdir,
+                    env=self._env,
                     isolation=self._isolation,
                     profile=self._profile,
                     network=self._network,
