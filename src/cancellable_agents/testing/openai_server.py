@@ -17,6 +17,10 @@ Other endpoints: ``GET /health`` (``ok``) and ``GET /v1/models``.
 
 Run it as a process with ``python -m cancellable_agents.testing.openai_server [--host H] [--port P]``: it
 prints ``READY <base_url>`` on stdout (flushed) and serves until SIGTERM or SIGINT.
+
+One module of ~500 lines on purpose: it runs as a script in processes that import nothing else
+of the package, and the handler, its streaming and its disconnect polling share one request's
+state; the answers' grammar, which does not, lives in ``scripts``.
 """
 
 from __future__ import annotations
