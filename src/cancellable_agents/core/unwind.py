@@ -16,10 +16,23 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from cancellable_agents.core.scope import TaskCancellation
+
+class ReleasingScope(Protocol):
+    """What releasing needs of the scope it releases for (``TaskCancellation`` is one): its
+    clock and remaining budget, and where to record what happened."""
+
+    name: str
+
+    def now(self) -> float: ...
+
+    def remaining(self) -> float: ...
+
+    def record(self, event: str, **detail: Any) -> Any: ...
+
+    def note_straggler(self, name: str, thread: threading.Thread | None = None) -> None: ...
+
 
 #: Airflow gives a killed task 5 s before SIGKILL; keep a margin for logging and exit.
 DEFAULT_BUDGET = 4.0
@@ -50,14 +63,14 @@ class Resource:
     released: bool = False  # guarded by the owning scope's _lock; claimed once
 
 
-def release_phases(scope: TaskCancellation, resources: Iterable[Resource]) -> None:
+def release_phases(scope: ReleasingScope, resources: Iterable[Resource]) -> None:
     """Release ``resources`` phase by phase; within a phase concurrently, never past the budget."""
     pending = list(resources)
     for phase in Phase:
         release_together(scope, [r for r in pending if r.phase is phase])
 
 
-def release_together(scope: TaskCancellation, resources: list[Resource]) -> None:
+def release_together(scope: ReleasingScope, resources: list[Resource]) -> None:
     """Release ``resources`` concurrently and wait for them until the scope's budget runs out."""
     workers = []
     for resource in resources:
@@ -72,7 +85,7 @@ def release_together(scope: TaskCancellation, resources: list[Resource]) -> None
             scope.note_straggler(f"resource {resource.name!r}", worker)
 
 
-def _release_one(scope: TaskCancellation, resource: Resource) -> None:
+def _release_one(scope: ReleasingScope, resource: Resource) -> None:
     started = scope.now()
     try:
         result = resource.cleanup()
