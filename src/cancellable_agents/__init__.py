@@ -14,8 +14,9 @@ Where each idea lives. Layers, lowest first: each imports only its own and those
 - ``durable/``: the continuity record (``durable=True``): ``record`` (format, hash chain, checks),
   ``fingerprint``, ``usage`` (per try), ``reasons``, ``resume`` (what a resumed run tells its
   tools), ``capability`` (the pydantic-ai hook), ``stores``, ``journal`` (the policy).
-- ``run/``: the pydantic-ai binding: ``tracker`` (in-flight tools, tool threads, model requests)
-  and ``runner`` (an agent run under a scope: in-flight work stopped before teardown; a durable
+- ``run/``: the pydantic-ai binding: ``tracker`` (in-flight tools, tool threads, model requests,
+  the tool call in progress), ``tool_calls`` (idempotency keys: ``ToolCall``; light) and
+  ``runner`` (an agent run under a scope: in-flight work stopped before teardown; a durable
   run's journal attached, stepped and ended in one place).
 - ``toolsets/``: ``sandbox/`` (the protocol, ``attach_sandbox`` and the toolset, for any
   backend; ``local/``, the local backend: one command's process tree, isolation modes, workdirs,
@@ -63,6 +64,9 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and li
     from cancellable_agents.durable.options import DurableOptions as DurableOptions
     from cancellable_agents.operators.agent import AgentOperator as AgentOperator
     from cancellable_agents.operators.llm import LLMOperator as LLMOperator
+    from cancellable_agents.run.tool_calls import ToolCall as ToolCall
+    from cancellable_agents.run.tool_calls import current_tool_call as current_tool_call
+    from cancellable_agents.run.tool_calls import idempotency_headers as idempotency_headers
     from cancellable_agents.toolsets.delegation import Subagent as Subagent
     from cancellable_agents.toolsets.delegation import SubagentToolset as SubagentToolset
     from cancellable_agents.toolsets.sandbox import EgressPolicy as EgressPolicy
@@ -86,6 +90,9 @@ _EXPORTS = {
     "ConfigurationError": "cancellable_agents.core.exceptions",
     "TaskCancelled": "cancellable_agents.core.exceptions",
     "DurableOptions": "cancellable_agents.durable.options",
+    "ToolCall": "cancellable_agents.run.tool_calls",
+    "current_tool_call": "cancellable_agents.run.tool_calls",
+    "idempotency_headers": "cancellable_agents.run.tool_calls",
     "CancellableAgentMixin": "cancellable_agents.airflow.mixin",
     "cancellation_of": "cancellable_agents.airflow.task_try",
     "CancellationAwareRetryPolicy": "cancellable_agents.airflow.retry",

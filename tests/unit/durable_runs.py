@@ -18,6 +18,7 @@ from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.durable import Journal, MemoryStore, current_resume
 from cancellable_agents.durable.record import KEY_PREFIX
 from cancellable_agents.run.runner import run_agent_in_scope
+from cancellable_agents.run.tool_calls import ToolCall, current_tool_call
 
 STEPS = 6
 
@@ -57,10 +58,12 @@ class Snapshots(MemoryStore):
 
 @dataclass
 class Task:
-    """One agent whose tool records each call (and whether it was a re-run)."""
+    """One agent whose tool records each call (and whether it was a re-run), and the
+    :class:`ToolCall` each saw (``seen``)."""
 
     script: Script = field(default_factory=Script)
     calls: list[tuple[int, bool]] = field(default_factory=list)
+    seen: list[ToolCall | None] = field(default_factory=list)
     on_call: Callable[[int], None] | None = None
     prompt: str = "do six steps"
 
@@ -73,6 +76,7 @@ class Task:
         def step(ctx: RunContext[None], n: int) -> str:
             resume = current_resume()
             self.calls.append((n, bool(resume and resume.is_rerun(ctx.tool_call_id))))
+            self.seen.append(current_tool_call())
             if self.on_call is not None:
                 self.on_call(n)
             return f"step {n} ok"

@@ -182,6 +182,27 @@ def test_a_kill_while_the_approved_tool_runs_resumes_with_the_recorded_answer() 
     assert (task.script.requests, task.ran("lookup")) == (2, 1)
 
 
+def test_an_answer_for_other_arguments_asks_again_and_one_for_these_goes_on() -> None:
+    """An approval is bound to the arguments the reviewer saw: if the run would make the call
+    (same tool call id) with others, nothing runs and the run asks again, with its own."""
+    task = Task()
+    first = task.execute(1)
+    assert isinstance(first, ApprovalRequest)
+    elsewhere = {"c2": Decision(True, args={"to": "everyone@example.com"})}
+    again = task.execute(1, elsewhere)
+    assert again == first, "asked again, with the arguments the run would call with"
+    assert (task.script.requests, task.ran("send")) == (1, 0)
+    bound = task.execute(1, {"c2": Decision(True, args={"to": "board@example.com"})})
+    assert isinstance(bound, ApprovalRequest) and [c.tool_name for c in bound.calls] == ["pay"]
+    assert task.runs[-1] == ("send", {"to": "board@example.com"}, False)
+
+
+def test_a_decision_keeps_the_arguments_it_answered_through_the_record() -> None:
+    decision = Decision(True, args={"to": "board@example.com"})
+    assert Decision.from_dict(decision.as_dict()) == decision
+    assert Decision.from_dict({"approved": False}) == Decision(False)
+
+
 def test_a_cleared_waiting_task_starts_fresh() -> None:
     task = Task()
     scope = TaskCancellation("try1")

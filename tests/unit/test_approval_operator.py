@@ -155,6 +155,7 @@ def test_arguments_from_a_form_made_for_an_earlier_call_are_not_applied() -> Non
         {"chosen_options": ["Approve"], "params_input": stale}, request
     ).values()
     assert decision.approved and decision.override_args is None
+    assert decision.args == {"n": 2}, "bound to the arguments of the call the reviewer was shown"
 
 
 def test_a_rejection_and_a_timeout_become_decisions() -> None:

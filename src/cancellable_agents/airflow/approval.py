@@ -138,11 +138,12 @@ def decisions_from_event(event: dict[str, Any], request: ApprovalRequest) -> dic
             c.tool_call_id: Decision(
                 True,
                 override_args=edited if len(request.calls) == 1 and edited and edited != c.args else None,
+                args=c.args,
             )
             for c in request.calls
         }
     message = params.get("message") or _rejection(event)
-    return {c.tool_call_id: Decision(False, message) for c in request.calls}
+    return {c.tool_call_id: Decision(False, message, args=c.args) for c in request.calls}
 
 
 def _form_of(request: ApprovalRequest, params: dict[str, Any]) -> bool:

@@ -191,13 +191,16 @@ class CancellableAgentMixin:
             run_kwargs["timeout"] = deadline
         if (spans := genai_spans_capability(self.genai_spans)) is not None:
             run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), spans]
+        journal = self._journal(task_try)
+        run_key = journal.run_key if journal is not None else task_try.next_run_key()
         # The runner ends the journal, and logs the kill record (on_cancelled) before its end is written.
         result = run_agent_in_scope(
             task_try.scope,
             agent,
             user_prompt,
-            journal=self._journal(task_try),
+            journal=journal,
             on_cancelled=self._log_record,
+            identity=task_try.run_identity(run_key),
             **run_kwargs,
         )
         emit_run_completed(task_try, getattr(result, "usage", None))

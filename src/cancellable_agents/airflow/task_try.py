@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from cancellable_agents.core.scope import TaskCancellation
     from cancellable_agents.durable.approval import ApprovalRequest, Decision
     from cancellable_agents.procs.reaper import DescendantReaper
+    from cancellable_agents.run.tool_calls import RunIdentity
 
 log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the task log has always named
 
@@ -57,7 +58,7 @@ class TaskTry:
     supervisor_watch: SupervisorWatch | None = None
     #: After a pause for approval: the paused request and the reviewer's decisions.
     approval: tuple[ApprovalRequest, dict[str, Decision]] | None = None
-    #: ``run_agent_sync`` calls made so far under ``durable=True``: each run's key in the record.
+    #: ``run_agent_sync`` calls made so far: each run's key (under ``durable=True``, in the record).
     durable_runs: int = 0
     #: The kill record is written once per try.
     record_logged: bool = False
@@ -119,6 +120,15 @@ class TaskTry:
         run_key = str(self.durable_runs)
         self.durable_runs += 1
         return run_key
+
+    def run_identity(self, run_key: str) -> RunIdentity:
+        """Who the agent run ``run_key`` of this try is, for its tool calls' idempotency keys: this
+        task instance, the run's order in ``execute``, and this try (a durable run's journal puts
+        the try its resumed record began in instead)."""
+        from cancellable_agents.run.tool_calls import RunIdentity
+
+        try_number = getattr(self.ti, "try_number", None)
+        return RunIdentity(self.key, run_key, try_number if isinstance(try_number, int) else 0)
 
     def answers_for(self, run_key: str) -> dict[str, Decision] | None:
         """The reviewer's decisions if this execution resumes run ``run_key`` after its pause."""

@@ -89,19 +89,40 @@ class ApprovalRequest:
 @dataclass(frozen=True)
 class Decision:
     """A reviewer's answer to one call: run it (with ``override_args`` instead of the model's, if
-    given), or not, the model then being told ``message``."""
+    given), or not, the model then being told ``message``.
+
+    ``args``: the call's arguments as the reviewer saw them. An answer is bound to them: a run
+    whose pending call (same tool call id) has other arguments is asked again
+    (:meth:`answers`), never handed a consent given for another call. ``None``: not bound (a
+    decision made in code, which knows what it answers).
+    """
 
     approved: bool
     message: str | None = None
     override_args: dict[str, Any] | None = None
+    args: dict[str, Any] | None = None
+
+    def answers(self, call: PendingCall) -> bool:
+        """Whether this decision was made for ``call`` as it stands (its arguments unchanged)."""
+        return self.args is None or self.args == call.args
 
     def as_dict(self) -> dict[str, Any]:
-        return {"approved": self.approved, "message": self.message, "override_args": self.override_args}
+        return {
+            "approved": self.approved,
+            "message": self.message,
+            "override_args": self.override_args,
+            "args": self.args,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Decision:
-        override = data.get("override_args")
-        return cls(bool(data["approved"]), data.get("message"), dict(override) if override else None)
+        override, args = data.get("override_args"), data.get("args")
+        return cls(
+            bool(data["approved"]),
+            data.get("message"),
+            dict(override) if override else None,
+            dict(args) if args is not None else None,
+        )
 
     def as_result(self) -> ToolApproved | ToolDenied:
         from pydantic_ai import ToolApproved, ToolDenied

@@ -130,6 +130,8 @@ class Journal:
     _end: dict[str, Any] | None = None  # the end :meth:`cancelled` noted for :meth:`write_end`
     #: This try's usage before an approval pause it continues (added to the run's own).
     _paused: TryUsage | None = None
+    #: The try the resumed record began in (``None``: this try's run begins its own).
+    _origin: int | None = None
 
     def __post_init__(self) -> None:
         self._appender = Appender(
@@ -150,6 +152,13 @@ class Journal:
     @property
     def key(self) -> str:
         return f"{KEY_PREFIX}.{self.run_key}"
+
+    @property
+    def origin_try(self) -> int:
+        """The try whose run began the transcript this try continues: the first segment of a
+        resumed record, else this try (a fresh start begins a new transcript). The run's tool
+        calls derive their idempotency keys from it, so a resumed call keeps its key."""
+        return self.try_number if self._origin is None else self._origin
 
     @property
     def fresh_start(self) -> FreshStart | None:
@@ -189,7 +198,7 @@ class Journal:
             raise
         except Exception as exc:
             # Whatever was decided before the store failed is void: this try runs fresh.
-            self.resume, self._fresh = None, FreshStart.STORE_ERROR
+            self.resume, self._fresh, self._origin = None, FreshStart.STORE_ERROR, None
             self._appender.turn_off(f"the record could not be read or written ({exc!r})")
             self._attach_facts()
             return user_prompt, run_kwargs
@@ -218,6 +227,7 @@ class Journal:
             self._appender.take_over(fp, self.clear_count, self.earlier, None)
             return
         self.resume, self.earlier, self._paused = plan.info, plan.earlier, plan.paused
+        self._origin = plan.record.segments[0][0]
         self._appender.take_over(fp, self.clear_count, self.earlier, plan.record)
 
     def _answered(self, plan: StartFresh | Resume) -> dict[str, Decision] | None:

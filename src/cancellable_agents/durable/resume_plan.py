@@ -52,6 +52,8 @@ class Approval:
     new: bool = False
     #: Tool names of the pending calls the given answers leave undecided (the run cannot go on).
     undecided: tuple[str, ...] = ()
+    #: Tool names of the pending calls whose given answer was for other arguments: asked again.
+    stale: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,12 @@ def announce(plan: StartFresh | Resume) -> None:
 
 
 def _announce_resume(plan: Resume) -> None:
+    if plan.approval is not None and plan.approval.stale:
+        log.warning(
+            "durable: the answer given was for other arguments of %s than the run would call "
+            "them with; asking again",
+            list(plan.approval.stale),
+        )
     if plan.alive_age is not None:
         log.warning(
             "durable: try %s wrote no end and its last step is %.0f s old: it may still be running. "
@@ -192,6 +200,13 @@ def _approval(
         return Approval(request, recorded)
     if answers is None:
         return Approval(request, None)
+    stale = tuple(
+        c.tool_name
+        for c in request.calls
+        if c.tool_call_id in answers and not answers[c.tool_call_id].answers(c)
+    )
+    if stale:  # the reviewer consented to other arguments than the run would call with
+        return Approval(request, None, stale=stale)
     decisions = {c.tool_call_id: answers[c.tool_call_id] for c in request.calls if c.tool_call_id in answers}
     undecided = tuple(c.tool_name for c in request.calls if c.tool_call_id not in decisions)
     return Approval(request, decisions, new=True, undecided=undecided)

@@ -26,6 +26,7 @@ from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
 from cancellable_agents.durable.approval import AwaitingApproval
+from cancellable_agents.run.tool_calls import RunIdentity, run_identity
 
 if TYPE_CHECKING:
     from cancellable_agents.durable.journal import Journal
@@ -51,14 +52,20 @@ class _ScopedRun:
 
     @classmethod
     def start(
-        cls, scope: TaskCancellation, tracker: RunTracker | None, run_kwargs: dict[str, Any]
+        cls,
+        scope: TaskCancellation,
+        tracker: RunTracker | None,
+        run_kwargs: dict[str, Any],
+        identity: RunIdentity | None = None,
     ) -> _ScopedRun:
-        """Refuse a cancelled scope (no model request), else register the run's in-flight tools."""
+        """Refuse a cancelled scope (no model request), else register the run's in-flight tools;
+        its tool calls' keys derive from ``identity`` (see :func:`run_identity`)."""
         if scope.cancelled:
             scope.record("run_refused", reason="cancelled before the run started")
             scope.settle(Outcome.CANCELLED)
             raise scope.cancelled_error("cancelled before the run started; no model request was made")
         tracker = tracker if tracker is not None else RunTracker(scope)
+        tracker.identity = run_identity(identity)
         handle = scope.register(tracker.cancel_tool_tasks, name="in-flight tools", phase=Phase.IN_FLIGHT)
         capabilities = [CancellationCapability(tracker), *(run_kwargs.pop("capabilities", None) or [])]
         scope.record("run_started")
@@ -129,6 +136,7 @@ def run_agent_in_scope(
     *,
     journal: Journal | None = None,
     on_cancelled: Callable[[TaskCancelled], None] | None = None,
+    identity: RunIdentity | None = None,
     **run_kwargs: Any,
 ) -> Any:
     """Run ``agent`` synchronously under ``scope`` and return its ``AgentRunResult``.
@@ -143,16 +151,19 @@ def run_agent_in_scope(
     run whose model calls a tool that requires approval stops there and raises
     :class:`~cancellable_agents.durable.approval.AwaitingApproval` instead of returning.
     ``on_cancelled``: called with the :class:`TaskCancelled` before it is raised (an operator
-    logs its kill record there), before the journal's end is written.
+    logs its kill record there), before the journal's end is written. ``identity``: who the run
+    is (task instance, run key, try), from which its tool calls' idempotency keys derive
+    (:mod:`cancellable_agents.run.tool_calls`); a journaled run's transcript may begin in an
+    earlier try, which the journal knows.
     """
     if journal is None:
         try:
-            return _run_scoped(scope, agent, user_prompt, run_kwargs)
+            return _run_scoped(scope, agent, user_prompt, run_kwargs, identity)
         except TaskCancelled as exc:
             if on_cancelled is not None:
                 on_cancelled(exc)
             raise
-    return _run_journaled(scope, agent, user_prompt, journal, on_cancelled, run_kwargs)
+    return _run_journaled(scope, agent, user_prompt, journal, on_cancelled, run_kwargs, identity)
 
 
 def _run_journaled(
@@ -162,6 +173,7 @@ def _run_journaled(
     journal: Journal,
     on_cancelled: Callable[[TaskCancelled], None] | None,
     run_kwargs: dict[str, Any],
+    identity: RunIdentity | None,
 ) -> Any:
     """A durable run, its journal's whole life in order: attach, each step, end.
 
@@ -174,7 +186,9 @@ def _run_journaled(
     try:
         if not scope.cancelled:  # a cancelled scope makes no request: nothing to take over
             user_prompt, run_kwargs = journal.attach(agent, user_prompt, run_kwargs)
-        result = _run_scoped(scope, agent, user_prompt, run_kwargs)  # each step: JournalCapability
+        # The calls of a resumed transcript keep the keys they had in the try it began in.
+        identity = (identity or RunIdentity()).durable_run(journal.run_key, journal.origin_try)
+        result = _run_scoped(scope, agent, user_prompt, run_kwargs, identity)  # each step: JournalCapability
     except TaskCancelled as exc:
         journal.cancelled(exc)  # touches no store: its facts into the kill record
         if on_cancelled is not None:
@@ -191,10 +205,14 @@ def _run_journaled(
 
 
 def _run_scoped(
-    scope: TaskCancellation, agent: Agent[Any, Any], user_prompt: Any, run_kwargs: dict[str, Any]
+    scope: TaskCancellation,
+    agent: Agent[Any, Any],
+    user_prompt: Any,
+    run_kwargs: dict[str, Any],
+    identity: RunIdentity | None,
 ) -> Any:
     """:func:`run_agent_in_scope` without a journal: the run itself."""
-    run = _ScopedRun.start(scope, None, run_kwargs)
+    run = _ScopedRun.start(scope, None, run_kwargs, identity)
     try:
         with run.context():
             result = agent.run_sync(user_prompt, **run.kwargs)

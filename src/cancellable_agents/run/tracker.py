@@ -23,10 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_ai import RunContext
 from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.core.workers import JobThread
+from cancellable_agents.durable.resume import current_resume
+from cancellable_agents.run.tool_calls import RunIdentity, ToolCall, active_tool_call, derive_key
 
 if TYPE_CHECKING:
     pass
@@ -68,6 +71,8 @@ class RunTracker:
     """
 
     scope: TaskCancellation
+    #: Who the run is, for its tool calls' idempotency keys (:mod:`cancellable_agents.run.tool_calls`).
+    identity: RunIdentity = field(default_factory=RunIdentity)
     tool_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     tool_threads: list[_ToolThread] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -244,7 +249,8 @@ class _RunToolset(WrapperToolset[Any]):
     is on every call's path anyway, while each capability hook costs pydantic-ai two
     ``RunContext`` copies per call. ``call_tool`` runs in the tool's own task, so the task it
     registers is the one to cancel, and the context variables it sets are what the tool (and a
-    sync tool's thread) sees.
+    sync tool's thread) sees: its name, its run's tracker, and the :class:`ToolCall` with its
+    idempotency key (``current_tool_call()``).
     """
 
     tracker: RunTracker = field(default=None)  # type: ignore[assignment]
@@ -254,12 +260,14 @@ class _RunToolset(WrapperToolset[Any]):
         task = asyncio.current_task()
         name_token = _tool_name.set(name)
         tracker_token = _tool_tracker.set(tracker)
+        call_token = active_tool_call.set(tool_call(tracker.identity, name, ctx))
         if task is not None:
             with tracker.lock:
                 tracker.tool_tasks.add(task)
         try:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
         finally:
+            active_tool_call.reset(call_token)
             _tool_tracker.reset(tracker_token)
             _tool_name.reset(name_token)
             if task is not None:
@@ -283,6 +291,29 @@ class _RunToolset(WrapperToolset[Any]):
             return await super().__aexit__(*args)
         finally:
             await self.tracker.drain_lingering()
+
+
+def tool_call(identity: RunIdentity, name: str, ctx: RunContext[Any]) -> ToolCall:
+    """The :class:`ToolCall` ``ctx`` runs (its key derived from the run's ``identity``). A call of
+    a resumed durable run that was in flight when the earlier try stopped is a re-run (a
+    sub-agent's calls are not in that record: never)."""
+    call_id = ctx.tool_call_id or ""
+    step = response_index(ctx.messages, call_id)
+    resume = current_resume() if not identity.parent else None
+    rerun = resume is not None and resume.is_rerun(call_id)
+    return ToolCall(name, call_id, step, derive_key(identity, step, call_id), rerun)
+
+
+def response_index(messages: list[ModelMessage], tool_call_id: str) -> int:
+    """The index among ``messages`` of the model response that made the call ``tool_call_id``
+    (the latest such, normally the last message); ``len(messages)`` if none holds it."""
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        if isinstance(message, ModelResponse) and any(
+            isinstance(p, ToolCallPart) and p.tool_call_id == tool_call_id for p in message.parts
+        ):
+            return i
+    return len(messages)
 
 
 class CancellationCapability(AbstractCapability[Any]):

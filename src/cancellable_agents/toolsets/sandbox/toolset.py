@@ -18,6 +18,7 @@ from pydantic_ai.toolsets import FunctionToolset
 from cancellable_agents.core.scope import current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
+from cancellable_agents.run.tool_calls import current_tool_call
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits
@@ -166,6 +167,9 @@ class SandboxTools(FunctionToolset[Any]):
     ) -> dict[str, Any]:
         sandbox = self._get_sandbox()
         limit = self._timeout(timeout)
+        call = current_tool_call()
+        if call is not None:  # the command can dedupe its side effects by its tool call's key
+            command = with_environment(command, call.env())
         result = await _run_on_backend(self._attached(sandbox) or sandbox, command, limit, stdin)
         return _for_model(result, limit)
 
@@ -236,6 +240,20 @@ class SandboxTools(FunctionToolset[Any]):
             raise ModelRetry(f"no such file or folder: {exc.filename}") from exc
         except (IsADirectoryError, NotADirectoryError) as exc:
             raise ModelRetry(f"{exc.strerror}: {exc.filename}") from exc
+
+
+def with_environment(command: str | Sequence[str], env: dict[str, str]) -> list[str]:
+    """``command`` (a shell command line or an argv list) run with ``env`` exported, on any backend.
+
+    The :class:`Sandbox` protocol's ``start`` takes no environment, and a backend passes only an
+    allowlist of its own (``local/env.py``), so the variables ride in the command itself: a
+    ``/bin/sh`` that exports each ``NAME=value`` argument, then ``exec``s the command (same
+    process, same stdin, same kill). No value is spliced into shell text.
+    """
+    argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+    assignments = [f"{name}={value}" for name, value in env.items()]
+    export = 'while [ "$1" != -- ]; do export "$1"; shift; done; shift; exec "$@"'
+    return ["/bin/sh", "-c", export, "sh", *assignments, "--", *argv]
 
 
 async def _run_on_backend(
