@@ -16,6 +16,8 @@ appended at once, a boundary of its own). ``write_ahead``: the journal's (each s
 its tools start, so the run stops dead at a boundary a ``stop_after`` store sleeps in).
 ``parallel``: one model response calls ``fetch`` and ``slow`` at once; ``slow`` (try 1 only) emits
 ``tool_running`` and blocks; ``tool_result_recorded`` says a parallel call's result was appended.
+Each tool execution appends a line to ``lines``: the step, the try, ``is_rerun``, the call's
+idempotency key and its tool call id.
 Single-threaded between forks, so forking is safe.
 """
 
@@ -37,9 +39,12 @@ from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import Journal, PathStore, current_resume
 from cancellable_agents.run.runner import run_agent_in_scope
+from cancellable_agents.run.tool_calls import RunIdentity, current_tool_call
 
 FD = int(os.environ["EVENTS_FD"])
 STEPS = int(os.environ.get("STEPS", "3"))
+#: The task instance every try belongs to (its tool calls' keys derive from it).
+TASK_INSTANCE = ("durable_kill", "agent", "manual__1", 0)
 
 
 def emit(event: str, **data: Any) -> None:
@@ -82,8 +87,11 @@ def run_try(
     def ran(name: str | int, ctx: RunContext[None]) -> None:
         resume = current_resume()
         rerun = bool(resume and resume.is_rerun(ctx.tool_call_id))
+        call = current_tool_call()
+        key = call.idempotency_key if call is not None else None
+        line = {"n": name, "try": try_number, "rerun": rerun, "key": key, "id": ctx.tool_call_id}
         with lines.open("a") as out:
-            out.write(json.dumps({"n": name, "try": try_number, "rerun": rerun}) + "\n")
+            out.write(json.dumps(line) + "\n")
 
     if parallel:
 
@@ -116,7 +124,8 @@ def run_try(
     journal = Journal(store, try_number=try_number, scope=scope, write_ahead=write_ahead, **flush_kwargs)
     try:
         with scope.activate():
-            result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal)
+            identity = RunIdentity(TASK_INSTANCE, origin_try=try_number)
+            result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal, identity=identity)
     except TaskCancelled as exc:
         emit("cancelled", cause=exc.cause.value, detail=exc.detail)
         return

@@ -145,6 +145,7 @@ def test_sigkill_during_a_tool_reruns_exactly_that_tool_once(
     runs = [(r["n"], r["try"], r["rerun"]) for r in zygote.steps_run()]
     assert runs == [(1, 1, False), (2, 1, False), (2, 2, True), (3, 2, False)], runs
     assert model_server.request_count == STEPS + 1, "try 2 made only the requests try 1 had not made"
+    _assert_rerun_keeps_its_key(zygote.steps_run(), cut=2)
     t0 = zygote.events[0]["t"]
     print("\n" + " ".join(f"{e['event']}@{e['t'] - t0:.2f}" for e in zygote.events))
 
@@ -162,6 +163,20 @@ def test_sigkill_beside_a_returned_parallel_call_reruns_only_the_call_in_flight(
     runs = sorted((r["n"], r["try"], r["rerun"]) for r in zygote.steps_run())
     assert runs == [("fetch", 1, False), ("slow", 1, False), ("slow", 2, True)], runs
     assert model_server.request_count == 2, "try 2 asked only for the answer"
+    _assert_rerun_keeps_its_key(zygote.steps_run(), cut="slow")
+
+
+def _assert_rerun_keeps_its_key(runs: list[dict[str, Any]], cut: int | str) -> None:
+    """The call cut by the SIGKILL in try 1 and its re-run in try 2 carry one idempotency key
+    (and the same tool call id); every other call has a key of its own. Prints the re-run table."""
+    print("\n[idempotency] call | try | is_rerun | tool_call_id | key")
+    for r in runs:
+        print(f"[idempotency] {r['n']} | {r['try']} | {r['rerun']} | {r['id']} | {r['key']}")
+    cut_runs = [r for r in runs if r["n"] == cut]
+    assert [(r["try"], r["rerun"]) for r in cut_runs] == [(1, False), (2, True)], cut_runs
+    assert cut_runs[0]["key"] == cut_runs[1]["key"] and cut_runs[0]["id"] == cut_runs[1]["id"]
+    others = [r["key"] for r in runs if r["n"] != cut]
+    assert len({*others, cut_runs[0]["key"]}) == len(others) + 1, "another call shares the cut call's key"
 
 
 def test_a_stale_try_cannot_change_what_the_newest_try_resumes_from(

@@ -19,6 +19,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.run.runner import run_agent_in_scope
+from cancellable_agents.run.tool_calls import IDEMPOTENCY_KEY_ENV, RunIdentity, derive_key
 from cancellable_agents.toolsets.sandbox import LocalSandbox, SandboxToolset
 from tests.process.trees import MODES
 
@@ -93,3 +94,24 @@ def test_a_described_toolset_makes_its_sandbox_in_the_workdir_with_the_env_it_na
     assert result.output == "done"
     assert seen[0]["stdout"] == "kept\nbrief\n", seen
     assert (workdir / "made").exists() and (workdir / "README").read_text() == "kept\n", "a given workdir stays"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_command_gets_its_tool_calls_idempotency_key_in_its_environment(mode: str) -> None:
+    """``run_shell`` and ``run_python`` export the key of the call that runs them (the backend's
+    environment allowlist is not widened: the variable rides in the command); the key is the
+    one the run derives for that call."""
+    seen: list[Any] = []
+    calls = [
+        ToolCallPart("run_shell", {"command": f"echo ${IDEMPOTENCY_KEY_ENV}; echo $0"}, "call_0"),
+        ToolCallPart(
+            "run_python", {"code": f"import os; print(os.environ['{IDEMPOTENCY_KEY_ENV}'])"}, "call_1"
+        ),
+    ]
+    agent = Agent(_scripted(calls, seen), toolsets=[SandboxToolset(isolation=mode)])  # type: ignore[arg-type]
+    identity = RunIdentity(("dag", "task", "run", 3), "0", 1)
+    run_agent_in_scope(TaskCancellation("t"), agent, "go", identity=identity)
+    shell_key = derive_key(identity, 1, "call_0")  # response 1 (after the prompt) made call_0
+    python_key = derive_key(identity, 3, "call_1")  # response 2, after the first return
+    assert seen[0] == {"exit_code": 0, "stdout": f"{shell_key}\n/bin/sh\n", "stderr": ""}
+    assert seen[1]["stdout"] == f"{python_key}\n"
