@@ -118,27 +118,27 @@ def test_sync_and_async_tools_and_http_headers_see_their_own_call() -> None:
     assert current_tool_call() is None and idempotency_headers() == {}, "outside a tool call"
 
 
+def _calls_once(tool: str) -> FunctionModel:
+    """A model that calls ``tool`` (id ``call_0``) in its first response, then answers."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if len(messages) == 1:
+            return ModelResponse(parts=[ToolCallPart(tool, {}, "call_0")])
+        return ModelResponse(parts=[TextPart("done")])
+
+    return FunctionModel(respond)
+
+
 def test_a_sub_agents_calls_have_keys_of_their_own_under_the_parent_call() -> None:
     seen: dict[str, ToolCall | None] = {}
-
-    def child_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        if len(messages) == 1:
-            return ModelResponse(parts=[ToolCallPart("inner", {}, "call_0")])
-        return ModelResponse(parts=[TextPart("child done")])
-
-    child: Agent[None, str] = Agent(FunctionModel(child_model))
+    child: Agent[None, str] = Agent(_calls_once("inner"))
 
     @child.tool_plain
     def inner() -> str:
         seen["inner"] = current_tool_call()
         return "ok"
 
-    def parent_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        if len(messages) == 1:
-            return ModelResponse(parts=[ToolCallPart("delegate", {}, "call_0")])
-        return ModelResponse(parts=[TextPart("parent done")])
-
-    parent: Agent[None, str] = Agent(FunctionModel(parent_model))
+    parent: Agent[None, str] = Agent(_calls_once("delegate"))
 
     @parent.tool_plain
     async def delegate() -> str:

@@ -169,7 +169,7 @@ class SandboxTools(FunctionToolset[Any]):
         limit = self._timeout(timeout)
         call = current_tool_call()
         if call is not None:  # the command can dedupe its side effects by its tool call's key
-            command = with_environment(command, call.env())
+            command = _with_environment(command, call.env())
         result = await _run_on_backend(self._attached(sandbox) or sandbox, command, limit, stdin)
         return _for_model(result, limit)
 
@@ -242,7 +242,7 @@ class SandboxTools(FunctionToolset[Any]):
             raise ModelRetry(f"{exc.strerror}: {exc.filename}") from exc
 
 
-def with_environment(command: str | Sequence[str], env: dict[str, str]) -> list[str]:
+def _with_environment(command: str | Sequence[str], env: dict[str, str]) -> list[str]:
     """``command`` (a shell command line or an argv list) run with ``env`` exported, on any backend.
 
     The :class:`Sandbox` protocol's ``start`` takes no environment, and a backend passes only an
