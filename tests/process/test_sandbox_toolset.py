@@ -93,7 +93,8 @@ def test_a_described_toolset_makes_its_sandbox_in_the_workdir_with_the_env_it_na
     result = run_agent_in_scope(TaskCancellation("t"), agent, "go")
     assert result.output == "done"
     assert seen[0]["stdout"] == "kept\nbrief\n", seen
-    assert (workdir / "made").exists() and (workdir / "README").read_text() == "kept\n", "a given workdir stays"
+    assert (workdir / "made").exists(), "a given workdir stays"
+    assert (workdir / "README").read_text() == "kept\n", "a given workdir stays"
 
 
 @pytest.mark.parametrize("mode", MODES)

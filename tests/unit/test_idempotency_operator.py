@@ -3,26 +3,13 @@ instance (DAG, task, run, map index), the order of its agent runs and its try.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, current_tool_call
 from cancellable_agents.run.tool_calls import RunIdentity, derive_key
-
-
-@dataclass
-class TI:
-    """What the operator reads from the context's task instance (as the Task SDK's has it)."""
-
-    try_number: int = 1
-    id: str = "0192f0e0-0000-7000-8000-000000000002"
-    dag_id: str = "billing"
-    run_id: str = "manual__1"
-    task_id: str = "charge"
-    map_index: int = -1
+from tests.unit.test_approval_operator import TI
 
 
 def _key_of_the_call(ti: TI) -> str:
@@ -48,7 +35,7 @@ def _key_of_the_call(ti: TI) -> str:
 
 def test_a_tasks_calls_derive_their_keys_from_its_task_instance_and_try() -> None:
     first = _key_of_the_call(TI(map_index=0))
-    assert first == derive_key(RunIdentity(("billing", "charge", "manual__1", 0), "0", 1), 1, "call_0")
+    assert first == derive_key(RunIdentity(("d", "agent", "manual__1", 0), "0", 1), 1, "call_0")
     assert _key_of_the_call(TI(map_index=0)) == first, "stable within the try: derived, not drawn"
     assert _key_of_the_call(TI(map_index=1)) != first, "another map index"
     assert _key_of_the_call(TI(run_id="manual__2", map_index=0)) != first, "another DAG run"
