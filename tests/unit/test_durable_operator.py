@@ -55,21 +55,23 @@ def test_durable_options_are_one_argument(tmp_path: Path) -> None:
     assert op.durable is options
     journal = journal_for(op, op.task_try({"ti": TI(1)}))
     assert (journal.returns_flush_s, journal.resume_after_clear, journal.usage_spans_tries) == (0, True, True)
-    assert LLMOperator(task_id="u", model="test", prompt="p", durable=True).durable == DurableOptions()
+    assert DurableOptions.of(True) == DurableOptions() and DurableOptions.of(False) is None
     assert LLMOperator(task_id="v", model="test", prompt="p").durable is None
 
 
-def test_options_left_unset_take_the_deployments_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_options_left_unset_take_the_deployments_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__DURABLE_FLUSH_AFTER", "0.25")
     monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__DURABLE_WRITE_AHEAD", "True")
     monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__CANCELLATION_BUDGET", "3.5")
-    op = LLMOperator(task_id="t", model="test", prompt="p", durable=True)
-    journal = journal_for(op, op.task_try({"ti": TI(1), "task_state_store": {}}))
+    # A path, so the test holds where Airflow has no task state store (3.1/3.2) too.
+    op = LLMOperator(task_id="t", model="test", prompt="p", durable=DurableOptions(path=str(tmp_path)))
+    journal = journal_for(op, op.task_try({"ti": TI(1)}))
     assert (journal.returns_flush_s, journal.write_ahead, op.cancellation_budget) == (0.25, True, 3.5)
-    given = LLMOperator(
-        task_id="u", model="test", prompt="p", cancellation_budget=2, durable=DurableOptions(flush_after=1)
-    )
-    journal = journal_for(given, given.task_try({"ti": TI(1), "task_state_store": {}}))
+    own = DurableOptions(path=str(tmp_path), flush_after=1)
+    given = LLMOperator(task_id="u", model="test", prompt="p", cancellation_budget=2, durable=own)
+    journal = journal_for(given, given.task_try({"ti": TI(1)}))
     assert (journal.returns_flush_s, given.cancellation_budget) == (1, 2), "an operator's own value wins"
 
 
