@@ -286,7 +286,7 @@ def reaper_orphans_task(marker: str) -> None:
 
 def main() -> None:
     mode, marker = sys.argv[1], sys.argv[2]
-    if mode in ("namespace", "process-group"):
+    if mode in ("namespace", "landlock", "process-group"):
         sandbox_task(mode, marker)
     elif mode == "hostile":
         hostile_task(marker, sys.argv[3])

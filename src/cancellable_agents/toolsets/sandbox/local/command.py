@@ -284,7 +284,8 @@ class CommandTree:
         """Processes started after the command that are in its group or carry its tag."""
         found: set[ProcKey] = set()
         # The group id is the main pid: only meaningful while that pid cannot be recycled.
-        group_alive = self.mode == "process-group" and self.popen.returncode is None
+        # (Namespace mode's group is bwrap's; landlock mode's is the command's, as process-group's.)
+        group_alive = self.mode != "namespace" and self.popen.returncode is None
         for pid in all_pids():
             info = read_proc(pid)
             if info is None or info.exited or info.start < self.main.start or pid == os.getpid():

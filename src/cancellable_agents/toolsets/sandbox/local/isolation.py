@@ -14,6 +14,13 @@ Isolation modes (``isolation=``):
     With the default ``profile="boundary"`` it is also a boundary (see
     :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.bwrap`): no home folders, no Airflow config, no
     network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
+``"landlock"`` (Linux 5.13+, no privilege, no namespaces)
+    Each command restricts itself before it runs (Landlock, ``no_new_privs``, the seccomp filter
+    with ``AF_UNIX`` sockets only unless ``network=True``): it reads the system folders and the
+    interpreter, reads and writes only its workdir and a private tmp, has no network, and (ABI
+    6+) signals nothing outside itself; see
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`. Processes are tracked and
+    stopped as in process-group mode. For unprivileged pods, where bubblewrap has no namespaces.
 ``"process-group"`` (fallback, any POSIX)
     Each command starts a new session. A watcher thread records the pid and start time of every
     descendant every ~20 ms, so processes that later ``setsid`` or are reparented stay known.
@@ -36,15 +43,17 @@ from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support, unavailable_message
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
+from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import SocketRule, seccomp_filter
 from cancellable_agents.toolsets.sandbox.protocol import SandboxUnavailable
 
 __all__ = ["Isolation", "Mode", "Profile", "choose_mode", "enforceable_egress", "warn_no_boundary"]
 
 log = logging.getLogger(__name__)
 
-Isolation = Literal["auto", "namespace", "process-group"]
+Isolation = Literal["auto", "namespace", "landlock", "process-group"]
 #: The isolation a sandbox got: what :data:`Isolation` resolves to here.
-Mode = Literal["namespace", "process-group"]
+Mode = Literal["namespace", "landlock", "process-group"]
 Profile = Literal["boundary", "host"]
 
 
@@ -52,14 +61,16 @@ def choose_mode(isolation: str, profile: str) -> Mode:
     """The mode for ``isolation`` and ``profile``; :class:`SandboxUnavailable` (saying how to
     fix it) if ``"namespace"`` was required and cannot be had, ``ConfigurationError`` (a
     ``ValueError``) for nonsense."""
-    if isolation not in ("auto", "namespace", "process-group"):
+    if isolation not in ("auto", "namespace", "landlock", "process-group"):
         raise ConfigurationError(
-            f"isolation must be 'auto', 'namespace' or 'process-group', got {isolation!r}"
+            f"isolation must be 'auto', 'namespace', 'landlock' or 'process-group', got {isolation!r}"
         )
     if profile not in ("boundary", "host"):
         raise ConfigurationError(f"profile must be 'boundary' or 'host', got {profile!r}")
     if isolation == "process-group":
         return "process-group"
+    if isolation == "landlock":
+        return _landlock(profile)
     support = bwrap_support()
     if support.usable and (profile == "host" or support.boundary):
         return "namespace"
@@ -71,6 +82,29 @@ def choose_mode(isolation: str, profile: str) -> Mode:
         support.reason or support.boundary_reason,
     )
     return "process-group"
+
+
+def _landlock(profile: str) -> Mode:
+    """Landlock mode, or :class:`SandboxUnavailable` naming what is missing and the fix."""
+    if profile != "boundary":
+        raise ConfigurationError("isolation='landlock' has the boundary profile only (not 'host')")
+    support = landlock_support()
+    if not support.usable:
+        raise SandboxUnavailable(
+            f"isolation='landlock' needs Landlock, but {support.reason}. Fix: a kernel 5.13+ with "
+            "Landlock enabled (6.12+ for signal and abstract-socket scoping), a container seccomp "
+            "profile that allows landlock_* (RuntimeDefault does on current runtimes), or "
+            "isolation='process-group' (cleanup only, no boundary)."
+        )
+    seccomp = seccomp_filter(SocketRule.UNIX_ONLY)
+    if seccomp.program is None:
+        # Without it the network is open to UDP, raw and netlink sockets, and nested namespaces,
+        # keyrings and io_uring to the command: the boundary asked for cannot be had.
+        raise SandboxUnavailable(
+            f"isolation='landlock' needs the seccomp filter, but {seccomp.reason}. Fix: install "
+            "libseccomp (`apt-get install libseccomp2`)."
+        )
+    return "landlock"
 
 
 _warned_lock = threading.Lock()
@@ -106,6 +140,12 @@ def enforceable_egress(policy: bool | EgressPolicy, mode: Mode, profile: Profile
     if profile == "host":
         raise ConfigurationError(
             "an egress allowlist needs profile='boundary' ('host' has the host's network)"
+        )
+    if mode == "landlock":
+        # The proxy's forwarder listens on loopback, which only a network namespace makes private.
+        raise ConfigurationError(
+            "an egress allowlist needs isolation='namespace' for now; in Landlock mode pass "
+            "network=False (no network) or network=True (the host's network)"
         )
     if mode != "namespace":
         log.warning("LocalSandbox: process-group mode has the host's network: no egress allowlist")
