@@ -229,9 +229,10 @@ def test_commands_get_the_environment_by_allowlist(isolation: str, monkeypatch: 
     finally:
         box.destroy()
     assert not set(leaked) & set(env)
-    # Set by the sandbox: PWD by bwrap's --chdir (or the cgroup placement's sh), TMPDIR (landlock
-    # mode's private tmp).
-    sandbox_sets = {"namespace": {"PWD"}, "landlock": {"PWD", "TMPDIR"}}.get(isolation, set())
+    # Set by the sandbox: PWD by bwrap's --chdir (or the cgroup placement's sh); landlock mode's
+    # private tmp and its owner tag (the next task kills what a SIGKILLed one left).
+    by_mode = {"namespace": {"PWD"}, "landlock": {"PWD", "TMPDIR", "CANCELLABLE_AGENTS_OWNER"}}
+    sandbox_sets = by_mode.get(isolation, set())
     assert "TMPDIR" in env or isolation != "landlock"
     assert set(env) - sandbox_sets == {
         "PATH",

@@ -19,9 +19,19 @@ from typing import Any
 import pytest
 
 from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
-from tests.process.trees import MODES, ChildTask, eventually, sleepers, survivors
+from cancellable_agents.toolsets.sandbox.local import sandbox as sandbox_module
+from tests.process.trees import (
+    MODES,
+    ChildTask,
+    eventually,
+    landlock_reason,
+    landlock_usable,
+    sleepers,
+    survivors,
+)
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
@@ -61,6 +71,25 @@ def test_sigkill_of_the_task_leaves_no_boundary_command_running(
     task = child_tasks("namespace", marker)
     assert len(task.ready()["sleepers"]) == 3
     task.proc.kill()
+    eventually(lambda: survivors(marker) == [], timeout=5.0)
+
+
+@pytest.mark.skipif(not landlock_usable(), reason=landlock_reason())
+def test_sigkill_of_a_landlock_task_leaves_detached_processes_the_next_sandbox_kills(
+    marker: str, child_tasks: Callable[..., ChildTask], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No namespace ends the tree with the task: the command's main process dies with it (its
+    parent-death signal), what it started keeps running until the next task process's first
+    landlock sandbox finds it by its owner tag, the dead task's, and SIGKILLs it."""
+    task = child_tasks("landlock", marker)
+    assert len(task.ready()["sleepers"]) == 3
+    main_shells = survivors(marker, name="sh")
+    task.proc.kill()
+    task.proc.wait(10)
+    eventually(lambda: not set(main_shells) & set(survivors(marker, name="sh")), timeout=5.0)
+    assert len(survivors(marker, name="sleep")) == 3  # what a SIGKILL of the task leaves
+    monkeypatch.setattr(sandbox_module, "_orphans_swept", Once())  # as in a new task process
+    LocalSandbox(isolation="landlock").destroy()
     eventually(lambda: survivors(marker) == [], timeout=5.0)
 
 

@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
+from cancellable_agents.procs.owner import owner_tag
 from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.local.boundary import landlock
@@ -70,7 +72,12 @@ from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import (
     command_filter,
     warn_if_missing,
 )
-from cancellable_agents.toolsets.sandbox.local.command import CommandTree, stop_bound
+from cancellable_agents.toolsets.sandbox.local.command import (
+    OWNER_VAR,
+    CommandTree,
+    kill_orphaned_commands,
+    stop_bound,
+)
 from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment
 from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, outside_error
 from cancellable_agents.toolsets.sandbox.local.isolation import (
@@ -96,6 +103,8 @@ DEFAULT_OUTPUT_LIMIT = 64 * 1024
 KEEP_RESULTS = 256
 #: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
+#: The first landlock sandbox of a task process kills what SIGKILLed tasks' commands left.
+_orphans_swept = Once()
 
 
 # -- the sandbox ----------------------------------------------------------------------------
@@ -178,6 +187,7 @@ class LocalSandbox:
         self._boundary = self._boundary_profile(read_only_paths, writable_paths)
         # Landlock mode: the ruleset, the private tmp and the limits prlimit sets.
         self._landlock: landlock.LandlockRuleset | None = None
+        self._owner_tag: str | None = None
         self._tmp: Path | None = None
         self._command_limits = replace(self.limits, max_processes=None)
         if self.mode == "landlock":
@@ -215,6 +225,9 @@ class LocalSandbox:
         """The ruleset (built once, closed by :meth:`destroy`), a private tmp named as a workdir
         (so the next sandbox removes it after a SIGKILL) and the limits."""
         support = landlock.landlock_support()
+        if _orphans_swept.first():
+            kill_orphaned_commands()
+        self._owner_tag = owner_tag()
         warn_if_missing()
         landlock.warn_if_missing(support)
         self._command_limits = self._sandbox_limits()
@@ -350,6 +363,8 @@ class LocalSandbox:
             self._boundary_env(env)
         if self._tmp is not None and "TMPDIR" not in self._explicit_env:
             env["TMPDIR"] = str(self._tmp)
+        if self._owner_tag is not None:
+            env[OWNER_VAR] = self._owner_tag
         if self._proxy is not None:
             env.update({k: v for k, v in proxy_env().items() if k not in self._explicit_env})
         env[COMMAND_TAG] = tag
