@@ -23,7 +23,7 @@ import pytest
 
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox import LocalSandbox
 from cancellable_agents.toolsets.sandbox.local.boundary import landlock
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import interpreter_paths
 from cancellable_agents.toolsets.sandbox.local.boundary.landlock import (
@@ -33,18 +33,11 @@ from cancellable_agents.toolsets.sandbox.local.boundary.landlock import (
     helper_argv,
     landlock_support,
 )
-from tests.process.trees import LANDLOCK, landlock_reason, landlock_usable
+from tests.process.trees import BOUNDARY_MODES, NAMESPACE_BOUNDARY, landlock_reason, landlock_usable
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
-NAMESPACE_BOUNDARY = pytest.param(
-    "namespace",
-    marks=pytest.mark.skipif(
-        not bwrap_support().boundary, reason=f"no boundary: {bwrap_support().boundary_reason}"
-    ),
-)
-#: The modes that claim a boundary.
-CONFINED = [NAMESPACE_BOUNDARY, LANDLOCK]
+CONFINED = BOUNDARY_MODES
 needs_landlock = pytest.mark.skipif(not landlock_usable(), reason=landlock_reason())
 needs_scoping = pytest.mark.skipif(
     landlock_support().abi < 6, reason="signal/abstract-socket scoping needs ABI 6"

@@ -16,7 +16,7 @@ import pytest
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox
 from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
     PLACEMENT_FAILED,
@@ -25,16 +25,10 @@ from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.limits import CPU_KILL_GRACE, MiB
 from cancellable_agents.toolsets.sandbox.toolset import _for_model
-from tests.process.trees import LANDLOCK, eventually, survivors
+from tests.process.trees import BOUNDARY_MODES, eventually, survivors
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(90)]
 
-NAMESPACE_BOUNDARY = pytest.param(
-    "namespace",
-    marks=pytest.mark.skipif(
-        not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
-    ),
-)
 
 needs_cgroup = pytest.mark.skipif(
     cgroup_support().version is None, reason=f"no cgroup per sandbox here: {cgroup_support().reason}"
@@ -85,7 +79,7 @@ class Boxes(list[LocalSandbox]):
         self.mode = mode
 
 
-@pytest.fixture(params=[NAMESPACE_BOUNDARY, LANDLOCK])
+@pytest.fixture(params=BOUNDARY_MODES)
 def boxes(request: pytest.FixtureRequest) -> Iterator[Boxes]:
     """Each test in each boundary mode: the limits hold the same way in both."""
     made = Boxes(request.param)

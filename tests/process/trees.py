@@ -53,6 +53,14 @@ LANDLOCK = pytest.param("landlock", marks=pytest.mark.skipif(not landlock_usable
 #: Every isolation mode, namespace mode skipped where bubblewrap cannot create PID namespaces,
 #: landlock mode where the kernel has no Landlock or there is no seccomp filter.
 MODES = [NAMESPACE, LANDLOCK, "process-group"]
+NAMESPACE_BOUNDARY = pytest.param(
+    "namespace",
+    marks=pytest.mark.skipif(
+        not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
+    ),
+)
+#: The modes that claim a boundary (namespace mode with the boundary profile, landlock mode).
+BOUNDARY_MODES = [NAMESPACE_BOUNDARY, LANDLOCK]
 
 
 def new_marker() -> str:
