@@ -277,7 +277,7 @@ def hostile_table() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
     script = root / "tests" / "process" / "_sandbox_task.py"
     proc = subprocess.Popen(
-        [sys.executable, str(script), "hostile", marker, str(secrets)],
+        [sys.executable, str(script), "hostile", marker, str(secrets), "namespace"],
         env=env,
         stdout=subprocess.PIPE,
         text=True,

@@ -204,6 +204,7 @@ class CommandTree:
             self.terminated.wait(self.stop_bound())
         else:
             self._kill_leftovers()
+        self._reap_session_orphans()
         self.popen.wait()  # only now: until here its pid, the group id, could not be recycled
         self._reap_tracked()
         for reader in (self.stdout, self.stderr):
@@ -264,6 +265,21 @@ class CommandTree:
             keys |= self._orphaned_inits()
         for key in keys:
             reap_zombie(key)
+
+    def _reap_session_orphans(self) -> None:
+        """Own-session modes: reap the command's processes that were reparented to this process
+        (a subreaper task) and exited before the tracker ever saw them, a double fork's middle
+        shell say. They are in the command's session, whose id is the main pid, which cannot be
+        recycled while the main process is unreaped (call before ``popen.wait()``); no ``Popen``
+        of the task's waits for them."""
+        if not self._own_session:
+            return
+        for pid in children_of(os.getpid()):
+            info = read_proc(pid)
+            if info is None or pid == self.main.pid or not info.exited:
+                continue
+            if info.sid == self.main.pid and info.start >= self.main.start:
+                reap_zombie(ProcKey(pid, info.start))
 
     def _orphaned_inits(self) -> set[ProcKey]:
         """bubblewrap's namespace inits reparented to this process, once they have exited.

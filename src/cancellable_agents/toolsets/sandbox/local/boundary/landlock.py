@@ -266,7 +266,7 @@ def _checked(result: int) -> int:
 #: The helper each command starts as (``python -I -S -c HELPER RULESET_FD SECCOMP_FD TASK_PID -- argv``).
 #: Standard library only, no ``site``: it runs before anything of the sandbox is importable.
 HELPER = """
-import ctypes, os, sys
+import ctypes, os, signal, sys
 ruleset_fd, seccomp_fd, task = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 argv = sys.argv[5:]
 libc = ctypes.CDLL(None, use_errno=True)
@@ -298,6 +298,10 @@ if seccomp_fd >= 0:
         fail("seccomp")
     os.close(seccomp_fd)
 os.close(ruleset_fd)
+# Python ignores these at start, and an ignored signal stays ignored across exec: a command would
+# get EPIPE instead of dying in a closed pipe (`yes | head`), EFBIG instead of SIGXFSZ.
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 try:
     os.execvp(argv[0], argv)
 except OSError as exc:
