@@ -222,8 +222,8 @@ class LocalSandbox:
     def _landlock_boundary(
         self, read_only: Iterable[str | os.PathLike[str]], writable: Iterable[str | os.PathLike[str]]
     ) -> None:
-        """The ruleset (built once, closed by :meth:`destroy`), a private tmp named as a workdir
-        (so the next sandbox removes it after a SIGKILL) and the limits."""
+        """The ruleset (built once, closed by :meth:`destroy`), the private tmp and the limits;
+        at the first landlock sandbox of this process, the sweep of what SIGKILLed tasks left."""
         support = landlock.landlock_support()
         if _orphans_swept.first():
             kill_orphaned_commands()
@@ -234,16 +234,24 @@ class LocalSandbox:
         if self.cgroup is None:
             # RLIMIT_NPROC counts every process of the worker's uid: not this sandbox's count.
             self._command_limits = replace(self._command_limits, max_processes=None)
-        self._tmp = new_workdir()
-        weakref.finalize(self, remove_workdir, self._tmp)
-        if self.limits.tmp_bytes is not None:
-            mount_workdir(self._tmp, self.limits.tmp_bytes)
+        self._tmp = self._private_tmp()
+        # The rules come last: a rule is on an inode, and a tmpfs mounted on the workdir or the
+        # tmp after it (by _sandbox_limits, _private_tmp) would hide the folder it names.
         shown = landlock.readable_paths(interpreter_paths(self.python), [_absolute(p) for p in read_only])
         rw = [*(_absolute(p) for p in writable), str(self.workdir), str(self._tmp)]
         self._landlock = landlock.LandlockRuleset.build(
             support, readable=shown, writable=rw, network=self.network
         )
         weakref.finalize(self, self._landlock.close)
+
+    def _private_tmp(self) -> Path:
+        """The sandbox's tmp (``TMPDIR``): named as a workdir, so the next sandbox removes it
+        after a SIGKILL; a tmpfs of ``tmp_bytes`` on it where the worker may mount."""
+        tmp = new_workdir()
+        weakref.finalize(self, remove_workdir, tmp)
+        if self.limits.tmp_bytes is not None:
+            mount_workdir(tmp, self.limits.tmp_bytes)
+        return tmp
 
     def _described(self) -> str:
         """The boundary, for the start log line."""
