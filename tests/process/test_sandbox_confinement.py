@@ -112,6 +112,7 @@ def test_landlock_commands_see_no_proc_entry_of_the_task_and_no_etc_secret() -> 
     not the files the namespace profile hides; ``/etc/passwd`` and the global ``/proc`` files stay."""
     command = (
         f"cat /proc/{os.getpid()}/environ >/dev/null && echo environ;"
+        f"cat /proc/{os.getpid()}/mounts >/dev/null && echo mounts;"
         "cat /etc/shadow >/dev/null && echo shadow; head -c 8 /etc/passwd; echo;"
         "grep -c processor /proc/cpuinfo >/dev/null && echo cpuinfo"
     )

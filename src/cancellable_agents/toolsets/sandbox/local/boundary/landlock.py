@@ -175,7 +175,14 @@ def readable_paths(interpreter: Iterable[str], extra: Iterable[str]) -> list[str
     interpreter's installation and the author's ``read_only_paths``; missing paths dropped."""
     system = [d for d in SYSTEM_DIRS if d != "/etc"]
     paths = [*system, *_shown_beneath("/etc", HIDDEN_ETC), *interpreter, *extra]
-    return [p for p in dict.fromkeys(paths) if os.path.exists(p)]
+    # A rule follows a symlink when it is made, here, in the task process: /etc/mtab ->
+    # /proc/self/mounts would grant the *task's* /proc entry. No rule reaches into /proc.
+    return [p for p in dict.fromkeys(paths) if os.path.exists(p) and not _in_proc(p)]
+
+
+def _in_proc(path: str) -> bool:
+    resolved = os.path.realpath(path)
+    return resolved == "/proc" or resolved.startswith("/proc/")
 
 
 def _shown_beneath(root: str, hidden: tuple[str, ...]) -> Iterator[str]:
