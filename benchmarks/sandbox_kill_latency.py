@@ -2,7 +2,8 @@
 
 Namespace mode runs twice, side by side in the same run: ``profile="host"`` (the view before the
 boundary: host read-only, no limits) and ``profile="boundary"`` (the default), so the cost of the
-boundary shows against a baseline measured under the same load. ``--hostile`` also runs the
+boundary shows against a baseline measured under the same load; then landlock mode (the boundary
+without namespaces) and process-group mode (no boundary), interleaved with them. ``--hostile`` also runs the
 hostile-command table (``tests/process/_sandbox_task.py hostile``): each command's result as
 the model reads it, then SIGTERM -> all gone with every one of them running.
 
@@ -45,9 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.procs.proc import all_pids, command_line, read_proc
 from cancellable_agents.toolsets.sandbox import EgressPolicy, LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
 
 TREE = "setsid sleep {m} & (sleep {m} &) ; sleep {m}"
 
@@ -81,7 +84,7 @@ def one_run(
     try:
         command = box.start(TREE.format(m=marker))
         wait_for(lambda: len(marker_processes(marker, "sleep")) == 3)
-        if mode == "process-group":
+        if mode != "namespace":  # tracked by the watcher (process-group and landlock modes)
             wait_for(lambda: len(box.descendants(command)) >= 2)
         returned: list[float] = []
 
@@ -119,6 +122,10 @@ def main() -> None:
     logging.getLogger("cancellable_agents.toolsets.sandbox.local.isolation").setLevel(logging.ERROR)
     support = bwrap_support()
     setups = [("process-group", "boundary")]
+    if landlock_support().usable:
+        setups[:0] = [("landlock", "boundary")]
+    else:
+        print(f"landlock mode skipped: {landlock_support().reason}")
     if support.usable:
         setups[:0] = [("namespace", "host")] + ([("namespace", "boundary")] if support.boundary else [])
     else:
@@ -169,7 +176,7 @@ def filter_cost(runs: int) -> None:
     try:
         for _ in range(runs):
             took["filter"].append(box.run("true").duration)
-            with mock.patch.object(seccomp, "seccomp_filter", lambda: off):  # asked at each start
+            with mock.patch.object(seccomp, "seccomp_filter", lambda *_: off):  # asked at each start
                 took["no filter"].append(box.run("true").duration)
     finally:
         box.destroy()
@@ -199,7 +206,9 @@ def limits_cost(runs: int) -> None:
     took: dict[str, dict[str, list[float]]] = {
         what: {label: [] for label in setups} for what in ("setup", "1st run", "next run", "stop")
     }
-    with mock.patch.object(cgroups, "_noted", True):  # no fallback note per "per process" sandbox
+    said = Once()
+    said.first()  # already said: no fallback note per "per process" sandbox
+    with mock.patch.object(cgroups, "_noted", said):
         for _ in range(runs):
             for label, make in setups.items():
                 patch = mock.patch.object(cgroups, "cgroup_support", lambda: off)
@@ -268,7 +277,7 @@ def hostile_table() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
     script = root / "tests" / "process" / "_sandbox_task.py"
     proc = subprocess.Popen(
-        [sys.executable, str(script), "hostile", marker, str(secrets)],
+        [sys.executable, str(script), "hostile", marker, str(secrets), "namespace"],
         env=env,
         stdout=subprocess.PIPE,
         text=True,

@@ -77,8 +77,8 @@ HOSTILE: dict[str, tuple[str, str]] = {
     ),
     "fill-disk": (
         "head -c 2000000 /dev/zero > big; echo big=$?; i=0; "
-        "while head -c 1000000 /dev/zero > /tmp/f$i; do i=$((i+1)); done; echo tmp_files=$i",
-        "yes > /tmp/fill; sleep {m}",
+        "while head -c 1000000 /dev/zero > ${{TMPDIR:-/tmp}}/f$i; do i=$((i+1)); done; echo tmp_files=$i",
+        "yes > ${{TMPDIR:-/tmp}}/fill; sleep {m}",
     ),
     "ignore-sigterm": ("trap '' TERM; kill -TERM $$; echo still here", "trap '' TERM; sleep {m}; sleep {m}"),
     "double-fork-daemon": (
@@ -173,17 +173,19 @@ def sandbox_task(mode: str, marker: str) -> None:
     report(scope)
 
 
-def hostile_task(marker: str, secrets: str) -> None:
-    """Every command of :data:`HOSTILE`, each in its own sandbox: probes first, one by one, then
-    all the running forms at once, and one SIGTERM for the lot."""
+def hostile_task(marker: str, secrets: str, isolation: str) -> None:
+    """Every command of :data:`HOSTILE`, each in its own sandbox (``isolation``: a boundary
+    mode): probes first, one by one, then all the running forms at once, and one SIGTERM for the
+    lot."""
     scope = TaskCancellation("task", budget=4.0)
-    assert bwrap_support().boundary  # probed first: the probes' orphans are not the sandbox's to reap
+    if isolation == "namespace":
+        assert bwrap_support().boundary  # probed first: the probes' orphans are not the sandbox's to reap
     assert become_subreaper()
     listener = Listener()
     fill = {"secrets": secrets, "port": listener.port, "task": os.getpid(), "supervisor": os.getppid()}
     boxes, results = {}, {}
     for name, (probe, running) in HOSTILE.items():
-        box = LocalSandbox(isolation="namespace", scope=scope, stop_grace=1.0, limits=HOSTILE_LIMITS)
+        box = LocalSandbox(isolation=isolation, scope=scope, stop_grace=1.0, limits=HOSTILE_LIMITS)  # type: ignore[arg-type]
         boxes[name] = box
         fill["python"] = box.python
         started = time.monotonic()
@@ -286,10 +288,10 @@ def reaper_orphans_task(marker: str) -> None:
 
 def main() -> None:
     mode, marker = sys.argv[1], sys.argv[2]
-    if mode in ("namespace", "process-group"):
+    if mode in ("namespace", "landlock", "process-group"):
         sandbox_task(mode, marker)
     elif mode == "hostile":
-        hostile_task(marker, sys.argv[3])
+        hostile_task(marker, sys.argv[3], sys.argv[4])
     elif mode == "reaper":
         reaper_task(marker)
     elif mode == "reaper-baseline":

@@ -162,7 +162,7 @@ def test_process_group_mode_warns_once_per_task_that_it_is_no_boundary(
         boxes = [LocalSandbox(isolation="process-group", scope=s) for s in (scope, scope, other)]
     warnings = [r.getMessage() for r in caplog.records if "NOT a security boundary" in r.getMessage()]
     assert len(warnings) == 2, warnings  # a once, b once
-    assert "apt-get install bubblewrap" in warnings[0] and "isolation='namespace'" in warnings[0]
+    assert "isolation='process-group'" in warnings[0] and "isolation='auto'" in warnings[0]
     for box in boxes:
         box.destroy()
 

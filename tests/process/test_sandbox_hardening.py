@@ -28,6 +28,7 @@ from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
 from cancellable_agents.toolsets.sandbox.local.boundary import seccomp as seccomp_module
 from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, openat2_supported
 from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError
+from tests.process.trees import LANDLOCK
 
 pytestmark = [
     pytest.mark.process,
@@ -212,7 +213,7 @@ def test_without_libseccomp_the_sandbox_says_once_which_protections_are_off(
 ENV_NAMES = [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
 
 
-@pytest.mark.parametrize("isolation", ["namespace", "process-group"])
+@pytest.mark.parametrize("isolation", ["namespace", LANDLOCK, "process-group"])
 def test_commands_get_the_environment_by_allowlist(isolation: str, monkeypatch: pytest.MonkeyPatch) -> None:
     leaked = {
         "DATABASE_URL": "postgres://u:pw@db/x",
@@ -228,8 +229,12 @@ def test_commands_get_the_environment_by_allowlist(isolation: str, monkeypatch: 
     finally:
         box.destroy()
     assert not set(leaked) & set(env)
-    bwrap_sets = {"PWD"} if isolation == "namespace" else set()  # from --chdir
-    assert set(env) - bwrap_sets == {
+    # Set by the sandbox: PWD by bwrap's --chdir (or the cgroup placement's sh); landlock mode's
+    # private tmp and its owner tag (the next task kills what a SIGKILLed one left).
+    by_mode = {"namespace": {"PWD"}, "landlock": {"PWD", "TMPDIR", "CANCELLABLE_AGENTS_OWNER"}}
+    sandbox_sets = by_mode.get(isolation, set())
+    assert "TMPDIR" in env or isolation != "landlock"
+    assert set(env) - sandbox_sets == {
         "PATH",
         "LANG",
         "LC_TIME",

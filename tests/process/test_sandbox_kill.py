@@ -19,9 +19,22 @@ from typing import Any
 import pytest
 
 from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
-from tests.process.trees import MODES, ChildTask, eventually, sleepers, survivors
+from cancellable_agents.toolsets.sandbox.local import sandbox as sandbox_module
+from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import cgroup_support
+from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
+from tests.process.trees import (
+    MODES,
+    NAMESPACE_BOUNDARY,
+    ChildTask,
+    eventually,
+    landlock_reason,
+    landlock_usable,
+    sleepers,
+    survivors,
+)
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
@@ -61,6 +74,25 @@ def test_sigkill_of_the_task_leaves_no_boundary_command_running(
     task = child_tasks("namespace", marker)
     assert len(task.ready()["sleepers"]) == 3
     task.proc.kill()
+    eventually(lambda: survivors(marker) == [], timeout=5.0)
+
+
+@pytest.mark.skipif(not landlock_usable(), reason=landlock_reason())
+def test_sigkill_of_a_landlock_task_leaves_detached_processes_the_next_sandbox_kills(
+    marker: str, child_tasks: Callable[..., ChildTask], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No namespace ends the tree with the task: the command's main process dies with it (its
+    parent-death signal), what it started keeps running until the next task process's first
+    landlock sandbox finds it by its owner tag, the dead task's, and SIGKILLs it."""
+    task = child_tasks("landlock", marker)
+    assert len(task.ready()["sleepers"]) == 3
+    main_shells = survivors(marker, name="sh")
+    task.proc.kill()
+    task.proc.wait(10)
+    eventually(lambda: not set(main_shells) & set(survivors(marker, name="sh")), timeout=5.0)
+    assert len(survivors(marker, name="sleep")) == 3  # what a SIGKILL of the task leaves
+    monkeypatch.setattr(sandbox_module, "_orphans_swept", Once())  # as in a new task process
+    LocalSandbox(isolation="landlock").destroy()
     eventually(lambda: survivors(marker) == [], timeout=5.0)
 
 
@@ -110,16 +142,33 @@ def secrets() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _contained(name: str, result: dict[str, Any], record: dict[str, Any]) -> None:
+#: What each boundary mode says to the model when a hostile probe fails: namespace mode shows
+#: no such file, network or process; landlock mode refuses (EACCES, EPERM).
+REFUSALS = {
+    "namespace": {
+        "read-secrets": ("No such file",),
+        "connect-loopback": ("Network is unreachable", "Connection refused"),
+        "kill-task-and-supervisor": ("No such process",),  # the pids are not even visible
+    },
+    "landlock": {
+        "read-secrets": ("Permission denied",),
+        "connect-loopback": ("Operation not permitted",),  # socket(AF_INET) refused
+        "kill-task-and-supervisor": ("Operation not permitted",),  # signals scoped (ABI 6)
+    },
+}
+
+
+def _contained(mode: str, name: str, result: dict[str, Any], record: dict[str, Any]) -> None:
     """The command failed (or did no harm) and says why, in what the model reads."""
     out, err = result["stdout"], result["stderr"]
+    said = any(words in err for words in REFUSALS[mode].get(name, ("",)))
     if name == "read-secrets":
-        assert result["exit_code"] != 0 and "SECRET" not in out and "No such file" in err
+        assert result["exit_code"] != 0 and "SECRET" not in out and said, err
     elif name == "connect-loopback":
         assert result["exit_code"] != 0 and record["accepted"] == 0
-        assert "Network is unreachable" in err or "Connection refused" in err, err
+        assert said, err
     elif name == "kill-task-and-supervisor":
-        assert result["exit_code"] != 0 and "No such process" in err  # the pids are not even visible
+        assert result["exit_code"] != 0 and said, err
     elif name == "fork-bomb":
         assert result["exit_code"] == 0 and int(out) < 32, "the process limit did not stop the forks"
     elif name == "fill-disk":
@@ -132,17 +181,33 @@ def _contained(name: str, result: dict[str, Any], record: dict[str, Any]) -> Non
         assert out == "daemonized\n"  # its daemon must be gone: checked by the survivors below
 
 
-@pytest.mark.skipif(
-    not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
+@pytest.mark.parametrize(
+    "mode",
+    [
+        NAMESPACE_BOUNDARY,
+        pytest.param(
+            "landlock",
+            marks=[
+                pytest.mark.skipif(not landlock_usable(), reason=landlock_reason()),
+                pytest.mark.skipif(
+                    landlock_support().abi < 6, reason="kill -9 of the task needs ABI 6 scoping"
+                ),
+                pytest.mark.skipif(
+                    cgroup_support().version is None, reason="the fork bomb's cap needs a cgroup"
+                ),
+                pytest.mark.skipif(os.geteuid() != 0, reason="the tmp's cap is a tmpfs: a root worker's"),
+            ],
+        ),
+    ],
 )
 def test_hostile_commands_are_contained_and_a_sigterm_during_them_unwinds(
-    marker: str, secrets: Path, child_tasks: Callable[..., ChildTask]
+    mode: str, marker: str, secrets: Path, child_tasks: Callable[..., ChildTask]
 ) -> None:
-    """Each hostile command, in its own boundary-profile sandbox, fails with a result the model
-    can read and changes nothing outside; then, with all of them running (one ignores SIGTERM,
-    one double-forked a daemon, one forked to its limit), a SIGTERM to the task unwinds within
-    the budget with nothing left. The task surviving is also the ``kill -9`` check."""
-    task = child_tasks("hostile", marker, str(secrets))
+    """Each hostile command, in its own boundary sandbox, fails with a result the model can read
+    and changes nothing outside; then, with all of them running (one ignores SIGTERM, one
+    double-forked a daemon, one forked to its limit), a SIGTERM to the task unwinds within the
+    budget with nothing left. The task surviving is also the ``kill -9`` check."""
+    task = child_tasks("hostile", marker, str(secrets), mode)
     ready = task.ready(timeout=60)
     started = time.monotonic()
     os.kill(task.proc.pid, signal.SIGTERM)
@@ -151,7 +216,7 @@ def test_hostile_commands_are_contained_and_a_sigterm_during_them_unwinds(
     failures = []
     for name, result in ready["results"].items():
         try:
-            _contained(name, result, record)
+            _contained(mode, name, result, record)
         except (AssertionError, ValueError, IndexError) as exc:
             failures.append(f"{name}: {exc!r} {result}")
     assert not failures, "\n".join(failures)

@@ -16,7 +16,7 @@ import pytest
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
+from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox
 from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
     PLACEMENT_FAILED,
@@ -25,15 +25,10 @@ from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.limits import CPU_KILL_GRACE, MiB
 from cancellable_agents.toolsets.sandbox.toolset import _for_model
-from tests.process.trees import eventually, survivors
+from tests.process.trees import BOUNDARY_MODES, eventually, survivors
 
-pytestmark = [
-    pytest.mark.process,
-    pytest.mark.timeout(90),
-    pytest.mark.skipif(
-        not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
-    ),
-]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(90)]
+
 
 needs_cgroup = pytest.mark.skipif(
     cgroup_support().version is None, reason=f"no cgroup per sandbox here: {cgroup_support().reason}"
@@ -76,25 +71,40 @@ def without_cgroups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cgroups, "_noted", Once())
 
 
-@pytest.fixture
-def boxes() -> Iterator[list[LocalSandbox]]:
-    made: list[LocalSandbox] = []
+class Boxes(list[LocalSandbox]):
+    """The sandboxes a test made (destroyed after it), all in one boundary mode."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+
+@pytest.fixture(params=BOUNDARY_MODES)
+def boxes(request: pytest.FixtureRequest) -> Iterator[Boxes]:
+    """Each test in each boundary mode: the limits hold the same way in both."""
+    made = Boxes(request.param)
     yield made
     for box in made:
         box.destroy()
 
 
-def _box(boxes: list[LocalSandbox], limits: Limits, **options: object) -> LocalSandbox:
-    box = LocalSandbox(isolation="namespace", limits=limits, **options)  # type: ignore[arg-type]
+def _box(boxes: Boxes, limits: Limits, **options: object) -> LocalSandbox:
+    box = LocalSandbox(isolation=boxes.mode, limits=limits, **options)  # type: ignore[arg-type]
     boxes.append(box)
     return box
+
+
+def _killed(boxes: Boxes, sig: int) -> int:
+    """A command's exit code when signal ``sig`` killed it: bubblewrap reports ``128 + sig``,
+    in landlock mode the command is the main process itself (``-sig``)."""
+    return 128 + sig if boxes.mode == "namespace" else -sig
 
 
 # -- memory and processes for the whole sandbox ------------------------------------------------
 
 
 @needs_cgroup
-def test_six_processes_cannot_together_hold_more_than_the_sandbox_memory(boxes: list[LocalSandbox]) -> None:
+def test_six_processes_cannot_together_hold_more_than_the_sandbox_memory(boxes: Boxes) -> None:
     limits = Limits(memory_bytes=256 * MiB)
     result = _box(boxes, limits).run(["python", "-c", SIX_HOLDERS], timeout=60)
     assert result.exit_code == 0, result
@@ -107,20 +117,20 @@ def test_six_processes_cannot_together_hold_more_than_the_sandbox_memory(boxes: 
 
 @needs_cgroup
 def test_a_command_past_the_sandbox_memory_reads_out_of_memory_and_a_cpu_kill_does_not(
-    boxes: list[LocalSandbox],
+    boxes: Boxes,
 ) -> None:
     box = _box(boxes, Limits(memory_bytes=128 * MiB, cpu_seconds=1))
     grab = box.run(["python", "-c", HOLDER.format(mib=300)], timeout=60)
-    assert grab.exit_code == 128 + 9 and grab.memory_limit_kills == 1, grab
+    assert grab.exit_code == _killed(boxes, 9) and grab.memory_limit_kills == 1, grab
     assert _for_model(grab, 60)["killed_by"].startswith("killed (SIGKILL): out of memory")
     # Past the hard CPU limit is a SIGKILL too: the count tells it apart.
     spin = box.run(["python", "-c", CATCHES_SIGXCPU], timeout=30)
-    assert spin.exit_code == 128 + 9 and spin.memory_limit_kills == 0, spin
+    assert spin.exit_code == _killed(boxes, 9) and spin.memory_limit_kills == 0, spin
     assert "not out of memory" in _for_model(spin, 30)["killed_by"]
 
 
 def test_without_a_cgroup_the_memory_limit_binds_each_process_only(
-    boxes: list[LocalSandbox], without_cgroups: None
+    boxes: Boxes, without_cgroups: None
 ) -> None:
     """The control: per-process address space (what there was before) lets all six hold."""
     box = _box(boxes, Limits(memory_bytes=256 * MiB))
@@ -132,7 +142,7 @@ def test_without_a_cgroup_the_memory_limit_binds_each_process_only(
 
 @needs_cgroup
 def test_a_fork_bomb_is_capped_by_the_sandbox_process_limit_across_commands(
-    boxes: list[LocalSandbox], marker: str
+    boxes: Boxes, marker: str
 ) -> None:
     limits = Limits(max_processes=40)
     box = _box(boxes, limits)
@@ -151,7 +161,7 @@ def test_a_fork_bomb_is_capped_by_the_sandbox_process_limit_across_commands(
 
 
 @needs_cgroup
-def test_a_command_that_cannot_be_placed_in_the_cgroup_never_runs(boxes: list[LocalSandbox]) -> None:
+def test_a_command_that_cannot_be_placed_in_the_cgroup_never_runs(boxes: Boxes) -> None:
     box = _box(boxes, Limits())
     assert box.cgroup is not None
     box.cgroup.remove()
@@ -161,7 +171,7 @@ def test_a_command_that_cannot_be_placed_in_the_cgroup_never_runs(boxes: list[Lo
 
 
 def test_without_a_cgroup_sandboxes_say_so_once_and_keep_the_per_process_limits(
-    boxes: list[LocalSandbox], without_cgroups: None, caplog: pytest.LogCaptureFixture
+    boxes: Boxes, without_cgroups: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(
         logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.boundary.cgroups"
@@ -176,7 +186,7 @@ def test_without_a_cgroup_sandboxes_say_so_once_and_keep_the_per_process_limits(
 
 
 @needs_cgroup
-def test_destroy_removes_the_sandbox_cgroup(boxes: list[LocalSandbox]) -> None:
+def test_destroy_removes_the_sandbox_cgroup(boxes: Boxes) -> None:
     box = _box(boxes, Limits())
     assert box.cgroup is not None and all(path.is_dir() for path in box.cgroup.paths)
     box.run("sleep 0.1 & echo started", timeout=30)
@@ -186,7 +196,7 @@ def test_destroy_removes_the_sandbox_cgroup(boxes: list[LocalSandbox]) -> None:
 
 @needs_cgroup
 def test_a_cgroup_a_killed_task_left_is_removed_by_the_next_sandbox_but_a_live_one_is_not(
-    boxes: list[LocalSandbox],
+    boxes: Boxes,
 ) -> None:
     live = _box(boxes, Limits())
     assert live.cgroup is not None
@@ -212,7 +222,7 @@ def test_a_cgroup_a_killed_task_left_is_removed_by_the_next_sandbox_but_a_live_o
 
 @pytest.mark.parametrize("workdir_bytes", [2 * MiB, None])
 def test_the_workdir_has_a_total_size_for_commands_and_file_tools(
-    boxes: list[LocalSandbox], workdir_bytes: int | None
+    boxes: Boxes, workdir_bytes: int | None
 ) -> None:
     box = _box(boxes, Limits(workdir_bytes=workdir_bytes))
     if workdir_bytes is not None and not box.workdir.is_mount():
@@ -227,7 +237,7 @@ def test_the_workdir_has_a_total_size_for_commands_and_file_tools(
         box.write_file("d", "x" * 3 * MiB)
 
 
-def test_a_workdir_the_author_passed_is_not_covered(boxes: list[LocalSandbox], tmp_path: object) -> None:
+def test_a_workdir_the_author_passed_is_not_covered(boxes: Boxes, tmp_path: object) -> None:
     """A tmpfs on the author's own folder would hide what is in it."""
     box = _box(boxes, Limits(workdir_bytes=MiB), workdir=tmp_path)
     assert not box.workdir.is_mount()
@@ -240,15 +250,15 @@ CATCHES_SIGXCPU = (
 )
 
 
-def test_the_cpu_limit_sends_sigxcpu_first_and_sigkill_a_grace_later(boxes: list[LocalSandbox]) -> None:
+def test_the_cpu_limit_sends_sigxcpu_first_and_sigkill_a_grace_later(boxes: Boxes) -> None:
     box = _box(boxes, Limits(cpu_seconds=1))
     caught = box.run(["python", "-c", CATCHES_SIGXCPU], timeout=30)
     # SIGXCPU at the soft limit, once a CPU second up to the hard one, then SIGKILL.
     assert caught.stdout.splitlines()[0] == "SIGXCPU"
     assert 1 <= caught.stdout.count("SIGXCPU") <= CPU_KILL_GRACE + 1
-    assert caught.exit_code == 128 + 9 and "SIGKILL" in _for_model(caught, 30)["killed_by"]
+    assert caught.exit_code == _killed(boxes, 9) and "SIGKILL" in _for_model(caught, 30)["killed_by"]
     plain = box.run(["python", "-c", "while True: pass"], timeout=30)
-    assert plain.exit_code == 128 + 24 and "CPU" in _for_model(plain, 30)["killed_by"]
+    assert plain.exit_code == _killed(boxes, 24) and "CPU" in _for_model(plain, 30)["killed_by"]
 
 
 # -- a cancel at each limit -----------------------------------------------------------------
@@ -277,7 +287,7 @@ AT_THE_LIMIT = {
 
 @pytest.mark.parametrize("limit", list(AT_THE_LIMIT))
 def test_a_kill_at_each_limit_unwinds_within_the_budget_and_is_recorded(
-    boxes: list[LocalSandbox], limit: str, marker: str
+    boxes: Boxes, limit: str, marker: str
 ) -> None:
     limits, script = AT_THE_LIMIT[limit]
     scope = TaskCancellation("t", budget=3.0)

@@ -24,9 +24,22 @@ import psutil
 import pytest
 
 from cancellable_agents.toolsets.sandbox import bwrap_support
+from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
+from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import SocketRule, seccomp_filter
 
 TASK_SCRIPT = Path(__file__).with_name("_sandbox_task.py")
 SRC = Path(__file__).parents[2] / "src"
+
+
+def landlock_usable() -> bool:
+    """Whether ``isolation="landlock"`` works here (Landlock and the seccomp filter)."""
+    return landlock_support().usable and seccomp_filter(SocketRule.UNIX_ONLY).program is not None
+
+
+def landlock_reason() -> str:
+    return landlock_support().reason or seccomp_filter(SocketRule.UNIX_ONLY).reason
+
+
 NAMESPACE = pytest.param(
     "namespace",
     marks=pytest.mark.skipif(
@@ -34,8 +47,20 @@ NAMESPACE = pytest.param(
         reason=f"bubblewrap cannot create PID namespaces here: {bwrap_support().reason}",
     ),
 )
-#: Both isolation modes, namespace mode skipped where bubblewrap cannot create PID namespaces.
-MODES = [NAMESPACE, "process-group"]
+
+
+LANDLOCK = pytest.param("landlock", marks=pytest.mark.skipif(not landlock_usable(), reason=landlock_reason()))
+#: Every isolation mode, namespace mode skipped where bubblewrap cannot create PID namespaces,
+#: landlock mode where the kernel has no Landlock or there is no seccomp filter.
+MODES = [NAMESPACE, LANDLOCK, "process-group"]
+NAMESPACE_BOUNDARY = pytest.param(
+    "namespace",
+    marks=pytest.mark.skipif(
+        not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
+    ),
+)
+#: The modes that claim a boundary (namespace mode with the boundary profile, landlock mode).
+BOUNDARY_MODES = [NAMESPACE_BOUNDARY, LANDLOCK]
 
 
 def new_marker() -> str:

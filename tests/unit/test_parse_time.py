@@ -56,6 +56,7 @@ RUN_TIME_ONLY = (
     "cancellable_agents.toolsets.sandbox.local.sandbox",
     "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
     "cancellable_agents.toolsets.sandbox.local.boundary.seccomp",
+    "cancellable_agents.toolsets.sandbox.local.boundary.landlock",
     "cancellable_agents.toolsets.sandbox.local.boundary.cgroups",
     "cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy",
 )

@@ -23,6 +23,7 @@ from cancellable_agents.toolsets.sandbox import (
     SandboxPathError,
     scrubbed_environment,
 )
+from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
 from cancellable_agents.toolsets.sandbox.local.files import LIST_LIMIT, WorkdirFiles, shown_name
 
 pytestmark = pytest.mark.timeout(60)
@@ -156,19 +157,49 @@ def test_local_sandbox_satisfies_the_protocols() -> None:
     box.destroy()
 
 
-def test_namespace_mode_without_bubblewrap_says_how_to_fix_it() -> None:
-    code = (
-        "from cancellable_agents.toolsets.sandbox import LocalSandbox, SandboxUnavailable\n"
-        "box = LocalSandbox(isolation='auto')\nprint(box.mode)\nbox.destroy()\n"
-        "try:\n    LocalSandbox(isolation='namespace')\n"
-        "except SandboxUnavailable as exc:\n    print(exc)\n"
-    )
+#: Without bubblewrap on PATH: what ``isolation="auto"`` gives, and what ``"namespace"`` says.
+#: ``argv[1] == "no-landlock"``: first a seccomp filter refusing ``landlock_create_ruleset`` with
+#: EPERM, as a container runtime's default profile without Landlock does.
+WITHOUT_BUBBLEWRAP = """
+import errno, sys
+if sys.argv[1] == "no-landlock":
+    import pyseccomp
+    rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "landlock_create_ruleset")
+    rules.load()
+from cancellable_agents.toolsets.sandbox import LocalSandbox, SandboxUnavailable
+for isolation in ("auto", "namespace", "process-group"):
+    try:
+        box = LocalSandbox(isolation=isolation)
+        print(box.mode)
+        box.destroy()
+    except SandboxUnavailable as exc:
+        print(exc)
+"""
+
+
+def _without_bubblewrap(landlock: str) -> list[str]:
     env = {**os.environ, "PATH": "/nonexistent", "PYTHONPATH": str(SRC)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    argv = [sys.executable, "-c", WITHOUT_BUBBLEWRAP, landlock]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    mode, message = out.stdout.split("\n", 1)
-    assert mode == "process-group"
-    assert "apt-get install bubblewrap" in message and "user namespaces" in message
+    return out.stdout.splitlines()
+
+
+@pytest.mark.skipif(not landlock_support().usable, reason=landlock_support().reason)
+def test_without_bubblewrap_auto_is_landlock_mode_and_namespace_says_how_to_fix_it() -> None:
+    auto, namespace, process_group = _without_bubblewrap("landlock")
+    assert auto == "landlock" and process_group == "process-group"
+    assert "apt-get install bubblewrap" in namespace and "user namespaces" in namespace
+
+
+def test_without_any_boundary_auto_refuses_naming_what_is_missing_and_the_fixes() -> None:
+    """No silent fall back to process-group mode (no boundary): asked for by name only."""
+    auto, namespace, process_group = _without_bubblewrap("no-landlock")
+    assert "found no boundary" in auto and "bwrap is not installed" in auto, auto
+    assert "seccomp profile refuses the landlock_* system calls" in auto, auto
+    assert "securityContext" in auto and "isolation='process-group'" in auto, auto
+    assert "apt-get install bubblewrap" in namespace and process_group == "process-group"
 
 
 def test_command_result_ok_means_exit_0_and_not_stopped() -> None:

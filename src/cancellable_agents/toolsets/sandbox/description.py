@@ -31,8 +31,8 @@ class SandboxToolset(ToolsetDescription):
 
     :param sandbox: a backend of your own (any :class:`Sandbox`); it is yours and never destroyed
         here. Default: a :class:`LocalSandbox` made on first use, destroyed on the toolset's exit.
-    :param isolation: the local sandbox's isolation: ``"auto"`` (default), ``"namespace"`` or
-        ``"process-group"``.
+    :param isolation: the local sandbox's isolation: ``"auto"`` (default), ``"namespace"``,
+        ``"landlock"`` (a boundary without namespaces, for unprivileged pods) or ``"process-group"``.
     :param profile: ``"boundary"`` (default) or ``"host"``.
     :param network: ``False`` (default), ``True``, or an egress allowlist (``EgressPolicy`` or host
         rules such as ``["api.github.com", "*.pypi.org:443"]``).

@@ -19,10 +19,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.procs.owner import owner_gone
 from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,
@@ -42,7 +44,16 @@ from cancellable_agents.toolsets.sandbox.local.isolation import Mode
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult
 
-__all__ = ["KILL_WAIT", "READER_JOIN", "STOP_SLACK", "CommandOwner", "CommandTree", "stop_bound"]
+__all__ = [
+    "KILL_WAIT",
+    "OWNER_VAR",
+    "READER_JOIN",
+    "STOP_SLACK",
+    "CommandOwner",
+    "CommandTree",
+    "kill_orphaned_commands",
+    "stop_bound",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +67,10 @@ KILL_WAIT = 1.0
 READER_JOIN = 1.0
 #: Scheduling slack on top of the parts of a stop (see :meth:`CommandTree.stop_bound`).
 STOP_SLACK = 2.0
+#: Environment variable carrying the owner tag of the task process that started a command
+#: (:func:`~cancellable_agents.procs.owner.owner_tag`), where no namespace ends the command with
+#: the task: after a SIGKILL of the task, :func:`kill_orphaned_commands` finds what it left.
+OWNER_VAR = "CANCELLABLE_AGENTS_OWNER"
 
 
 class CommandOwner(Protocol):
@@ -189,6 +204,7 @@ class CommandTree:
             self.terminated.wait(self.stop_bound())
         else:
             self._kill_leftovers()
+        self._reap_session_orphans()
         self.popen.wait()  # only now: until here its pid, the group id, could not be recycled
         self._reap_tracked()
         for reader in (self.stdout, self.stderr):
@@ -250,6 +266,21 @@ class CommandTree:
         for key in keys:
             reap_zombie(key)
 
+    def _reap_session_orphans(self) -> None:
+        """Own-session modes: reap the command's processes that were reparented to this process
+        (a subreaper task) and exited before the tracker ever saw them, a double fork's middle
+        shell say. They are in the command's session, whose id is the main pid, which cannot be
+        recycled while the main process is unreaped (call before ``popen.wait()``); no ``Popen``
+        of the task's waits for them."""
+        if not self._own_session:
+            return
+        for pid in children_of(os.getpid()):
+            info = read_proc(pid)
+            if info is None or pid == self.main.pid or not info.exited:
+                continue
+            if info.sid == self.main.pid and info.start >= self.main.start:
+                reap_zombie(ProcKey(pid, info.start))
+
     def _orphaned_inits(self) -> set[ProcKey]:
         """bubblewrap's namespace inits reparented to this process, once they have exited.
 
@@ -284,7 +315,7 @@ class CommandTree:
         """Processes started after the command that are in its group or carry its tag."""
         found: set[ProcKey] = set()
         # The group id is the main pid: only meaningful while that pid cannot be recycled.
-        group_alive = self.mode == "process-group" and self.popen.returncode is None
+        group_alive = self._own_session and self.popen.returncode is None
         for pid in all_pids():
             info = read_proc(pid)
             if info is None or info.exited or info.start < self.main.start or pid == os.getpid():
@@ -377,13 +408,19 @@ class CommandTree:
     def _signal_group(self, sig: int) -> None:
         # The main process is the group leader; while it is unreaped its pid (the pgid) cannot
         # be recycled, so the group signal cannot reach a stranger.
-        if self.mode != "process-group" or self.popen.returncode is not None:
+        if not self._own_session or self.popen.returncode is not None:
             return
         leader = read_proc(self.main.pid)
         if leader is None or leader.start != self.main.start:
             return  # reaped behind our back (e.g. by the descendant reaper): the id is not ours
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.main.pid, sig)
+
+    @property
+    def _own_session(self) -> bool:
+        """The command's main process leads its own session and group (process-group and
+        landlock modes); in namespace mode the group is bubblewrap's, outside the namespace."""
+        return self.mode != "namespace"
 
     def _is_outer_bwrap(self, key: ProcKey) -> bool:
         return self.mode == "namespace" and key == self.main
@@ -430,3 +467,45 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
         return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True  # reaped by someone else
+
+
+def kill_orphaned_commands() -> list[ProcKey]:
+    """SIGKILL the processes of commands whose task process is gone: a SIGKILLed task could not
+    stop them. Found by :data:`OWNER_VAR` in their initial environment, naming an owner in this
+    pid namespace that is gone for sure (:func:`owner_gone`; another namespace's is never
+    touched). Returns the processes killed. A command that re-executes itself with a scrubbed
+    environment is not found: only a cgroup holds such a process (its orphan is killed whole)."""
+    needle = f"{OWNER_VAR}=".encode()
+    verdicts: dict[bytes, bool] = {}
+    killed = []
+    for pid in all_pids():
+        tag = _owner_of(pid, needle)
+        if tag is None or pid == os.getpid():
+            continue
+        if tag not in verdicts:
+            verdicts[tag] = owner_gone(tag.decode("ascii", "replace"))
+        info = read_proc(pid)
+        if verdicts[tag] and info is not None and not info.exited:
+            key = ProcKey(pid, info.start)
+            if send_signal(key, signal.SIGKILL):
+                killed.append(key)
+    if killed:
+        log.info(
+            "LocalSandbox: killed %d process(es) left running by sandbox commands of tasks that were "
+            "SIGKILLed: %s",
+            len(killed),
+            ", ".join(str(k.pid) for k in killed),
+        )
+    return killed
+
+
+def _owner_of(pid: int, needle: bytes) -> bytes | None:
+    """The owner tag in ``pid``'s initial environment, if it has one."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for entry in environ.split(b"\0"):
+        if entry.startswith(needle):
+            return entry[len(needle) :]
+    return None

@@ -1,9 +1,10 @@
 """Which isolation a :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox` gets here.
 
-``"namespace"`` when bubblewrap can give the chosen profile on this host, else (for
-``isolation="auto"``) ``"process-group"``, which stops commands but is no boundary: that is
-said once per task, loudly, since a DAG author may have counted on one. This module imports no
-Airflow.
+``isolation="auto"`` gets a boundary or nothing: ``"namespace"`` when bubblewrap can give the
+chosen profile on this host, else ``"landlock"`` (boundary profile) where the kernel has
+Landlock, else :class:`SandboxUnavailable` naming what is missing and the fix. Never, silently,
+``"process-group"``, which stops commands but is no boundary: a DAG author asks for it by name,
+and it is still said once per task, loudly. This module imports no Airflow.
 
 Isolation modes (``isolation=``):
 
@@ -14,7 +15,14 @@ Isolation modes (``isolation=``):
     With the default ``profile="boundary"`` it is also a boundary (see
     :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.bwrap`): no home folders, no Airflow config, no
     network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
-``"process-group"`` (fallback, any POSIX)
+``"landlock"`` (Linux 5.13+, no privilege, no namespaces)
+    Each command restricts itself before it runs (Landlock, ``no_new_privs``, the seccomp filter
+    with ``AF_UNIX`` sockets only unless ``network=True``): it reads the system folders and the
+    interpreter, reads and writes only its workdir and a private tmp, has no network, and (ABI
+    6+) signals nothing outside itself; see
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`. Processes are tracked and
+    stopped as in process-group mode. For unprivileged pods, where bubblewrap has no namespaces.
+``"process-group"`` (any POSIX; only when asked for by name)
     Each command starts a new session. A watcher thread records the pid and start time of every
     descendant every ~20 ms, so processes that later ``setsid`` or are reparented stay known.
     A stop signals the process group, every tracked process (start time checked, so a recycled
@@ -22,7 +30,8 @@ Isolation modes (``isolation=``):
     (``CANCELLABLE_AGENTS_COMMAND``). Cleanup only, **not a boundary**: the command sees what the
     task's user sees, and a SIGKILL of the task leaves commands running. Warned once per task.
 ``"auto"`` (default)
-    Namespace mode when bubblewrap can give the chosen profile here, else process-group mode.
+    Namespace mode when bubblewrap can give the chosen profile here, else landlock mode (the
+    boundary profile only), else :class:`SandboxUnavailable`.
 """
 
 from __future__ import annotations
@@ -36,41 +45,82 @@ from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support, unavailable_message
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
+from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import SocketRule, seccomp_filter
 from cancellable_agents.toolsets.sandbox.protocol import SandboxUnavailable
 
 __all__ = ["Isolation", "Mode", "Profile", "choose_mode", "enforceable_egress", "warn_no_boundary"]
 
 log = logging.getLogger(__name__)
 
-Isolation = Literal["auto", "namespace", "process-group"]
+Isolation = Literal["auto", "namespace", "landlock", "process-group"]
 #: The isolation a sandbox got: what :data:`Isolation` resolves to here.
-Mode = Literal["namespace", "process-group"]
+Mode = Literal["namespace", "landlock", "process-group"]
 Profile = Literal["boundary", "host"]
 
 
 def choose_mode(isolation: str, profile: str) -> Mode:
     """The mode for ``isolation`` and ``profile``; :class:`SandboxUnavailable` (saying how to
-    fix it) if ``"namespace"`` was required and cannot be had, ``ConfigurationError`` (a
-    ``ValueError``) for nonsense."""
-    if isolation not in ("auto", "namespace", "process-group"):
+    fix it) if the mode required, or for ``"auto"`` any boundary, cannot be had;
+    ``ConfigurationError`` (a ``ValueError``) for nonsense."""
+    if isolation not in ("auto", "namespace", "landlock", "process-group"):
         raise ConfigurationError(
-            f"isolation must be 'auto', 'namespace' or 'process-group', got {isolation!r}"
+            f"isolation must be 'auto', 'namespace', 'landlock' or 'process-group', got {isolation!r}"
         )
     if profile not in ("boundary", "host"):
         raise ConfigurationError(f"profile must be 'boundary' or 'host', got {profile!r}")
     if isolation == "process-group":
         return "process-group"
+    if isolation == "landlock":
+        return _landlock(profile)
     support = bwrap_support()
     if support.usable and (profile == "host" or support.boundary):
         return "namespace"
     if isolation == "namespace":
         raise SandboxUnavailable(unavailable_message(support, profile))
-    log.info(
-        "LocalSandbox: no %s namespace sandbox (%s); using process-group isolation",
-        profile,
-        support.reason or support.boundary_reason,
+    why_not = _landlock_missing() if profile == "boundary" else "it has the boundary profile only"
+    if why_not is None:
+        log.info(
+            "LocalSandbox: no namespace sandbox (%s); using landlock isolation",
+            support.reason or support.boundary_reason,
+        )
+        return "landlock"
+    raise SandboxUnavailable(
+        f"isolation='auto' found no boundary here (profile={profile!r}): no namespace mode, since "
+        f"{support.reason or support.boundary_reason}; no landlock mode, since {why_not}. Fix: "
+        "install bubblewrap and allow unprivileged user namespaces (in Kubernetes: a "
+        "securityContext and seccomp profile that allow unshare/clone(CLONE_NEWUSER)), or a "
+        "kernel with Landlock (5.13+; 6.12+ for all of it) and libseccomp (`apt-get install "
+        "libseccomp2`), or pass isolation='process-group' to accept no boundary (cleanup only)."
     )
-    return "process-group"
+
+
+def _landlock(profile: str) -> Mode:
+    """Landlock mode, or :class:`SandboxUnavailable` naming what is missing and the fix."""
+    if profile != "boundary":
+        raise ConfigurationError("isolation='landlock' has the boundary profile only (not 'host')")
+    why_not = _landlock_missing()
+    if why_not is not None:
+        raise SandboxUnavailable(
+            f"isolation='landlock' cannot be had: {why_not}. Fix: a kernel 5.13+ with Landlock "
+            "enabled (6.12+ for signal and abstract-socket scoping), a container seccomp profile "
+            "that allows landlock_* (RuntimeDefault does on current runtimes), libseccomp "
+            "(`apt-get install libseccomp2`), or isolation='process-group' (cleanup only, no boundary)."
+        )
+    return "landlock"
+
+
+def _landlock_missing() -> str | None:
+    """Why landlock mode cannot be had here (``None``: it can)."""
+    support = landlock_support()
+    if not support.usable:
+        return support.reason
+    seccomp = seccomp_filter(SocketRule.UNIX_ONLY)
+    if seccomp.program is None:
+        # Without it the network is open to UDP, raw and netlink sockets, and nested namespaces,
+        # keyrings and io_uring to the command: the boundary asked for cannot be had.
+        return f"the seccomp filter is missing ({seccomp.reason})"
+    return None
 
 
 _warned_lock = threading.Lock()
@@ -91,10 +141,10 @@ def warn_no_boundary(scope: TaskCancellation | None) -> None:
                 return
             _warned.add(scope)
     log.warning(
-        "LocalSandbox runs commands in process-group mode: this stops them on a kill but is NOT a "
-        "security boundary (commands see the task's files and network and run as its user, with "
-        "no limits). For a boundary install bubblewrap (`apt-get install bubblewrap`) and pass "
-        "isolation='namespace' to fail instead of falling back."
+        "LocalSandbox runs commands in process-group mode (isolation='process-group'): this stops "
+        "them on a kill but is NOT a security boundary (commands see the task's files and network "
+        "and run as its user, with no limits). For a boundary pass isolation='auto' (namespace "
+        "mode with bubblewrap, else landlock mode)."
     )
 
 
@@ -106,6 +156,12 @@ def enforceable_egress(policy: bool | EgressPolicy, mode: Mode, profile: Profile
     if profile == "host":
         raise ConfigurationError(
             "an egress allowlist needs profile='boundary' ('host' has the host's network)"
+        )
+    if mode == "landlock":
+        # The proxy's forwarder listens on loopback, which only a network namespace makes private.
+        raise ConfigurationError(
+            "an egress allowlist needs isolation='namespace' for now; in Landlock mode pass "
+            "network=False (no network) or network=True (the host's network)"
         )
     if mode != "namespace":
         log.warning("LocalSandbox: process-group mode has the host's network: no egress allowlist")

@@ -7,8 +7,8 @@ what is left, reaps it and records each kill on the task's :class:`TaskCancellat
 command's main process ends, whatever it left running in the background is killed too: a
 command never outlives itself.
 
-Isolation modes (``isolation=``: ``"namespace"``, ``"process-group"``, ``"auto"``) are described in
-:mod:`~cancellable_agents.toolsets.sandbox.local.isolation`.
+Isolation modes (``isolation=``: ``"namespace"``, ``"landlock"``, ``"process-group"``, ``"auto"``) are
+described in :mod:`~cancellable_agents.toolsets.sandbox.local.isolation`.
 
 Commands get the environment by allowlist in every mode (``PATH``, the locale, ``TERM``, ``TZ``,
 ``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.local.env`).
@@ -38,15 +38,19 @@ from pathlib import Path
 from typing import TypeVar
 
 from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
+from cancellable_agents.procs.owner import owner_tag
 from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox.local.boundary import landlock
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import (
     BoundaryProfile,
     boundary_argv,
     bwrap_support,
     host_argv,
+    interpreter_paths,
     sandbox_uid,
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import SandboxCgroup
@@ -63,8 +67,17 @@ from cancellable_agents.toolsets.sandbox.local.boundary.limits import (
     mount_workdir,
     prlimit_path,
 )
-from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import command_filter, warn_if_missing
-from cancellable_agents.toolsets.sandbox.local.command import CommandTree, stop_bound
+from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import (
+    SocketRule,
+    command_filter,
+    warn_if_missing,
+)
+from cancellable_agents.toolsets.sandbox.local.command import (
+    OWNER_VAR,
+    CommandTree,
+    kill_orphaned_commands,
+    stop_bound,
+)
 from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment
 from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, outside_error
 from cancellable_agents.toolsets.sandbox.local.isolation import (
@@ -76,7 +89,7 @@ from cancellable_agents.toolsets.sandbox.local.isolation import (
     warn_no_boundary,
 )
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, start_process
-from cancellable_agents.toolsets.sandbox.local.workdirs import prepare_workdir, remove_workdir
+from cancellable_agents.toolsets.sandbox.local.workdirs import new_workdir, prepare_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
 
 __all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "LocalSandbox"]
@@ -90,6 +103,8 @@ DEFAULT_OUTPUT_LIMIT = 64 * 1024
 KEEP_RESULTS = 256
 #: Environment variable carrying ``<sandbox id>:<command id>`` into every command's tree.
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
+#: The first landlock sandbox of a task process kills what SIGKILLed tasks' commands left.
+_orphans_swept = Once()
 
 
 # -- the sandbox ----------------------------------------------------------------------------
@@ -115,6 +130,12 @@ class LocalSandbox:
     defaults when ``None``). On a root worker the workdir is handed to the
     sandbox's own uid, and ``writable_paths`` must be writable by it. ``profile="host"``: the
     old view (whole host read-only, host network, no limits), for commands that need it.
+
+    Landlock mode (``isolation="landlock"``): the same view of the files without namespaces,
+    enforced by the kernel's Landlock on each command (plus a private tmp, ``TMPDIR``), no
+    network (``network=True``: the host's; no egress allowlist yet), limits as in namespace mode
+    where the worker has a cgroup, else per process (no process count); see
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`.
     """
 
     #: Kills are recorded here, per process (the attachment need not record per command).
@@ -156,6 +177,7 @@ class LocalSandbox:
         self.output_limit = output_limit
         self.python = python or sys.executable or "python3"
         self._explicit_env = dict(env or {})
+        read_only_paths, writable_paths = tuple(read_only_paths), tuple(writable_paths)
         self._commands: dict[str, CommandTree] = {}
         self._lock = threading.Lock()
         self._destroyed = False
@@ -163,14 +185,15 @@ class LocalSandbox:
         self._attachment: SandboxAttachment | None = None
         self.cgroup: SandboxCgroup | None = None
         self._boundary = self._boundary_profile(read_only_paths, writable_paths)
+        # Landlock mode: the ruleset, the private tmp and the limits prlimit sets.
+        self._landlock: landlock.LandlockRuleset | None = None
+        self._owner_tag: str | None = None
+        self._tmp: Path | None = None
+        self._command_limits = replace(self.limits, max_processes=None)
+        if self.mode == "landlock":
+            self._landlock_boundary(read_only_paths, writable_paths)
         log.info(
-            "LocalSandbox %s: isolation=%s, workdir=%s%s",
-            self.id,
-            self.mode,
-            self.workdir,
-            f" (bubblewrap, profile={profile}, network={self.egress or self.network})"
-            if self.mode == "namespace"
-            else "",
+            "LocalSandbox %s: isolation=%s, workdir=%s%s", self.id, self.mode, self.workdir, self._described()
         )
         self._attach(scope or current_cancellation())
 
@@ -195,6 +218,57 @@ class LocalSandbox:
             uid=uid,
             sockets=self._egress_sockets(),
         )
+
+    def _landlock_boundary(
+        self, read_only: Iterable[str | os.PathLike[str]], writable: Iterable[str | os.PathLike[str]]
+    ) -> None:
+        """The ruleset (built once, closed by :meth:`destroy`), the private tmp and the limits;
+        at the first landlock sandbox of this process, the sweep of what SIGKILLed tasks left."""
+        support = landlock.landlock_support()
+        if _orphans_swept.first():
+            kill_orphaned_commands()
+        self._owner_tag = owner_tag()
+        warn_if_missing()
+        landlock.warn_if_missing(support)
+        self._command_limits = self._sandbox_limits()
+        if self.cgroup is None:
+            # RLIMIT_NPROC counts every process of the worker's uid: not this sandbox's count.
+            self._command_limits = replace(self._command_limits, max_processes=None)
+        self._tmp = self._private_tmp()
+        # The rules come last: a rule is on an inode, and a tmpfs mounted on the workdir or the
+        # tmp after it (by _sandbox_limits, _private_tmp) would hide the folder it names.
+        shown = landlock.readable_paths(interpreter_paths(self.python), [_absolute(p) for p in read_only])
+        rw = [*(_absolute(p) for p in writable), str(self.workdir), str(self._tmp)]
+        self._landlock = landlock.LandlockRuleset.build(
+            support, readable=shown, writable=rw, network=self.network
+        )
+        weakref.finalize(self, self._landlock.close)
+
+    def _private_tmp(self) -> Path:
+        """The sandbox's tmp (``TMPDIR``): named as a workdir, so the next sandbox removes it
+        after a SIGKILL; a tmpfs of ``tmp_bytes`` on it where the worker may mount."""
+        tmp = new_workdir()
+        weakref.finalize(self, remove_workdir, tmp)
+        if self.limits.tmp_bytes is not None:
+            mount_workdir(tmp, self.limits.tmp_bytes)
+        return tmp
+
+    def _described(self) -> str:
+        """The boundary, for the start log line."""
+        if self.mode == "namespace":
+            return f" (bubblewrap, profile={self.profile}, network={self.egress or self.network})"
+        if self._landlock is None:
+            return ""
+        support = self._landlock.support
+        missing = "; ".join(support.missing()) or "none"
+        return f" (Landlock ABI {support.abi}, network={self.network}, tmp={self._tmp}, missing: {missing})"
+
+    def _record_detail(self) -> dict[str, object]:
+        """What the timeline's ``sandbox_attached`` event says of the boundary beyond the mode."""
+        if self._landlock is None:
+            return {}
+        support = self._landlock.support
+        return {"landlock_abi": support.abi, "missing_protections": list(support.missing())}
 
     def _egress_sockets(self) -> tuple[tuple[str, str], ...]:
         """Start the egress proxy of a sandbox with an allowlist; its socket, shown inside."""
@@ -249,7 +323,13 @@ class LocalSandbox:
             # Under the lock: two first uses at once attach once (a cancelled scope's release runs
             # on a thread of its own, so it waits for this lock instead of deadlocking on it).
             self._attachment = attach_sandbox(
-                self, scope, name=self.id, mode=self.mode, profile=self.profile, workdir=str(self.workdir)
+                self,
+                scope,
+                name=self.id,
+                mode=self.mode,
+                profile=self.profile,
+                workdir=str(self.workdir),
+                **self._record_detail(),
             )
             return self._attachment
 
@@ -287,17 +367,23 @@ class LocalSandbox:
         command_id = uuid.uuid4().hex[:12]
         tag = f"{self.id}:{command_id}"
         env = scrubbed_environment(os.environ, self._explicit_env, home=str(self.workdir))
-        if self._boundary is not None:
+        if self._boundary is not None or self._landlock is not None:
             self._boundary_env(env)
+        if self._tmp is not None and "TMPDIR" not in self._explicit_env:
+            env["TMPDIR"] = str(self._tmp)
+        if self._owner_tag is not None:
+            env[OWNER_VAR] = self._owner_tag
         if self._proxy is not None:
             env.update({k: v for k, v in proxy_env().items() if k not in self._explicit_env})
         env[COMMAND_TAG] = tag
         with self._lock:
             if self._destroyed:
                 raise SandboxClosed(f"sandbox {self.id} was destroyed; it starts no more commands")
-            with command_filter(self._boundary is not None) as seccomp_fd:
+            with command_filter(
+                self._boundary is not None or self._landlock is not None, self._sockets()
+            ) as seccomp_fd:
                 wrapped = self._wrap(argv, seccomp_fd)
-                cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, seccomp_fd)
+                cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, self._inherited(seccomp_fd))
             self._commands[command_id] = cmd
             self._forget_old_results()
         return command_id
@@ -308,7 +394,25 @@ class LocalSandbox:
         for command_id in finished[: max(0, len(finished) - KEEP_RESULTS)]:
             del self._commands[command_id]
 
+    def _sockets(self) -> SocketRule:
+        """Landlock mode without the host's network: no socket but unix ones (no namespace
+        confines the others)."""
+        return (
+            SocketRule.UNIX_ONLY if self._landlock is not None and not self.network else SocketRule.NAMESPACED
+        )
+
+    def _inherited(self, seccomp_fd: int | None) -> tuple[int, ...]:
+        """The descriptors a command's first process inherits: its filter, the ruleset."""
+        fds = [] if seccomp_fd is None else [seccomp_fd]
+        if self._landlock is not None:
+            fds.append(self._landlock.fd)
+        return tuple(fds)
+
     def _wrap(self, argv: list[str], seccomp_fd: int | None = None) -> list[str]:
+        if self._landlock is not None:
+            placement = self.cgroup.placement_prefix() if self.cgroup is not None else []
+            limits = limits_prefix(prlimit_path(), self._command_limits)
+            return placement + limits + landlock.helper_argv(self.python, self._landlock, seccomp_fd) + argv
         if self.mode != "namespace":
             # Per-uid here, RLIMIT_NPROC would count every process of the worker's user.
             # (No bubblewrap probe here: its orphans would come back to a subreaper task process.)
@@ -328,12 +432,12 @@ class LocalSandbox:
         tag: str,
         timeout: float | None,
         stdin: str | bytes | None,
-        seccomp_fd: int | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> CommandTree:
         hits_before = self.cgroup.limit_hits() if self.cgroup is not None else None
         started = time.monotonic()
         proc = start_process(
-            argv, cwd=self.workdir, env=env, piped_stdin=stdin is not None, seccomp_fd=seccomp_fd
+            argv, cwd=self.workdir, env=env, piped_stdin=stdin is not None, pass_fds=pass_fds
         )
         info = read_proc(proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
@@ -399,6 +503,10 @@ class LocalSandbox:
             self._proxy.close()
         if self.cgroup is not None:
             self.cgroup.remove()
+        if self._landlock is not None:
+            self._landlock.close()
+        if self._tmp is not None:
+            remove_workdir(self._tmp)
         if self._attachment is not None:
             self._attachment.detach()
         if self._owns_workdir:

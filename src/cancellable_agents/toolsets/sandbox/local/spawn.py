@@ -91,10 +91,11 @@ def start_process(
     cwd: str | os.PathLike[str],
     env: dict[str, str],
     piped_stdin: bool,
-    seccomp_fd: int | None,
+    pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen[bytes]:
-    """Start a command's main process on the spawning thread, its output piped, ``seccomp_fd``
-    (the filter bubblewrap loads) inherited and nothing else."""
+    """Start a command's main process on the spawning thread, its output piped, ``pass_fds``
+    (the seccomp filter bubblewrap or the Landlock helper loads, the Landlock ruleset) inherited
+    and nothing else."""
 
     def popen() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -108,7 +109,7 @@ def start_process(
             # tree up behind the sandbox's back; the sandbox's stop is the one way it ends.
             start_new_session=True,
             close_fds=True,
-            pass_fds=() if seccomp_fd is None else (seccomp_fd,),
+            pass_fds=pass_fds,
         )
 
     return _spawner.call(popen)

@@ -1,7 +1,9 @@
 """The local backend's boundary: what keeps a command in, and what it may use.
 
 - :mod:`.bwrap`: bubblewrap's probe and the ``"boundary"`` / ``"host"`` profiles (namespaces);
-- :mod:`.seccomp`: the boundary profile's seccomp filter (what a command may not call);
+- :mod:`.landlock`: Landlock mode's ruleset and the helper each command restricts itself with
+  (a boundary without namespaces or privilege);
+- :mod:`.seccomp`: the boundary's seccomp filter (what a command may not call), for both;
 - :mod:`.egress_policy`: :class:`EgressPolicy`, the hosts a command may reach;
 - :mod:`.egress_proxy`: the proxy that enforces it, outside the sandbox, and its forwarder inside;
 - :mod:`.egress_request`: the proxy's strict reading of a request head;
@@ -9,6 +11,6 @@
 - :mod:`.limits`: :class:`Limits`, and their enforcement outside the cgroup (``prlimit``, the
   workdir's tmpfs).
 
-Each module stands on its own (none imports the local backend above it), so another way to
-draw the boundary where bubblewrap cannot create namespaces can sit beside :mod:`.bwrap`.
+Each module stands on its own (none imports the local backend above it): :mod:`.landlock`, the
+boundary where bubblewrap cannot create namespaces, sits beside :mod:`.bwrap`.
 """

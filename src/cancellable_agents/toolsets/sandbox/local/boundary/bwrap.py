@@ -33,7 +33,7 @@ from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.procs.proc import IS_LINUX
 from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits, limits_prefix, prlimit_path
 
-__all__ = ["HIDDEN_ETC", "BwrapSupport", "bwrap_support", "sandbox_uid"]
+__all__ = ["HIDDEN_ETC", "SYSTEM_DIRS", "BwrapSupport", "bwrap_support", "interpreter_paths", "sandbox_uid"]
 
 #: Files and folders under /etc a command never sees (masked with an empty file or folder).
 HIDDEN_ETC: tuple[str, ...] = (
@@ -214,7 +214,7 @@ def host_argv(support: BwrapSupport, workdir: str, python: str) -> list[str]:
         argv.append("--new-session")
     # /tmp's tmpfs goes before the workdir bind, or a workdir under /tmp would be hidden.
     argv += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    for path in _interpreter_paths(python, under_tmp_only=True):
+    for path in interpreter_paths(python, under_tmp_only=True):
         argv += ["--ro-bind", path, path]
     return [*argv, "--bind", workdir, workdir, "--chdir", workdir, "--"]
 
@@ -259,7 +259,7 @@ def boundary_argv(
     if profile.limits.tmp_bytes is not None:
         argv += ["--size", str(profile.limits.tmp_bytes)]
     argv += ["--perms", "1777", "--tmpfs", "/tmp"]
-    shown = [*_interpreter_paths(profile.python), *profile.read_only_paths]
+    shown = [*interpreter_paths(profile.python), *profile.read_only_paths]
     writable = [*profile.writable_paths, profile.workdir]
     for path in _ancestors([*shown, *writable]):
         # Folders bubblewrap creates on the way to a bind copy the host's mode (/root is 0700):
@@ -312,7 +312,7 @@ def _ancestors(paths: Sequence[str]) -> list[str]:
     return sorted(found, key=lambda p: (p.count("/"), p))
 
 
-def _interpreter_paths(python: str, *, under_tmp_only: bool = False) -> list[str]:
+def interpreter_paths(python: str, *, under_tmp_only: bool = False) -> list[str]:
     """The installations ``python`` needs (its prefix, a venv's base): bound read-only, unless
     the system folders already show them. ``under_tmp_only``: those the private /tmp would hide
     (a venv or checkout under /tmp, as CI clones often are)."""

@@ -1,7 +1,8 @@
 """The boundary profile's seccomp filter: the system calls a sandboxed command may not make.
 
-Built once per process with libseccomp and handed to bubblewrap (``--seccomp FD``), which
-loads it right before it runs the command, so it binds the command and everything it starts
+Built once per process (per :class:`SocketRule`) with libseccomp and handed to bubblewrap
+(``--seccomp FD``) or to Landlock mode's helper, which load it right before the command runs,
+so it binds the command and everything it starts
 (a filter is inherited and cannot be removed). A denied call fails with ``EPERM`` (``clone3``
 with ``ENOSYS``, see below): the command sees an error it can report, it is not killed.
 
@@ -26,6 +27,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "DENIED_SOCKET_FAMILIES",
     "PROTECTIONS",
     "SeccompFilter",
+    "SocketRule",
     "command_filter",
     "filter_fd",
     "seccomp_filter",
@@ -129,6 +132,20 @@ DENIED: dict[str, tuple[str, ...]] = {
 #: whose family sits in memory a filter cannot read: that form is refused for every family (a
 #: 32-bit program gets sockets only from the direct ``socket`` call, kernel 4.3+).
 DENIED_SOCKET_FAMILIES: dict[str, int] = {"AF_VSOCK": 40}
+AF_UNIX = 1
+
+
+class SocketRule(Enum):
+    """Which sockets a command may create."""
+
+    #: Every family but those in :data:`DENIED_SOCKET_FAMILIES` (a network namespace, or the
+    #: host's network on purpose, decides the rest).
+    NAMESPACED = "namespaced"
+    #: ``AF_UNIX`` only (``socket`` and ``socketpair``): no network where no namespace confines
+    #: one (Landlock mode): no TCP, UDP, raw, netlink or vsock. The comparison is on all 64 bits
+    #: of the argument, so ``0x1_0000_0001`` (``AF_UNIX`` to the kernel) is refused too.
+    UNIX_ONLY = "unix-only"
+
 
 #: ``clone`` flags that create namespaces (``CLONE_NEWNS`` .. ``CLONE_NEWNET``): a clone with any
 #: of them is denied, a plain fork or thread is not.
@@ -157,19 +174,20 @@ class SeccompFilter:
 
 
 @functools.cache
-def seccomp_filter() -> SeccompFilter:
-    """The filter, compiled once per process (the library is loaded here, not at import)."""
+def seccomp_filter(sockets: SocketRule = SocketRule.NAMESPACED) -> SeccompFilter:
+    """The filter for ``sockets``, compiled once per process (the library is loaded here, not at
+    import)."""
     try:
         import pyseccomp
     except (ImportError, OSError, RuntimeError) as exc:  # RuntimeError: the binding found no library
         return SeccompFilter(None, f"libseccomp is not available ({exc})")
     try:
-        return SeccompFilter(_compile(pyseccomp))
+        return SeccompFilter(_compile(pyseccomp, sockets))
     except OSError as exc:
         return SeccompFilter(None, f"libseccomp could not build the filter ({exc})")
 
 
-def _compile(pyseccomp: Any) -> bytes:
+def _compile(pyseccomp: Any, sockets: SocketRule) -> bytes:
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     for arch in _companion_arches(pyseccomp):
         # The same rules for the 32-bit ABIs the CPU also runs, or `int 0x80` would bypass them.
@@ -188,6 +206,9 @@ def _compile(pyseccomp: Any) -> bytes:
         # too, and a plain EQ on the 64-bit register would let it through.
         low32 = pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, family)
         _deny(pyseccomp, rules, eperm, "socket", low32)
+    if sockets is SocketRule.UNIX_ONLY:
+        for name in ("socket", "socketpair"):
+            _deny(pyseccomp, rules, eperm, name, pyseccomp.Arg(0, pyseccomp.NE, AF_UNIX))
     # A memfd, not a pipe: a program larger than a pipe's buffer would block its own export.
     with os.fdopen(os.memfd_create("cancellable-agents-seccomp-build", os.MFD_CLOEXEC), "w+b") as buffer:
         rules.export_bpf(buffer)
@@ -234,10 +255,10 @@ def filter_fd(program: bytes) -> Iterator[int]:
 
 
 @contextmanager
-def command_filter(wanted: bool) -> Iterator[int | None]:
-    """For one command start: the descriptor to hand bubblewrap (``--seccomp FD``), or ``None``
-    when not ``wanted`` (not the boundary profile) or there is no filter here."""
-    program = seccomp_filter().program if wanted else None
+def command_filter(wanted: bool, sockets: SocketRule = SocketRule.NAMESPACED) -> Iterator[int | None]:
+    """For one command start: the descriptor to hand bubblewrap (``--seccomp FD``) or the
+    Landlock helper, or ``None`` when not ``wanted`` (no boundary) or there is no filter here."""
+    program = seccomp_filter(sockets).program if wanted else None
     if program is None:
         yield None
         return
