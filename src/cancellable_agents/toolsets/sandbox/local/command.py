@@ -6,6 +6,10 @@ seen, its bounded output, its result. It decides how that tree ends: on its own 
 running in the background is killed), at its timeout, or by a stop (SIGTERM to the whole tree,
 the grace, SIGKILL, reap, one :class:`KillRecord` per process on the sandbox's scope). The sandbox
 keeps the workdir, the profile and the registry of its commands. This module imports no Airflow.
+
+One module of ~500 lines: a tree's watcher, its stop and its reaping change the same state under
+one lock (``CommandTree.lock``: who stops it once, what was seen, what was swept), so they stay
+together; its spawning lives in ``spawn``.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ The file tools open paths below the workdir without following symlinks, so a com
 folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.local.files`).
 
 The sandbox reaches its scope one way, as any backend: the attachment :func:`attach_sandbox` gave
-it; its commands and its egress proxy read the scope there. Its length (~500 lines) is one
-class whose parts share its state (workdir, mode, profile, commands, attachment); what stands on
-its own lives beside it. This module imports no Airflow.
+it; its commands and its egress proxy read the scope there. Its length (~630 lines, with the
+three modes' set-up and cleanup) is one class whose parts share its state (workdir, mode,
+profile, commands, attachment); what stands on its own lives beside it (the Landlock rules in
+``boundary.landlock``, spawning in ``spawn``). This module imports no Airflow.
 """
 
 from __future__ import annotations
