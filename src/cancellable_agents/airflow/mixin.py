@@ -153,7 +153,7 @@ class CancellableAgentMixin:
         """This try's state (:class:`~cancellable_agents.airflow.task_try.TaskTry`), made on first
         use; ``context`` tells it who the task instance is. A kill that came before it was made
         cancels it now, once the cause can be asked for."""
-        task_try, killed_before = try_for(self, self.cancellation_budget)
+        task_try, killed_before = try_for(self, self.cancellation_budget, context)
         if context is not None:
             task_try.know(context)
         if killed_before:

@@ -144,9 +144,11 @@ def try_of(task: Any) -> TaskTry | None:
     return found
 
 
-def try_for(task: Any, budget: float) -> tuple[TaskTry, bool]:
+def try_for(task: Any, budget: float, context: Any = None) -> tuple[TaskTry, bool]:
     """``task``'s try, made on first use and never replaced; and whether a kill came before it
-    was made (then the caller cancels it, once it knows the context the cause is asked with)."""
+    was made (then the caller cancels it). A try made with ``context`` knows its task instance
+    before anyone can see it: a SIGTERM handled the moment it appears must find the key, or its
+    cause could not be asked for."""
     found = try_of(task)
     if found is not None:
         return found, False
@@ -154,6 +156,8 @@ def try_for(task: Any, budget: float) -> tuple[TaskTry, bool]:
 
     name = getattr(task, "task_id", type(task).__name__)
     made = TaskTry(TaskCancellation(name, budget=budget), operator=type(task).__name__)
+    if context is not None:
+        made.know(context)
     # setdefault: of two threads making it at once, both get the first one stored.
     task_try: TaskTry = task.__dict__.setdefault(_KEY, made)
     return task_try, bool(task.__dict__.pop(_KILLED_BEFORE_TRY, False))
