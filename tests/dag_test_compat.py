@@ -10,8 +10,8 @@ A third difference holds on every version: the in-process comms remove ``SUPERVI
 ``task_runner`` while they serve a request (so the serving code does not think it runs in a
 task), which other threads see as "no comms". In production the comms are a socket every thread
 of the task shares, requests serialised by a lock. :func:`prepare_dag_test` restores that: one
-request at a time, and other threads keep seeing the comms meanwhile (a cause query from a helper
-thread, a durable journal write, while the main thread is in a request).
+request at a time, and only the thread serving one stops seeing the comms meanwhile (a cause
+query from a helper thread, a durable journal write, while the main thread is in a request).
 
 1. ``on_failure_callback`` gets no ``context["exception"]``: the real ``task_runner.main()`` sets
    it before ``finalize()``; 3.1/3.2's ``supervisor.run_task_in_process`` does not.
@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 #: How long the in-process execution API may take to start (it takes milliseconds).
@@ -101,6 +102,16 @@ def _wait_for_startup(app: Any) -> None:
 
 
 def _serialise_in_process_comms() -> None:
+    """One request at a time, and ``SUPERVISOR_COMMS`` hidden only from the thread serving one.
+
+    Airflow's in-process comms hide the comms by deleting the module attribute, which every
+    thread sees: ``task_runner``'s own code reads it as a global (no module ``__getattr__`` can
+    answer that), so the main thread's final ``SUPERVISOR_COMMS.send(TaskState)`` raised
+    ``NameError`` while a cause query served on a helper thread (3.1 CI: a burst of SIGTERMs on a
+    loaded machine, the task ended before its callbacks ran), and a helper's query failed while
+    the main thread was in a request. Here the attribute stays; the thread in a request, and only
+    it, does not see it (its serving code, e.g. ``mask_secret``, must not send again).
+    """
     from airflow.sdk.execution_time import supervisor, task_runner
 
     comms_class = getattr(supervisor, "InProcessSupervisorComms", None)
@@ -108,28 +119,35 @@ def _serialise_in_process_comms() -> None:
         return
     send = comms_class.send
     lock = threading.RLock()  # like the real comms' lock; re-entrant for a signal handler's request
-    serving = threading.local()
-    active: list[Any] = []  # the comms serving a request now; guarded by lock
+    serving = threading.local()  # .depth: requests this thread is in (a signal handler nests one)
+    hide_all = supervisor.set_supervisor_comms
+
+    class CommsModule(type(task_runner)):  # type: ignore[misc]
+        def __getattribute__(self, name: str) -> Any:
+            if name == "SUPERVISOR_COMMS" and getattr(serving, "depth", 0):
+                raise AttributeError(f"module {task_runner.__name__!r} has no attribute {name!r}")
+            return super().__getattribute__(name)
+
+    @contextlib.contextmanager
+    def set_supervisor_comms(temp_comms: Any) -> Iterator[None]:
+        if temp_comms is not None:
+            with hide_all(temp_comms):
+                yield
+            return
+        serving.depth = getattr(serving, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            serving.depth -= 1
 
     def serialised_send(self: Any, msg: Any) -> Any:
         with lock:
-            active.append(self)
-            serving.now = True
-            try:
-                return send(self, msg)
-            finally:
-                serving.now = False
-                active.pop()
-
-    def comms_for_other_threads(name: str) -> Any:
-        # Only called while the attribute is missing, i.e. while a request is being served.
-        if name == "SUPERVISOR_COMMS" and active and not getattr(serving, "now", False):
-            return active[-1]
-        raise AttributeError(f"module {task_runner.__name__!r} has no attribute {name!r}")
+            return send(self, msg)
 
     serialised_send._serialised = True  # type: ignore[attr-defined]
     comms_class.send = serialised_send
-    task_runner.__getattr__ = comms_for_other_threads  # type: ignore[attr-defined]
+    supervisor.set_supervisor_comms = set_supervisor_comms
+    task_runner.__class__ = CommsModule
 
 
 def exit_as_the_task_sdk_does(code: int = 0) -> NoReturn:
