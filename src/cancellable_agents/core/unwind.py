@@ -1,10 +1,12 @@
 """How a cancelled scope releases what was registered with it: in phases, concurrently, in budget.
 
 ``Phase.IN_FLIGHT`` resources (running commands, child runs, requests) are all released at once
-and waited for before any ``Phase.TEARDOWN`` resource (toolsets, clients, working directories),
-so nothing is torn down under work that is still running. Each release runs on a daemon thread
-of its own; one that does not return within the scope's remaining budget is named as a
-straggler and left behind, so a stuck cleanup can never hold the unwind past the budget.
+and waited for before any ``Phase.SERVERS`` resource (MCP stdio servers, closed once the calls
+they serve ended), and those before any ``Phase.TEARDOWN`` resource (toolsets, clients, working
+directories, the descendant reaper), so nothing is torn down under work that is still running.
+Each release runs on a daemon thread of its own; one that does not return within the scope's
+remaining budget is named as a straggler and left behind, so a stuck cleanup can never hold
+the unwind past the budget.
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ class Phase(enum.IntEnum):
 
     IN_FLIGHT = 0
     """Work that is running: commands, child runs, requests. Stopped before any teardown."""
-    TEARDOWN = 1
+    SERVERS = 1
+    """Processes the in-flight work ran in and that must first hear it was cancelled (MCP stdio
+    servers): closed the protocol's way once that work stopped, before any teardown (the
+    descendant reaper) kills what is left."""
+    TEARDOWN = 2
     """Things that hold in-flight work: toolsets, clients, working directories."""
 
 

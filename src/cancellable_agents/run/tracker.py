@@ -29,6 +29,7 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.durable.resume import current_resume
+from cancellable_agents.run import mcp_servers
 from cancellable_agents.run.tool_calls import RunIdentity, ToolCall, active_tool_call, derive_key
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class RunTracker:
     lock: threading.Lock = field(default_factory=threading.Lock)
     model_requests: dict[asyncio.Task[Any], asyncio.Event | None] = field(default_factory=dict)
     lingering: set[asyncio.Task[Any]] = field(default_factory=set)
+    stdio_servers: list[Any] = field(default_factory=list)
+    """MCP stdio servers spawned for this run (:class:`~cancellable_agents.run.mcp_servers.StdioServer`);
+    a cancelled run's teardown waits for their close, which needs this run's loop."""
     in_flight_stopped: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (on the run's loop) once a cancelled run's in-flight tools were drained, before teardown."""
     _cancelled: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -276,7 +280,10 @@ class _RunToolset(WrapperToolset[Any]):
 
     async def __aenter__(self) -> Any:
         self.tracker.poll_signals()
-        return await super().__aenter__()
+        # MCP stdio servers spawned while the toolsets are entered are closed on a cancel in the
+        # protocol's order, once this run's calls ended (:mod:`cancellable_agents.run.mcp_servers`).
+        with mcp_servers.entering(self.tracker):
+            return await super().__aenter__()
 
     async def __aexit__(self, *args: Any) -> bool | None:
         """On a cancelled run: cancel and drain tools, stop model requests, then tear down."""
@@ -291,6 +298,8 @@ class _RunToolset(WrapperToolset[Any]):
             return await super().__aexit__(*args)
         finally:
             await self.tracker.drain_lingering()
+            if self.tracker.scope.cancelled:
+                await mcp_servers.wait_closed(self.tracker)
 
 
 def tool_call(identity: RunIdentity, name: str, ctx: RunContext[Any]) -> ToolCall:

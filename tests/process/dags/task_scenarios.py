@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -161,6 +162,8 @@ def build_task(scenario: str) -> BaseOperator:
         )
     if scenario.startswith("subagent_"):
         return build_subagent_task(scenario, common)
+    if scenario.startswith("mcp_"):
+        return build_mcp_task(scenario, common)
     raise SystemExit(f"unknown scenario {scenario!r}")
 
 
@@ -272,6 +275,36 @@ def build_subagent_task(scenario: str, common: dict[str, Any]) -> BaseOperator:
             **{**common, "on_failure_callback": _threads_after_failure},
         )
     raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+# -- MCP scenarios (issue 32) -------------------------------------------------------------
+
+_MCP_SERVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mcp_server.py")
+
+
+def build_mcp_task(scenario: str, common: dict[str, Any]) -> BaseOperator:
+    """``mcp_MODE`` / ``mcp_MODE_noreap``: an agent whose one toolset is a real MCP server
+    (``tests/process/mcp_server.py MODE``; over stdio, or streamable HTTP for ``http``, a server the
+    test started) and whose model calls its ``work`` tool once. ``_noreap``: without the
+    descendant reaper. The server's events file and marker come from the test (``MCP_EVENTS``,
+    ``MCP_MARKER``; ``MCP_URL`` for ``http``)."""
+    from fastmcp.client.transports import StdioTransport
+    from pydantic_ai.mcp import MCPToolset
+
+    mode = scenario.removeprefix("mcp_").removesuffix("_noreap")
+    if mode == "http":
+        toolset = MCPToolset(os.environ["MCP_URL"])
+    else:
+        args = [_MCP_SERVER, mode, os.environ["MCP_EVENTS"], os.environ["MCP_MARKER"]]
+        # The server's environment is the SDK's reduced default plus what it needs to import mcp.
+        toolset = MCPToolset(StdioTransport(sys.executable, args), init_timeout=120)
+    return AgentOperator(
+        prompt="go",
+        model=_model("tool?name=work"),
+        toolsets=[toolset],
+        reap_descendants=not scenario.endswith("_noreap"),
+        **common,
+    )
 
 
 SCENARIO = os.environ.get("SCENARIO", "stream")

@@ -1,0 +1,311 @@
+"""MCP stdio servers a run started, closed the protocol's way when its scope is cancelled.
+
+An MCP toolset over stdio (pydantic-ai's ``MCPToolset(StdioTransport(...))``, any client built on
+the ``mcp`` SDK's ``stdio_client``) runs its server as a child of the task process, in a session
+of its own (``start_new_session=True``: Airflow's group kill misses it). Left alone on a kill:
+
+- the transport keeps the server alive by default (fastmcp's ``keep_alive=True``): leaving the
+  toolset does not close it, so it lives until the task process exits;
+- the SDK's own shutdown waits 2 s after closing stdin and 2 s after SIGTERM before SIGKILL,
+  more than Airflow's grace;
+- the descendant reaper (a ``Phase.TEARDOWN`` resource) SIGTERMs it milliseconds after the kill,
+  before its in-flight tool has handled the client's ``notifications/cancelled``.
+
+So each server the ``mcp`` SDK spawns inside a run is registered with the run's scope as a
+``Phase.SERVERS`` resource (:func:`watch_spawns` hooks the SDK's spawn function). On a cancel the
+scope first cancels in-flight tool calls (``Phase.IN_FLIGHT``: the SDK sends
+``notifications/cancelled`` as each call's task is cancelled), then :meth:`StdioServer.close`
+runs the MCP shutdown sequence within the budget: wait for the run's tool tasks to end, close the
+server's stdin, wait (:data:`STDIN_GRACE`, less if the budget is short) for it to exit, then stop
+whatever is left of its process group and its process tree (SIGTERM, :data:`TERM_GRACE`,
+SIGKILL). Only then does ``Phase.TEARDOWN`` (the reaper) run, for what escaped (a ``setsid``
+grandchild whose parent exited). The same happens with ``reap_descendants=False``. A server
+spawned after the cancel (one still starting) is registered late and so closed at once.
+
+Each server's outcome is on the scope's timeline (``mcp_server_closed``: how it ended, ms) and
+what had to be killed in its ``killed`` list (source ``mcp_stdio``). Remote servers (streamable
+HTTP) need nothing here: the SDK aborts or cancels the call and ends the session itself.
+Airflow-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cancellable_agents.core.record import KillRecord
+from cancellable_agents.core.scope import Phase, TaskCancellation, current_cancellation
+from cancellable_agents.procs.proc import (
+    ProcKey,
+    all_pids,
+    command_line,
+    is_running,
+    read_proc,
+    terminate,
+    wait_gone,
+    wait_until,
+    walk_descendants,
+)
+
+
+class RunTracker(Protocol):
+    """What a server needs of the run that spawned it (:class:`~cancellable_agents.run.tracker.RunTracker`
+    is one; a protocol, as the tracker imports this module)."""
+
+    scope: TaskCancellation
+    lock: threading.Lock
+    tool_tasks: set[asyncio.Task[Any]]
+    stdio_servers: list[Any]
+
+
+log = logging.getLogger(__name__)
+
+#: How long a server gets to exit on its own once its stdin is closed (the spec's first wait).
+#: Long enough for a tool's cleanup on cancel (the SDK server cancels every handler on stdin EOF
+#: and exits when they end); the SDK's own 2 s would leave too little of Airflow's 5 s grace.
+STDIN_GRACE = 1.5
+#: Between SIGTERM and SIGKILL of what is left of the server's process group and tree.
+TERM_GRACE = 0.5
+#: How long to wait for a SIGKILLed process to be gone.
+KILL_WAIT = 0.3
+
+#: The tracker of the run whose toolsets are being entered (a server spawned there is the run's).
+_entering: contextvars.ContextVar[RunTracker | None] = contextvars.ContextVar(
+    "cancellable_agents_mcp_entering", default=None
+)
+_hook_lock = threading.Lock()
+_HOOKED = "_cancellable_agents_spawn_hook"
+
+
+@contextlib.contextmanager
+def entering(tracker: RunTracker) -> Iterator[None]:
+    """Around a run's toolsets' ``__aenter__``: stdio servers spawned inside belong to the run.
+
+    Hooks the SDK's spawn function first if the ``mcp`` SDK's stdio client is loaded (a run
+    without MCP toolsets never imports it, and pays nothing).
+    """
+    if "mcp.client.stdio" in sys.modules:
+        watch_spawns()
+    token = _entering.set(tracker)
+    try:
+        yield
+    finally:
+        _entering.reset(token)
+
+
+def watch_spawns() -> bool:
+    """Wrap ``mcp.client.stdio._create_platform_compatible_process`` (idempotent); return whether
+    spawns are watched.
+
+    The SDK spawns every stdio server through that one function and exposes the process nowhere
+    else (fastmcp keeps it inside a task); the wrapper only notes what it returns. An SDK without
+    the function (renamed) is left alone, and its servers are stopped by the reaper as before.
+    """
+    try:
+        from mcp.client import stdio
+    except ImportError:
+        return False
+    with _hook_lock:
+        spawn = getattr(stdio, "_create_platform_compatible_process", None)
+        if spawn is None:
+            return False
+        if getattr(spawn, _HOOKED, False):
+            return True
+
+        async def spawn_watched(*args: Any, **kwargs: Any) -> Any:
+            process = await spawn(*args, **kwargs)
+            _spawned(process)
+            return process
+
+        setattr(spawn_watched, _HOOKED, True)
+        stdio._create_platform_compatible_process = spawn_watched  # type: ignore[attr-defined]
+        return True
+
+
+def _spawned(process: Any) -> None:
+    """A stdio server was spawned: register it with the scope of the run this code is part of."""
+    scope = current_cancellation()
+    pid = getattr(process, "pid", None)
+    info = read_proc(pid) if isinstance(pid, int) else None
+    if scope is None or info is None:
+        return  # outside a run (or already gone): nothing of ours
+    server = StdioServer(
+        process=process,
+        key=ProcKey(info.pid, info.start),
+        command=command_line(info.pid),
+        loop=asyncio.get_running_loop(),
+        # A server a session reconnects to in the middle of a tool call has no run to wait with:
+        # it is still closed, but the run may have ended first (then it is killed, not closed).
+        tracker=_entering.get(),
+        scope=scope,
+    )
+    scope.record("mcp_server_started", pid=info.pid, server=server.command)
+    if server.tracker is not None:
+        with server.tracker.lock:
+            server.tracker.stdio_servers.append(server)
+    # A server spawned after the cancel (still starting when the kill landed) is released at once.
+    scope.register(server.close, name=f"mcp server {info.pid}", phase=Phase.SERVERS)
+
+
+@dataclass
+class StdioServer:
+    """One MCP stdio server process a run's transport spawned; :meth:`close` stops it and its tree."""
+
+    process: Any  # the SDK's anyio Process: its stdin is the transport's end of the pipe
+    key: ProcKey
+    command: str
+    loop: asyncio.AbstractEventLoop
+    tracker: RunTracker | None
+    scope: TaskCancellation
+    _closing: threading.Lock = field(default_factory=threading.Lock)
+    closed: threading.Event = field(default_factory=threading.Event)
+    """Set once :meth:`close` is done (whatever the outcome)."""
+
+    def close(self) -> None:
+        """The MCP stdio shutdown, inside the scope's remaining budget; records what happened.
+
+        1. wait for the run's in-flight tool calls to end (their cancel notifications are sent);
+        2. close the server's stdin (on the loop that owns the pipe) and wait for it to exit;
+        3. SIGTERM, then SIGKILL what is left of its process group and of its process tree
+           (a tool's children outlive a server that exited on EOF, in its group).
+        """
+        if not self._closing.acquire(blocking=False):
+            return
+        try:
+            self._close()
+        finally:
+            self.closed.set()
+
+    def _close(self) -> None:
+        scope = self.scope
+        started = scope.now()
+        reserve = TERM_GRACE + KILL_WAIT + 0.1
+        calls = self._wait_for_calls(max(0.0, scope.remaining() - reserve))
+        calls_ms = _ms(scope.now() - started)
+        if not is_running(self.key):
+            self._record(started, "exited", calls, calls_ms, killed=self._stop_leftovers([]))
+            return
+        tree = [ProcKey(pid, info.start) for pid, info in walk_descendants(self.key.pid).items()]
+        stdin_closed = self._close_stdin()
+        grace = max(0.0, min(STDIN_GRACE, scope.remaining() - reserve)) if stdin_closed else 0.0
+        exited = wait_gone([self.key], grace)
+        killed = self._stop_leftovers(tree if exited else [self.key, *tree])
+        outcome = "exited" if exited else "killed"
+        self._record(started, outcome, calls, calls_ms, killed=killed, stdin_closed=stdin_closed)
+
+    def _wait_for_calls(self, timeout: float) -> int:
+        """Wait (bounded) until the run's tool tasks ended; return how many were still running."""
+        if self.tracker is None:
+            return 0
+        with self.tracker.lock:
+            tasks = [t for t in self.tracker.tool_tasks if not t.done()]
+        if tasks:
+            wait_until(lambda: all(t.done() for t in tasks), timeout)
+        return len(tasks)
+
+    def _close_stdin(self) -> bool:
+        """Close the transport's end of the server's stdin on the loop that owns it; whether it was.
+
+        A server reads EOF as "shut down" (the spec's first step). The loop has ended if the run
+        already returned: then there is no graceful step and the server is killed at once.
+        """
+        stdin = getattr(self.process, "stdin", None)
+        if stdin is None or self.loop.is_closed() or not self.loop.is_running():
+            return False
+
+        async def close() -> None:
+            with contextlib.suppress(Exception):
+                await stdin.aclose()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close(), self.loop).result(min(0.2, self.scope.remaining()))
+        except Exception:  # the loop stopped under us, or it is too busy to answer in time
+            return False
+        return True
+
+    def _stop_leftovers(self, known: list[ProcKey]) -> list[KillRecord]:
+        """SIGTERM, then SIGKILL, ``known`` and every process still in the server's group."""
+        group = [ProcKey(pid, info.start) for pid, info in _group(self.key.pid)]
+        targets = {k for k in [*known, *group] if is_running(k)}
+        if not targets:
+            return []
+        commands = {k: command_line(k.pid) for k in targets}
+        remaining = self.scope.remaining()
+        signals = terminate(
+            targets, max(0.0, min(TERM_GRACE, remaining - KILL_WAIT)), kill_wait=min(KILL_WAIT, remaining)
+        )
+        records = []
+        for key in targets:
+            if key.pid not in signals:
+                continue
+            record = KillRecord(
+                source="mcp_stdio",
+                pid=key.pid,
+                signal=signals[key.pid],
+                command=commands[key],
+                reason="MCP server" if key == self.key else f"left by MCP server {self.key.pid}",
+                at=round(time.time(), 3),
+            )
+            self.scope.record_killed(record)
+            records.append(record)
+        wait_gone(targets, min(KILL_WAIT, self.scope.remaining()))
+        return records
+
+    def _record(
+        self,
+        started: float,
+        outcome: str,
+        calls: int,
+        calls_ms: float,
+        *,
+        killed: list[KillRecord],
+        stdin_closed: bool = False,
+    ) -> None:
+        self.scope.record(
+            "mcp_server_closed",
+            server=self.command,
+            pid=self.key.pid,
+            outcome=outcome,
+            calls_cancelled=calls,
+            calls_ended_ms=calls_ms,
+            stdin_closed=stdin_closed,
+            killed=[k.pid for k in killed],
+            took_ms=_ms(self.scope.now() - started),
+        )
+
+
+async def wait_closed(tracker: RunTracker) -> None:
+    """On a cancelled run's loop, before it ends: wait (within the budget) until the run's stdio
+    servers were closed. Closing one needs this loop (its stdin pipe belongs to it): a run that
+    returned first would leave only the kill, and a tool's cleanup on cancel no time to finish."""
+    with tracker.lock:
+        servers = list(tracker.stdio_servers)
+    deadline = tracker.scope.now() + tracker.scope.remaining()
+    while not all(s.closed.is_set() for s in servers) and tracker.scope.now() < deadline:
+        await asyncio.sleep(_POLL)
+
+
+#: How often a cancelled run's loop checks whether its servers were closed.
+_POLL = 0.005
+
+
+def _group(pgid: int) -> list[tuple[int, Any]]:
+    """Running processes of process group ``pgid`` (found by scanning: its leader may be gone)."""
+    members = []
+    for pid in all_pids():
+        info = read_proc(pid)
+        if info is not None and info.pgid == pgid and not info.exited:
+            members.append((pid, info))
+    return members
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)

@@ -1,0 +1,76 @@
+"""A real MCP server (the ``mcp`` SDK's ``MCPServer``) for the MCP kill tests: ``python mcp_server.py
+MODE EVENTS MARKER [PORT]``.
+
+Its one tool, ``work``, blocks until cancelled; what it does around that is the ``MODE``:
+
+- ``child``: starts ``sleep MARKER`` (in the server's process group) and leaves it running when
+  cancelled, as a careless tool does;
+- ``setsid``: double-forks ``sleep MARKER`` into a session of its own (its parent exits at once);
+- ``cleanup``: on cancel runs a cleanup of :data:`CLEANUP` seconds (shielded, as a server must
+  write it for the cleanup to outlast the cancel) and reports when it finished;
+- ``boot``: never gets that far: it sleeps while it boots (before it reads stdin);
+- ``http``: only blocks, served over streamable HTTP on 127.0.0.1:PORT (not stdio).
+
+Events (``server_started``, ``tool_started``, ``tool_cancelled``, ``cleanup_done``,
+``server_exit``) are JSON lines appended to the file ``EVENTS``, each with the server's pid and
+``time.monotonic()`` (one clock for all processes on Linux). ``MARKER`` (a ``sleep`` duration)
+is on the server's and its children's command lines, so the test finds every survivor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+
+MODE, EVENTS, MARKER = sys.argv[1], sys.argv[2], sys.argv[3]
+#: How long the ``cleanup`` server's tool cleans up after a cancel.
+CLEANUP = 0.5
+
+
+def emit(event: str, **data: Any) -> None:
+    line = json.dumps({"event": event, "t": time.monotonic(), "pid": os.getpid(), "mode": MODE, **data})
+    with open(EVENTS, "a") as events:
+        events.write(line + "\n")
+
+
+server: MCPServer[Any] = MCPServer(f"kill-test-{MODE}")
+
+
+@server.tool()
+async def work(what: str = "") -> str:
+    """Work until cancelled."""
+    children = []
+    if MODE == "child":
+        children.append(subprocess.Popen(["sleep", MARKER]).pid)
+    elif MODE == "setsid":
+        # sh exits at once: its `sleep` is orphaned in a session of its own (a daemon's double fork).
+        subprocess.run(["sh", "-c", f"setsid sleep {MARKER} >/dev/null 2>&1 &"], check=True)
+    emit("tool_started", children=children)
+    try:
+        await anyio.sleep(3600)
+    except anyio.get_cancelled_exc_class():
+        emit("tool_cancelled")
+        if MODE == "cleanup":
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(CLEANUP)
+            emit("cleanup_done")
+        raise
+    return "finished"
+
+
+if __name__ == "__main__":
+    emit("server_started")
+    if MODE == "boot":
+        time.sleep(3600)
+    if MODE == "http":
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[4]))
+    else:
+        server.run("stdio")
+    emit("server_exit")
