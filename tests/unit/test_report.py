@@ -77,6 +77,18 @@ def test_the_human_line_names_what_airflow_logs_next_and_what_is_left() -> None:
     )
 
 
+def test_the_human_line_says_what_happened_to_each_mcp_server() -> None:
+    closed = {"event": "mcp_server_closed", "ms": 800.0, "server": "python server.py", "pid": 41}
+    child = {**SUMMARY, "timeline": [{**closed, "pid": 42, "outcome": "killed", "took_ms": 1512.2}]}
+    record = {
+        **SUMMARY,
+        "timeline": [*SUMMARY["timeline"], {**closed, "outcome": "exited", "took_ms": 754.7}],
+        "children": [child],
+    }
+    line = summary_line(KillReport(record, action=UserAction.MARKED_FAILED))
+    assert " · MCP servers pid 41 exited in 755 ms, pid 42 killed in 1512 ms" in line, line
+
+
 def test_the_record_puts_cause_and_outcome_first_and_one_event_per_line() -> None:
     expected = ExpectedLine("Task killed!", "the supervisor says so after the exit")
     report = KillReport(SUMMARY, retry=RetryOutlook.NOT_RETRYING, airflow_logs_next=[expected])

@@ -97,6 +97,9 @@ def summary_line(report: KillReport) -> str:
     if killed or report.processes_left:
         noun = "process" if killed == 1 else "processes"
         parts.append(f"{killed} {noun} killed, {report.processes_left} left")
+    servers = _mcp_servers(record)
+    if servers:
+        parts.append(f"MCP {'server' if len(servers) == 1 else 'servers'} {', '.join(servers)}")
     stragglers = record.get("stragglers") or ()
     if stragglers:
         parts.append(f"{len(stragglers)} still running after the budget: {', '.join(stragglers)}")
@@ -106,6 +109,19 @@ def summary_line(report: KillReport) -> str:
         names = ", ".join(f'"{line.text}"' for line in report.airflow_logs_next)
         parts.append(f"expected from Airflow next: {names} (why: in the record)")
     return SUMMARY_PREFIX + " · ".join(parts)
+
+
+def _mcp_servers(record: Mapping[str, Any]) -> list[str]:
+    """Each MCP stdio server the unwind closed (``mcp_server_closed``, sub-agents' too), as
+    ``pid 12 exited in 755 ms`` (on its closed stdin) or ``pid 12 killed in 1.5 s``."""
+    found = []
+    for event in record.get("timeline") or ():
+        if event.get("event") == "mcp_server_closed":
+            took = _ms(event.get("took_ms") or 0.0)
+            found.append(f"pid {event.get('pid')} {event.get('outcome')} in {took}")
+    for child in record.get("children") or ():
+        found.extend(_mcp_servers(child))
+    return found
 
 
 def render_record(record: Mapping[str, Any]) -> str:
