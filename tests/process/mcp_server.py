@@ -11,10 +11,11 @@ Its one tool, ``work``, blocks until cancelled; what it does around that is the 
 - ``boot``: never gets that far: it sleeps while it boots (before it reads stdin);
 - ``http``: only blocks, served over streamable HTTP on 127.0.0.1:PORT (not stdio).
 
-Events (``server_started``, ``tool_started``, ``tool_cancelled``, ``cleanup_done``,
-``server_exit``) are JSON lines appended to the file ``EVENTS``, each with the server's pid and
-``time.monotonic()`` (one clock for all processes on Linux). ``MARKER`` (a ``sleep`` duration)
-is on the server's and its children's command lines, so the test finds every survivor.
+Events (``server_started``, ``tool_started`` (with the request's ``_meta``), ``tool_cancelled``,
+``cleanup_done``, ``server_exit``) are JSON lines appended to the file ``EVENTS``, each with the
+server's pid and ``time.monotonic()`` (one clock for all processes on Linux). ``MARKER`` (a
+``sleep`` duration) is on the server's and its children's command lines, so the test finds every
+survivor.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from typing import Any
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 
 MODE, EVENTS, MARKER = sys.argv[1], sys.argv[2], sys.argv[3]
 #: How long the ``cleanup`` server's tool cleans up after a cancel.
@@ -44,15 +45,17 @@ server: MCPServer[Any] = MCPServer(f"kill-test-{MODE}")
 
 
 @server.tool()
-async def work(what: str = "") -> str:
+async def work(ctx: Context, what: str = "") -> str:
     """Work until cancelled."""
+    meta = ctx.request_context.meta
+    meta = meta.model_dump() if hasattr(meta, "model_dump") else dict(meta or {})
     children = []
     if MODE == "child":
         children.append(subprocess.Popen(["sleep", MARKER]).pid)
     elif MODE == "setsid":
         # sh exits at once: its `sleep` is orphaned in a session of its own (a daemon's double fork).
         subprocess.run(["sh", "-c", f"setsid sleep {MARKER} >/dev/null 2>&1 &"], check=True)
-    emit("tool_started", children=children)
+    emit("tool_started", children=children, meta=meta)
     try:
         await anyio.sleep(3600)
     except anyio.get_cancelled_exc_class():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.run.tool_calls import IDEMPOTENCY_META_KEY
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.airflow_env import airflow_env
 from tests.process.harness import TaskProcess
@@ -134,6 +136,9 @@ def test_stdio_server_hears_the_cancel_then_is_closed_with_its_tool_child(
     assert closed["outcome"] == "exited" and closed["stdin_closed"], closed
     killed = result["record"]["killed"]
     assert any(k["source"] == "mcp_stdio" and "sleep" in k["command"] for k in killed), killed
+    # The call carried its idempotency key in the request's _meta (issue 32, item 3).
+    [started] = server_events(events, "tool_started")
+    assert re.fullmatch(r"[0-9a-f]{32}", started["meta"].get(IDEMPOTENCY_META_KEY) or ""), started
     assert task.wait_exit(SETTLE), task.tail()
 
 

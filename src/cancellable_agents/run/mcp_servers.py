@@ -25,7 +25,10 @@ spawned after the cancel (one still starting) is registered late and so closed a
 Each server's outcome is on the scope's timeline (``mcp_server_closed``: how it ended, ms) and
 what had to be killed in its ``killed`` list (source ``mcp_stdio``). Remote servers (streamable
 HTTP) need nothing here: the SDK aborts or cancels the call and ends the session itself.
-Airflow-free.
+
+Every MCP tool call of a run also carries its idempotency key (:mod:`cancellable_agents.run.tool_calls`)
+in the request's ``_meta`` (:func:`carry_idempotency_keys`), so a server can recognise a call that
+a resumed try runs again. Airflow-free.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from cancellable_agents.procs.proc import (
     wait_until,
     walk_descendants,
 )
+from cancellable_agents.run.tool_calls import IDEMPOTENCY_META_KEY, current_tool_call
 
 
 class RunTracker(Protocol):
@@ -83,6 +87,53 @@ _entering: contextvars.ContextVar[RunTracker | None] = contextvars.ContextVar(
 )
 _hook_lock = threading.Lock()
 _HOOKED = "_cancellable_agents_spawn_hook"
+
+
+_KEYED = "_cancellable_agents_keyed"
+
+
+def carry_idempotency_keys(toolset: Any) -> None:
+    """Make every pydantic-ai ``MCPToolset`` in ``toolset``'s tree send each tool call's
+    idempotency key in the request's ``_meta`` (``{IDEMPOTENCY_META_KEY: key}``). Idempotent.
+
+    Through the toolset's documented hook, ``process_tool_call`` (its call function takes
+    ``metadata=``, the request's ``_meta``): a hook the author set is kept and called with a call
+    function that adds the key, and ``_meta`` the hook passes wins over ours. Outside a run's
+    tool call (no key) the call goes as before. A no-op where pydantic-ai's MCP module is not loaded.
+    """
+    module = sys.modules.get("pydantic_ai.mcp")
+    toolset_type = getattr(module, "MCPToolset", None)
+    if toolset_type is None:
+        return
+
+    def visit(leaf: Any) -> None:
+        if isinstance(leaf, toolset_type) and not getattr(leaf.process_tool_call, _KEYED, False):
+            leaf.process_tool_call = _keyed(leaf.process_tool_call)
+
+    toolset.apply(visit)
+
+
+def _keyed(inner: Any) -> Any:
+    """``process_tool_call`` that puts the call's key into ``_meta``, then defers to ``inner``."""
+
+    async def process_tool_call(ctx: Any, call_tool: Any, name: str, args: dict[str, Any]) -> Any:
+        call = current_tool_call()
+        send = call_tool if call is None else _with_key(call_tool, call.idempotency_key)
+        if inner is None:
+            return await send(name, args)
+        return await inner(ctx, send, name, args)
+
+    setattr(process_tool_call, _KEYED, True)
+    return process_tool_call
+
+
+def _with_key(call_tool: Any, key: str) -> Any:
+    """``call_tool`` with ``key`` added to the request's ``_meta``."""
+
+    async def send(name: str, args: dict[str, Any], *, metadata: Any = None, **kwargs: Any) -> Any:
+        return await call_tool(name, args, metadata={IDEMPOTENCY_META_KEY: key, **(metadata or {})}, **kwargs)
+
+    return send
 
 
 @contextlib.contextmanager

@@ -33,8 +33,9 @@ response with new ids, and its call gets a new key (and ``is_rerun`` is ``False`
 
 Light: no pydantic-ai. The key of the call in progress is set by the run's toolset wrapper
 (:mod:`cancellable_agents.run.tracker`) and read here by tools, sandbox commands (the environment
-variable :data:`IDEMPOTENCY_KEY_ENV`) and HTTP clients (:func:`idempotency_headers`); an MCP
-client can put :attr:`ToolCall.idempotency_key` into a request's ``_meta`` the same way.
+variable :data:`IDEMPOTENCY_KEY_ENV`) and HTTP clients (:func:`idempotency_headers`); a call to an
+MCP server's tool carries it in the request's ``_meta`` under :data:`IDEMPOTENCY_META_KEY`
+(:func:`cancellable_agents.run.mcp_servers.carry_idempotency_keys`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ from cancellable_agents.durable.fingerprint import canonical
 IDEMPOTENCY_KEY_ENV = "CANCELLABLE_AGENTS_IDEMPOTENCY_KEY"
 #: The HTTP header :func:`idempotency_headers` sets (the name Stripe and the IETF draft use).
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: The ``_meta`` key of an MCP ``tools/call`` request that carries the call's key (a prefixed name,
+#: as the MCP spec asks of names that are not its own).
+IDEMPOTENCY_META_KEY = "cancellable-agents/idempotency-key"
 #: Changes every key when the derivation changes (a new version must never reuse an old key).
 _KEY_VERSION = "ca-idempotency-1"
 

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextvars
 import functools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -283,6 +284,8 @@ class _RunToolset(WrapperToolset[Any]):
         # MCP stdio servers spawned while the toolsets are entered are closed on a cancel in the
         # protocol's order, once this run's calls ended (:mod:`cancellable_agents.run.mcp_servers`).
         with mcp_servers.entering(self.tracker):
+            if "pydantic_ai.mcp" in sys.modules:
+                mcp_servers.carry_idempotency_keys(self.wrapped)
             return await super().__aenter__()
 
     async def __aexit__(self, *args: Any) -> bool | None:
