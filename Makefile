@@ -77,8 +77,9 @@ ci-lane-b: $(STAMP) system-deps
 
 # The process tests lane A runs after its Airflow suites (lane B, unit + process + the 3.1 floor,
 # was the longer lane: 691 s against 490 s in one CI run). About 100 s on a quiet machine.
+# The MCP kill tests (8 task processes, ~100 s) are here too: lane B would pass 15 minutes.
 LANE_A_PROCESS := tests/process/test_subagent_kill.py tests/process/test_durable_kill.py \
-                  $(sort $(wildcard tests/process/test_sandbox_*.py))
+                  tests/process/test_mcp_kill.py $(sort $(wildcard tests/process/test_sandbox_*.py))
 
 # The process suite and the pod e2e while one busy loop per core takes the machine, as another
 # lane and its Airflow would (tests/busy.py): what CI's two lanes do to each other, made certain.
@@ -133,6 +134,10 @@ VERSION_FREE_PROCESS := tests/process/test_proc.py tests/process/test_reaper.py 
                   tests/process/test_sandbox_egress.py tests/process/test_sandbox_hardening.py \
                   tests/process/test_sandbox_kill.py tests/process/test_sandbox_local.py \
                   tests/process/test_sandbox_workdirs.py
+# The floor's MCP stack is another generation (fastmcp 3, mcp 1.x): a stdio server closed in the
+# protocol's order and a remote one cancelled prove the hooks hold there; the rest is the same code.
+MCP_FLOOR_SMOKE := tests/process/test_mcp_kill.py::test_stdio_server_cleanup_on_cancel_finishes \
+                  tests/process/test_mcp_kill.py::test_streamable_http_tool_sees_the_cancellation
 AIRFLOW_COMPAT := 3.1 3.2
 COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tests/unit/test_provider.py \
                   tests/unit/test_example_dags.py tests/unit/test_runner.py tests/unit/test_subagents.py \
@@ -140,7 +145,8 @@ COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tes
                   tests/unit/test_fingerprint.py tests/unit/test_durable_stores.py tests/unit/test_usage.py \
                   tests/unit/test_durable_operator.py tests/unit/test_server_stop.py \
                   tests/unit/test_approval.py tests/unit/test_approval_operator.py tests/unit/test_dag_test_compat.py \
-                  tests/process $(addprefix --ignore=,$(VERSION_FREE_PROCESS))
+                  tests/process $(addprefix --ignore=,$(VERSION_FREE_PROCESS)) \
+                  --ignore=tests/process/test_mcp_kill.py $(MCP_FLOOR_SMOKE)
 COMPAT_SMOKE   := tests/unit/test_airflow_compat.py tests/unit/test_provider.py \
                   tests/process/test_kill_paths.py::test_streaming_request_is_closed \
                   tests/process/test_kill_paths.py::test_sigterm_burst_cancels_once \

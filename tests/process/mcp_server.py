@@ -28,7 +28,12 @@ import time
 from typing import Any
 
 import anyio
-from mcp.server.mcpserver import Context, MCPServer
+
+try:
+    from mcp.server.mcpserver import Context, MCPServer
+except ImportError:  # mcp 1.x (pydantic-ai's floor): the same server under its old name
+    from mcp.server.fastmcp import Context  # type: ignore[no-redef]
+    from mcp.server.fastmcp import FastMCP as MCPServer
 
 MODE, EVENTS, MARKER = sys.argv[1], sys.argv[2], sys.argv[3]
 #: How long the ``cleanup`` server's tool cleans up after a cancel.
@@ -41,7 +46,7 @@ def emit(event: str, **data: Any) -> None:
         events.write(line + "\n")
 
 
-server: MCPServer[Any] = MCPServer(f"kill-test-{MODE}")
+server: Any = MCPServer(f"kill-test-{MODE}")
 
 
 @server.tool()
@@ -72,7 +77,10 @@ if __name__ == "__main__":
     emit("server_started")
     if MODE == "boot":
         time.sleep(3600)
-    if MODE == "http":
+    if MODE == "http" and hasattr(server, "settings"):  # mcp 1.x: host and port are settings
+        server.settings.host, server.settings.port = "127.0.0.1", int(sys.argv[4])
+        server.run("streamable-http")
+    elif MODE == "http":
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[4]))
     else:
         server.run("stdio")
