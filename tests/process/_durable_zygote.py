@@ -14,8 +14,10 @@ detail) and ``exited`` (status as ``os.waitstatus_to_exitcode``; only for ``wait
 beside the next try). ``flush``: the journal's ``returns_flush_s`` (``0``: each tool's return is
 appended at once, a boundary of its own). ``write_ahead``: the journal's (each step stored before
 its tools start, so the run stops dead at a boundary a ``stop_after`` store sleeps in).
-``parallel``: one model response calls ``fetch`` and ``slow`` at once; ``slow`` (try 1 only) emits
-``tool_running`` and blocks; ``tool_result_recorded`` says a parallel call's result was appended.
+``mcp``: the steps are the tool ``step`` of a real MCP stdio server (``mcp_server.py steps``), which
+appends each execution to the file ``mcp`` names. ``parallel``: one model response calls
+``fetch`` and ``slow`` at once; ``slow`` (try 1 only) emits ``tool_running`` and blocks;
+``tool_result_recorded`` says a parallel call's result was appended.
 Each tool execution appends a line to ``lines``: the step, the try, ``is_rerun``, the call's
 idempotency key and its tool call id.
 Single-threaded between forks, so forking is safe.
@@ -77,12 +79,20 @@ def run_try(
     parallel: bool = False,
     flush: float | None = None,
     write_ahead: bool = False,
+    mcp: str | None = None,
 ) -> None:
     behaviour = (
         "tools?names=fetch,slow&then=all+done" if parallel else f"steps?name=step&count={STEPS}&then=all+done"
     )
     model = OpenAIChatModel(behaviour, provider=OpenAIProvider(base_url=os.environ["BASE_URL"], api_key="x"))
-    agent: Agent[None, str] = Agent(model, system_prompt="do the steps in order")
+    toolsets = []
+    if mcp is not None:
+        from fastmcp.client.transports import StdioTransport
+        from pydantic_ai.mcp import MCPToolset
+
+        server = [str(Path(__file__).with_name("mcp_server.py")), "steps", mcp, "0"]
+        toolsets.append(MCPToolset(StdioTransport(sys.executable, server), init_timeout=120))
+    agent: Agent[None, str] = Agent(model, system_prompt="do the steps in order", toolsets=toolsets)
 
     def ran(name: str | int, ctx: RunContext[None]) -> None:
         resume = current_resume()
@@ -108,7 +118,6 @@ def run_try(
                 time.sleep(60)  # SIGKILLed here
             return "slow ok"
 
-    @agent.tool
     def step(ctx: RunContext[None], n: int) -> str:
         ran(n, ctx)
         if n == block_in:
@@ -118,6 +127,8 @@ def run_try(
                 time.sleep(0.01)
         return f"step {n} ok"
 
+    if mcp is None:
+        agent.tool(step)
     scope = TaskCancellation(f"try{try_number}")
     store = KilledAtBoundary(ObjectStoragePath(store_url))
     flush_kwargs = {} if flush is None else {"returns_flush_s": flush}
@@ -175,6 +186,7 @@ def main() -> None:
                     command.get("parallel", False),
                     command.get("flush"),
                     command.get("write_ahead", False),
+                    command.get("mcp"),
                 )
             except BaseException as exc:
                 emit("failed", error=repr(exc))

@@ -9,7 +9,9 @@ Its one tool, ``work``, blocks until cancelled; what it does around that is the 
 - ``cleanup``: on cancel runs a cleanup of :data:`CLEANUP` seconds (shielded, as a server must
   write it for the cleanup to outlast the cancel) and reports when it finished;
 - ``boot``: never gets that far: it sleeps while it boots (before it reads stdin);
-- ``http``: only blocks, served over streamable HTTP on 127.0.0.1:PORT (not stdio).
+- ``http``: only blocks, served over streamable HTTP on 127.0.0.1:PORT (not stdio);
+- ``steps``: a second tool, ``step(n)``, returns at once and reports each execution (``step``, with
+  ``n`` and the request's ``_meta``): the durable test counts them.
 
 Events (``server_started``, ``tool_started`` (with the request's ``_meta``), ``tool_cancelled``,
 ``cleanup_done``, ``server_exit``) are JSON lines appended to the file ``EVENTS``, each with the
@@ -49,11 +51,16 @@ def emit(event: str, **data: Any) -> None:
 server: Any = MCPServer(f"kill-test-{MODE}")
 
 
+def _meta(ctx: Context) -> dict[str, Any]:
+    """The request's ``_meta`` as a dict."""
+    meta = ctx.request_context.meta
+    return meta.model_dump() if hasattr(meta, "model_dump") else dict(meta or {})
+
+
 @server.tool()
 async def work(ctx: Context, what: str = "") -> str:
     """Work until cancelled."""
-    meta = ctx.request_context.meta
-    meta = meta.model_dump() if hasattr(meta, "model_dump") else dict(meta or {})
+    meta = _meta(ctx)
     children = []
     if MODE == "child":
         children.append(subprocess.Popen(["sleep", MARKER]).pid)
@@ -71,6 +78,15 @@ async def work(ctx: Context, what: str = "") -> str:
             emit("cleanup_done")
         raise
     return "finished"
+
+
+if MODE == "steps":
+
+    @server.tool()
+    async def step(ctx: Context, n: int) -> str:
+        """Do step ``n``."""
+        emit("step", n=n, meta=_meta(ctx))
+        return f"step {n} ok"
 
 
 if __name__ == "__main__":

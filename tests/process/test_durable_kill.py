@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.run.tool_calls import IDEMPOTENCY_META_KEY
 from cancellable_agents.testing.openai_server import ScriptedModelServer
+from tests.process.test_mcp_kill import HAVE_MCP
 from tests.process.trees import eventually
 from tests.taskproc import STARTUP, TaskChild
 
@@ -164,6 +166,26 @@ def test_sigkill_beside_a_returned_parallel_call_reruns_only_the_call_in_flight(
     assert runs == [("fetch", 1, False), ("slow", 1, False), ("slow", 2, True)], runs
     assert model_server.request_count == 2, "try 2 asked only for the answer"
     _assert_rerun_keeps_its_key(zygote.steps_run(), cut="slow")
+
+
+@pytest.mark.skipif(not HAVE_MCP, reason="needs pydantic-ai's fastmcp MCPToolset (the mcp extra)")
+def test_a_completed_mcp_call_is_not_repeated_on_resume(
+    zygote: Zygote, model_server: ScriptedModelServer
+) -> None:
+    """The steps are a real MCP stdio server's tool. Try 1 is SIGKILLed once step 1's call returned
+    and step 2's call was recorded (written ahead, so it never ran); try 2 resumes: step 1 is not
+    called again, every step reaches the server exactly once, each with its own key in ``_meta``."""
+    calls = zygote.lines.with_name("mcp_calls.jsonl")
+    pid = zygote.run_try(1, stop_after=3, flush=0, write_ahead=True, mcp=str(calls))
+    recorded = zygote.next_of("recorded", "failed")
+    assert recorded["event"] == "recorded" and recorded["entries"] == 3, f"{recorded}\n{zygote.tail()}"
+    zygote.kill(pid)
+    _finish(zygote, 2, write_ahead=True, mcp=str(calls))
+    steps = [json.loads(line) for line in calls.read_text().splitlines() if '"step"' in line]
+    assert [s["n"] for s in steps] == list(range(1, STEPS + 1)), f"an MCP call was repeated: {steps}"
+    keys = [s["meta"].get(IDEMPOTENCY_META_KEY) for s in steps]
+    assert all(keys) and len(set(keys)) == STEPS, keys
+    assert model_server.request_count == STEPS + 1, "a completed model request was made again"
 
 
 def _assert_rerun_keeps_its_key(runs: list[dict[str, Any]], cut: int | str) -> None:

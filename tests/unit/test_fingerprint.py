@@ -28,3 +28,20 @@ def test_a_sandbox_says_its_workspace_is_lost_however_deeply_it_is_wrapped() -> 
     assert workspace_lost_on_retry([SandboxToolset()])
     wrapped = WrapperToolset(CombinedToolset([plain, WrapperToolset(SandboxToolset())]))
     assert workspace_lost_on_retry([plain, wrapped])
+
+
+def test_an_mcp_toolset_without_an_id_is_fingerprinted_by_its_server_not_its_address() -> None:
+    """Every try builds its toolset anew (another process): pydantic-ai labels one without an id by
+    its client's repr (a memory address), so a record could never be resumed (issue 32)."""
+    mcp = pytest.importorskip("pydantic_ai.mcp", reason="the mcp extra")
+    transports = pytest.importorskip("fastmcp.client.transports", reason="the mcp extra")
+    from pydantic_ai import Agent
+
+    from cancellable_agents.durable.fingerprint import fingerprint
+
+    def agent(*args: str) -> Agent[None, str]:
+        toolset = mcp.MCPToolset(transports.StdioTransport("python", ["server.py", *args]))
+        return Agent("test", toolsets=[toolset])
+
+    assert fingerprint(agent("a"), "go", {}) == fingerprint(agent("a"), "go", {})
+    assert fingerprint(agent("a"), "go", {}) != fingerprint(agent("b"), "go", {})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -96,8 +97,20 @@ def _toolset_names(toolset: Any) -> list[str]:
         if isinstance(tools, dict):
             names.extend(str(name) for name in tools)
         elif not hasattr(item, "wrapped") and not hasattr(item, "toolsets"):
-            names.append(f"toolset:{getattr(item, 'label', type(item).__name__)}")
+            names.append(f"toolset:{_leaf_label(item)}")
     return names
+
+
+def _leaf_label(toolset: Any) -> str:
+    """A leaf toolset's label, the same in every process: without an ``id``, pydantic-ai labels an
+    MCP toolset by its client's ``repr`` (a memory address), so a stored run could never match
+    again; its transport (command and arguments, or URL) names it instead. Any other address in a
+    label is dropped."""
+    label = str(getattr(toolset, "label", type(toolset).__name__))
+    transport = getattr(getattr(toolset, "client", None), "transport", None)
+    if getattr(toolset, "id", None) is None and transport is not None:
+        label = f"{type(toolset).__name__}({transport!r})"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", label)
 
 
 def _name(fn: Any) -> str:
