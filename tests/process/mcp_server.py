@@ -93,7 +93,8 @@ if __name__ == "__main__":
     emit("server_started")
     if MODE == "boot":
         time.sleep(3600)
-    if MODE == "http" and hasattr(server, "settings"):  # mcp 1.x: host and port are settings
+    settings = getattr(server, "settings", None)
+    if MODE == "http" and "host" in getattr(type(settings), "model_fields", {}):  # mcp 1.x: settings
         server.settings.host, server.settings.port = "127.0.0.1", int(sys.argv[4])
         server.run("streamable-http")
     elif MODE == "http":

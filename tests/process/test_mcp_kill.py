@@ -193,14 +193,16 @@ def _free_port() -> int:
 def http_server(tmp_path: Path, marker: str) -> Iterator[tuple[str, Path]]:
     """A streamable-HTTP MCP server on 127.0.0.1, started here (not the task's child)."""
     port, events = _free_port(), tmp_path / "http.events.jsonl"
+    log = (tmp_path / "http_server.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, str(SERVER), "http", str(events), marker, str(port)],
         start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
     def listening() -> bool:
+        assert proc.poll() is None, (tmp_path / "http_server.log").read_text()[-3000:]
         with socket.socket() as sock:
             return sock.connect_ex(("127.0.0.1", port)) == 0
 
@@ -210,6 +212,7 @@ def http_server(tmp_path: Path, marker: str) -> Iterator[tuple[str, Path]]:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+        log.close()
 
 
 def test_streamable_http_tool_sees_the_cancellation(mcp_task: Spawn, http_server: tuple[str, Path]) -> None:
