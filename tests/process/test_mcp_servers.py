@@ -28,8 +28,11 @@ pytestmark = [
 SERVER = Path(__file__).with_name("mcp_server.py")
 
 
-async def _spawn_and_watch(events: Path, marker: str, timeout: float) -> dict[str, Any]:
-    """Spawn the ``child`` server through ``stdio_client``; return its pid and when it was gone."""
+async def _spawn_and_watch(
+    events: Path, marker: str, timeout: float, scope: TaskCancellation | None = None
+) -> dict[str, Any]:
+    """Spawn the ``child`` server through ``stdio_client`` (in ``scope``'s run, if given); wait up to
+    ``timeout`` for it to stop; return its pid and whether it still runs."""
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
     from cancellable_agents.run.mcp_servers import watch_spawns
@@ -37,8 +40,11 @@ async def _spawn_and_watch(events: Path, marker: str, timeout: float) -> dict[st
     assert watch_spawns()
     params = StdioServerParameters(command=sys.executable, args=[str(SERVER), "child", str(events), marker])
     async with stdio_client(params):
-        started = await asyncio.to_thread(eventually, lambda: server_events(events, "server_started"), 60)
-        pid = started[0]["pid"]
+        if scope is not None:  # noted when spawned; it may be closed before it could say it started
+            pid = next(e["pid"] for e in scope.summary()["timeline"] if e["event"] == "mcp_server_started")
+        else:
+            started = await asyncio.to_thread(eventually, lambda: server_events(events, "server_started"), 60)
+            pid = started[0]["pid"]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline and _running(pid):
@@ -55,7 +61,7 @@ def test_a_server_spawned_after_the_cancel_is_closed_at_once(tmp_path: Path, mar
     scope = TaskCancellation("late", budget=4.0)
     scope.cancel()
     with scope.activate():
-        result = asyncio.run(_spawn_and_watch(tmp_path / "events.jsonl", marker, timeout=4.0))
+        result = asyncio.run(_spawn_and_watch(tmp_path / "events.jsonl", marker, timeout=4.0, scope=scope))
     assert not result["running"], "a server spawned after the cancel kept running"
     assert scope.wait_released(5.0)
     closed = [e for e in scope.summary()["timeline"] if e["event"] == "mcp_server_closed"]
