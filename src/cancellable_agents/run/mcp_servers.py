@@ -59,6 +59,8 @@ from cancellable_agents.procs.proc import (
 )
 from cancellable_agents.run.tool_calls import IDEMPOTENCY_META_KEY, current_tool_call
 
+log = logging.getLogger(__name__)
+
 
 class RunTracker(Protocol):
     """What a server needs of the run that spawned it (:class:`~cancellable_agents.run.tracker.RunTracker`
@@ -69,8 +71,6 @@ class RunTracker(Protocol):
     tool_tasks: set[asyncio.Task[Any]]
     stdio_servers: list[Any]
 
-
-log = logging.getLogger(__name__)
 
 #: How long a server gets to exit on its own once its stdin is closed (the spec's first wait).
 #: Long enough for a tool's cleanup on cancel (the SDK server cancels every handler on stdin EOF
@@ -87,8 +87,6 @@ _entering: contextvars.ContextVar[RunTracker | None] = contextvars.ContextVar(
 )
 _hook_lock = threading.Lock()
 _HOOKED = "_cancellable_agents_spawn_hook"
-
-
 _KEYED = "_cancellable_agents_keyed"
 
 
@@ -320,6 +318,10 @@ class StdioServer:
         killed: list[KillRecord],
         stdin_closed: bool = False,
     ) -> None:
+        took = _ms(self.scope.now() - started)
+        log.info(
+            "%s: MCP server %d (%s) %s in %.0f ms", self.scope.name, self.key.pid, self.command, outcome, took
+        )
         self.scope.record(
             "mcp_server_closed",
             server=self.command,
@@ -329,7 +331,7 @@ class StdioServer:
             calls_ended_ms=calls_ms,
             stdin_closed=stdin_closed,
             killed=[k.pid for k in killed],
-            took_ms=_ms(self.scope.now() - started),
+            took_ms=took,
         )
 
 
