@@ -140,6 +140,7 @@ COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tes
                   tests/unit/test_fingerprint.py tests/unit/test_durable_stores.py tests/unit/test_usage.py \
                   tests/unit/test_durable_operator.py tests/unit/test_server_stop.py \
                   tests/unit/test_approval.py tests/unit/test_approval_operator.py tests/unit/test_dag_test_compat.py \
+                  tests/unit/test_deferral.py \
                   tests/process $(addprefix --ignore=,$(VERSION_FREE_PROCESS))
 COMPAT_SMOKE   := tests/unit/test_airflow_compat.py tests/unit/test_provider.py \
                   tests/process/test_kill_paths.py::test_streaming_request_is_closed \

@@ -182,7 +182,8 @@ def _in_flight(
     approved ones ran only if an execution took the answer in (its decisions are in the record)
     and stopped before its next step."""
     if paused is not None:
-        return frozenset(call_id for call_id, d in (paused[1] or {}).items() if d.approved)
+        # A deferred call's result came from outside: it does not run again.
+        return frozenset(call_id for call_id, d in (paused[1] or {}).items() if d.approved and not d.external)
     last = loaded.messages[-1]
     if not isinstance(last, ModelResponse):
         return frozenset()
