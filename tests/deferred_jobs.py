@@ -7,6 +7,8 @@ tests: a test reads what happened to the job from the file, not from the process
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,14 @@ def finish(root: str, job: str, result: Any) -> None:
     (Path(root) / f"{job}.json").write_text(json.dumps({"state": "done", "result": result}))
 
 
-def status(root: str, job: str) -> Any:
-    """``None`` while ``job`` runs, its result once done (the PollTrigger protocol)."""
+def status(root: str, job: str, events_fd: int | None = None) -> Any:
+    """``None`` while ``job`` runs, its result once done (the PollTrigger protocol).
+    ``events_fd``: a process test's event pipe, told of each poll (so the test knows the
+    trigger waits, without sleeping)."""
     state = json.loads((Path(root) / f"{job}.json").read_text())
+    if events_fd is not None:
+        line = {"event": "polled", "job": job, "state": state["state"], "t": time.monotonic()}
+        os.write(events_fd, (json.dumps(line) + "\n").encode())
     if state["state"] == "done":
         return state["result"]
     if state["state"] == "cancelled":

@@ -24,7 +24,14 @@ from airflow.sdk.bases.operator import BaseOperator
 from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, current_cancellation
+from cancellable_agents import (
+    AgentOperator,
+    CancellableAgentMixin,
+    LLMOperator,
+    PollTrigger,
+    current_cancellation,
+    defer_to,
+)
 from cancellable_agents.core.unwind import Phase
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
@@ -161,7 +168,32 @@ def build_task(scenario: str) -> BaseOperator:
         )
     if scenario.startswith("subagent_"):
         return build_subagent_task(scenario, common)
+    if scenario == "deferred":
+        return AgentOperator(
+            prompt="run the job",
+            model=_model('tool?name=start_job&args={"job":"j1"}&then=finished'),
+            tools=[start_job],
+            durable=True,
+            **common,
+        )
     raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def start_job(job: str) -> str:
+    """Start outside work (``tests.deferred_jobs``: a file the test finishes) and defer to it."""
+    from tests import deferred_jobs  # the repository root is on the child's path
+
+    root = os.environ["JOBS_DIR"]
+    deferred_jobs.start(root, job)
+    emit("job_started", job=job, pid=os.getpid())
+    defer_to(
+        PollTrigger(
+            "tests.deferred_jobs.status",
+            {"root": root, "job": job, "events_fd": _FD},
+            interval=0.05,
+            cancel="tests.deferred_jobs.cancel",
+        )
+    )
 
 
 def _block_until_killed(context: Any) -> None:
