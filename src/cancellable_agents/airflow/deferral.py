@@ -42,9 +42,12 @@ def defer_to(trigger: Any, *, timeout: timedelta | float | None = None) -> NoRet
     trigger must serialize to an importable class and JSON keyword arguments. Raises
     :class:`ConfigurationError` naming the fix where any of that is missing.
     """
-    from cancellable_agents.durable.deferral import Wait, defer_call
+    from cancellable_agents.durable.deferral import Wait, check_journaled, defer_call
 
     classpath, kwargs = _serialized(trigger)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    wait = Wait(classpath, kwargs, None if seconds is None else float(seconds))
+    check_journaled(wait)  # first: the fix every Airflow needs
     if not has_trigger_on_kill():
         import airflow
 
@@ -54,8 +57,7 @@ def defer_to(trigger: Any, *, timeout: timedelta | float | None = None) -> NoRet
             f"Upgrade, or "
             f"wait for the work inside the tool."
         )
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    defer_call(Wait(classpath, kwargs, None if seconds is None else float(seconds)))
+    defer_call(wait)
 
 
 def _serialized(trigger: Any) -> tuple[str, dict[str, Any]]:

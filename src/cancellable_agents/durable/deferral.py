@@ -60,12 +60,7 @@ def defer_call(wait: Wait) -> NoReturn:
     ``wait`` whose keyword arguments are not JSON: the record could not hold it."""
     from pydantic_ai.exceptions import CallDeferred
 
-    if not journaled_run.get():
-        raise ConfigurationError(
-            f"a tool deferred to {wait.classpath}, which needs durable=True on the task: the run stops at "
-            f"that step, the task defers without a worker slot, and the next execution continues from the "
-            f"record with the trigger's event as the tool's result"
-        )
+    check_journaled(wait)
     try:
         json.dumps(wait.kwargs, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -74,6 +69,16 @@ def defer_call(wait: Wait) -> NoReturn:
             f"record must hold them so a later try can wait again without running the tool again"
         ) from None
     raise CallDeferred(metadata={WAIT_KEY: wait.as_dict()})
+
+
+def check_journaled(wait: Wait) -> None:
+    """Refuse a deferral outside a journaled run (:class:`ConfigurationError` naming the fix)."""
+    if not journaled_run.get():
+        raise ConfigurationError(
+            f"a tool deferred to {wait.classpath}, which needs durable=True on the task: the run stops at "
+            f"that step, the task defers without a worker slot, and the next execution continues from the "
+            f"record with the trigger's event as the tool's result"
+        )
 
 
 def results_as_decisions(results: Mapping[str, Any], source: str) -> dict[str, Decision]:
