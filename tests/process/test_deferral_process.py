@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from cancellable_agents.airflow.adapter import has_trigger_on_kill
+from cancellable_agents.testing import jobs as deferred_jobs
 from cancellable_agents.testing.openai_server import ScriptedModelServer
-from tests import deferred_jobs
 from tests.taskproc import SETTLE, STARTUP
 
 pytestmark = pytest.mark.skipif(not has_trigger_on_kill(), reason="deferred tool calls are Airflow 3.3+")

@@ -33,7 +33,7 @@ from cancellable_agents.airflow.adapter import has_trigger_on_kill
 from cancellable_agents.airflow.deferral import RESUME_METHOD, answers_from_event
 from cancellable_agents.airflow.triggers import DeferredCallsTrigger
 from cancellable_agents.core.exceptions import ConfigurationError
-from tests import deferred_jobs
+from cancellable_agents.testing import jobs as deferred_jobs
 
 needs_3_3 = pytest.mark.skipif(not has_trigger_on_kill(), reason="a trigger's on_kill is Airflow 3.3+")
 
@@ -79,10 +79,10 @@ def _agent(
         defer_to(
             trigger
             or PollTrigger(
-                "tests.deferred_jobs.status",
+                "cancellable_agents.testing.jobs.status",
                 {"root": str(root), "job": job},
                 interval=0.01,
-                cancel="tests.deferred_jobs.cancel",
+                cancel="cancellable_agents.testing.jobs.cancel",
             )
         )
 
@@ -186,7 +186,10 @@ def test_a_retry_of_a_task_that_failed_while_deferred_waits_again_without_runnin
 def test_on_kill_stops_the_outside_work_still_waited_on(tmp_path: Path) -> None:
     deferred_jobs.start(str(tmp_path), "j1")
     poll = PollTrigger(
-        "tests.deferred_jobs.status", {"root": str(tmp_path), "job": "j1"}, 0.01, "tests.deferred_jobs.cancel"
+        "cancellable_agents.testing.jobs.status",
+        {"root": str(tmp_path), "job": "j1"},
+        0.01,
+        "cancellable_agents.testing.jobs.cancel",
     )
     classpath, kwargs = poll.serialize()
     trigger = DeferredCallsTrigger(
@@ -209,7 +212,10 @@ def test_cleanup_alone_does_not_stop_the_outside_work(tmp_path: Path) -> None:
     """A triggerer restart runs ``cleanup``, not ``on_kill``: the outside work goes on."""
     deferred_jobs.start(str(tmp_path), "j1")
     poll = PollTrigger(
-        "tests.deferred_jobs.status", {"root": str(tmp_path), "job": "j1"}, 0.01, "tests.deferred_jobs.cancel"
+        "cancellable_agents.testing.jobs.status",
+        {"root": str(tmp_path), "job": "j1"},
+        0.01,
+        "cancellable_agents.testing.jobs.cancel",
     )
     classpath, kwargs = poll.serialize()
     trigger = DeferredCallsTrigger(

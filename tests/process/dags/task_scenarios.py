@@ -34,6 +34,7 @@ from cancellable_agents import (
 )
 from cancellable_agents.core.unwind import Phase
 from cancellable_agents.hooks.model import build_model
+from cancellable_agents.testing import jobs as deferred_jobs
 from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
 
 _FD = int(os.environ["SCENARIO_EVENTS_FD"])
@@ -180,18 +181,16 @@ def build_task(scenario: str) -> BaseOperator:
 
 
 def start_job(job: str) -> str:
-    """Start outside work (``tests.deferred_jobs``: a file the test finishes) and defer to it."""
-    from tests import deferred_jobs  # the repository root is on the child's path
-
+    """Start outside work (``cancellable_agents.testing.jobs``: a file the test finishes) and defer to it."""
     root = os.environ["JOBS_DIR"]
     deferred_jobs.start(root, job)
     emit("job_started", job=job, pid=os.getpid())
     defer_to(
         PollTrigger(
-            "tests.deferred_jobs.status",
+            "cancellable_agents.testing.jobs.status",
             {"root": root, "job": job, "events_fd": _FD},
             interval=0.05,
-            cancel="tests.deferred_jobs.cancel",
+            cancel="cancellable_agents.testing.jobs.cancel",
         )
     )
 
