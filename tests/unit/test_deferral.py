@@ -279,3 +279,42 @@ def test_a_result_that_is_not_json_is_refused() -> None:
         answers_from_event({"run_key": "0", "results": {"c": {1, 2}}, "deferred_at": 0.0})
     run_key, answers = answers_from_event({"run_key": "0", "results": {"c": [1, 2]}, "deferred_at": 0.0})
     assert run_key == "0" and answers["c"].result == [1, 2]
+
+
+@needs_3_3
+def test_a_wait_past_its_timeout_stops_the_work_and_the_model_is_told(tmp_path: Path) -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    counts = Counts()
+    trigger = PollTrigger(
+        "cancellable_agents.testing.jobs.status",
+        {"root": str(tmp_path), "job": "j1"},
+        interval=0.01,
+        cancel="cancellable_agents.testing.jobs.cancel",
+    )
+
+    def slow_job(job: str) -> str:
+        counts.started.append(job)
+        deferred_jobs.start(str(tmp_path), job)
+        defer_to(trigger, timeout=0.3)
+
+    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        counts.requests += 1
+        if len(messages) == 1:
+            return ModelResponse(parts=[ToolCallPart("slow_job", {"job": "j1"}, tool_call_id="c1")])
+        (told,) = [p.content for p in messages[-1].parts if isinstance(p, ToolReturnPart)]
+        return ModelResponse(parts=[TextPart(f"told: {told}")])
+
+    def operator() -> AgentOperator:
+        agent = Agent(FunctionModel(script), tools=[slow_job])
+        return _operator(agent, tmp_path)
+
+    context = {"ti": TI(), "task_instance": TI()}
+    with pytest.raises(TaskDeferred) as deferred:
+        operator().execute(context)
+    assert deferred.value.timeout is not None and deferred.value.timeout.total_seconds() > 0.3, "a backstop"
+    event = _fire(deferred.value.trigger)
+    assert deferred_jobs.state_of(str(tmp_path), "j1") == "cancelled", "the outside work was stopped"
+    output = operator().resume_execution(RESUME_METHOD, {"event": event}, context)
+    assert "did not finish within its timeout of 0.3 s and was stopped" in output
+    assert (counts.requests, counts.started) == (2, ["j1"])

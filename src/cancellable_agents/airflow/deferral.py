@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 #: The operator method Airflow calls when the trigger fired (``TaskDeferred.method_name``).
 RESUME_METHOD = "resume_after_deferral"
+#: How long after the longest call's own timeout Airflow's deferral timeout fails the task (the
+#: trigger should have fired by then: only a triggerer that was down all that time misses it).
+BACKSTOP_S = 300.0
 #: Module names a trigger class must not live under: the triggerer cannot import them (Airflow
 #: loads a DAG file as ``unusual_prefix_<hash>_<name>``).
 _UNIMPORTABLE = ("__main__", "unusual_prefix_")
@@ -37,10 +40,12 @@ def defer_to(trigger: Any, *, timeout: timedelta | float | None = None) -> NoRet
     event's payload becomes the call's result. The task defers meanwhile and holds no worker slot.
 
     Start the outside work first, then defer; the trigger's ``on_kill`` stops it when a user marks
-    the deferred task failed or clears it. ``timeout``: how long the wait may take (the task then
-    fails with Airflow's ``TaskDeferralTimeout``). Needs ``durable=True`` and Airflow 3.3+; the
-    trigger must serialize to an importable class and JSON keyword arguments. Raises
-    :class:`ConfigurationError` naming the fix where any of that is missing.
+    the deferred task failed or clears it. ``timeout``: how long the wait may take; then the
+    trigger's ``on_kill`` stops the work and the model is told the call timed out (its result is
+    ``{"error": "... did not finish within its timeout ..."}``), and the run goes on. Needs
+    ``durable=True`` and Airflow 3.3+; the trigger must serialize to an importable class and JSON
+    keyword arguments. Raises :class:`ConfigurationError` naming the fix where any of that is
+    missing.
     """
     from cancellable_agents.durable.deferral import Wait, check_journaled, defer_call
 
@@ -84,11 +89,16 @@ def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
 
     waits = {c.tool_call_id: Wait.from_dict(c.wait) for c in request.calls if c.wait is not None}
     calls = [
-        {"tool_call_id": c.tool_call_id, "tool": c.tool_name, "classpath": w.classpath, "kwargs": w.kwargs}
+        {
+            "tool_call_id": c.tool_call_id,
+            "tool": c.tool_name,
+            "classpath": w.classpath,
+            "kwargs": w.kwargs,
+            "timeout_s": w.timeout_s,
+        }
         for c in request.calls
         if (w := waits.get(c.tool_call_id)) is not None
     ]
-    timeouts = [w.timeout_s for w in waits.values() if w.timeout_s is not None]
     log.warning(
         "deferred: %s wait%s on %s; the task holds no worker slot while it waits",
         ", ".join(c.tool_name for c in request.calls),
@@ -99,8 +109,17 @@ def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
         trigger=DeferredCallsTrigger(request.run_key, calls, time.time()),
         method_name=RESUME_METHOD,
         kwargs={"run_key": request.run_key},
-        timeout=timedelta(seconds=min(timeouts)) if timeouts else None,
+        timeout=_backstop(list(waits.values())),
     )
+
+
+def _backstop(waits: list[Any]) -> timedelta | None:
+    """Airflow's own timeout for the deferral: only a backstop. The trigger ends each call's wait
+    at its timeout itself and stops that call's work (Airflow's timeout fails the task without
+    the trigger's ``on_kill``); Airflow's fires only if no triggerer ran the trigger in time."""
+    if not waits or any(w.timeout_s is None for w in waits):
+        return None
+    return timedelta(seconds=max(w.timeout_s for w in waits) + BACKSTOP_S)
 
 
 def answers_from_event(event: Any) -> tuple[str, dict[str, Decision]]:

@@ -98,7 +98,10 @@ class DeferredCallsTrigger(BaseTrigger):
     """Wait for every deferred call of one model response; fire once with all their results.
 
     :param run_key: which agent run of the task paused (its order in ``execute``).
-    :param calls: per call ``{"tool_call_id", "tool", "classpath", "kwargs"}``: its trigger.
+    :param calls: per call ``{"tool_call_id", "tool", "classpath", "kwargs", "timeout_s"}``: its
+        trigger, and how long it may wait (``None``: no limit). A call whose wait times out has its
+        trigger's ``on_kill`` run (the outside work is stopped) and gets :func:`timed_out` as its
+        result: the model is told, as an approval nobody answered in time is rejected.
     :param deferred_at: when the task deferred (``time.time()``), so the resumed task can say how
         long the wait held no worker slot.
     """
@@ -125,7 +128,10 @@ class DeferredCallsTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         triggers = self._triggers()
-        firsts = await asyncio.gather(*(_first_event(t) for t in triggers.values()))
+        limits = {c["tool_call_id"]: c.get("timeout_s") for c in self.calls}
+        firsts = await asyncio.gather(
+            *(self._wait(t, limits.get(call_id)) for call_id, t in triggers.items())
+        )
         results = dict(zip(triggers, firsts, strict=True))
         self._fired = True  # all fired: nothing left for on_kill to stop
         yield TriggerEvent(
@@ -137,6 +143,20 @@ class DeferredCallsTrigger(BaseTrigger):
             }
         )
 
+    async def _wait(self, trigger: BaseTrigger, timeout_s: float | None) -> Any:
+        """``trigger``'s first payload, or :func:`timed_out` once ``timeout_s`` passed since the task
+        deferred (counted from ``deferred_at``, so a triggerer restart does not restart the clock),
+        its outside work stopped first."""
+        if timeout_s is None:
+            return await _first_event(trigger)
+        remaining = self.deferred_at + timeout_s - time.time()
+        try:
+            return await asyncio.wait_for(_first_event(trigger), max(remaining, 0.0))
+        except TimeoutError:
+            log.warning("a deferred call waited %.0f s, its timeout: stopping its outside work", timeout_s)
+            await _each({"": trigger}, "on_kill")
+            return timed_out(timeout_s)
+
     async def on_kill(self) -> None:
         """A user stopped the deferred task: stop every call's outside work still waited on."""
         if not self._fired:
@@ -144,6 +164,11 @@ class DeferredCallsTrigger(BaseTrigger):
 
     async def cleanup(self) -> None:
         await _each(self._waiting, "cleanup")
+
+
+def timed_out(timeout_s: float) -> dict[str, str]:
+    """The result a deferred call gets when its wait timed out (what the model reads)."""
+    return {"error": f"the outside work did not finish within its timeout of {timeout_s:g} s and was stopped"}
 
 
 async def _first_event(trigger: BaseTrigger) -> Any:
