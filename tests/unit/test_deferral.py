@@ -128,11 +128,11 @@ def test_a_deferred_call_frees_the_task_and_its_result_comes_from_the_trigger(tm
     deferred_jobs.finish(str(tmp_path), "j1", {"rows": 42})
     event = _fire(trigger)
     # A new process runs the resumed task: a new operator; dag.test() hands it the event alone.
-    output = _operator(_agent(counts, tmp_path), tmp_path).resume_execution(
-        RESUME_METHOD, {"event": event}, context
-    )
+    resumed = _operator(_agent(counts, tmp_path), tmp_path)
+    output = resumed.resume_execution(RESUME_METHOD, {"event": event}, context)
     assert output == 'results: [{"rows": 42}]'
     assert (counts.requests, counts.started) == (2, ["j1"]), "no request repeated, the job started once"
+    assert resumed.cancellation.attached["deferred"]["calls"] == ["c-j1"], "the try's facts name the wait"
 
 
 @needs_3_3
@@ -315,6 +315,7 @@ def test_a_wait_past_its_timeout_stops_the_work_and_the_model_is_told(tmp_path: 
     assert deferred.value.timeout is not None and deferred.value.timeout.total_seconds() > 0.3, "a backstop"
     event = _fire(deferred.value.trigger)
     assert deferred_jobs.state_of(str(tmp_path), "j1") == "cancelled", "the outside work was stopped"
+    assert event["timed_out"] == ["c1"]
     output = operator().resume_execution(RESUME_METHOD, {"event": event}, context)
     assert "did not finish within its timeout of 0.3 s and was stopped" in output
     assert (counts.requests, counts.started) == (2, ["j1"])

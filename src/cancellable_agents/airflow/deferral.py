@@ -21,6 +21,7 @@ from cancellable_agents.airflow.adapter import has_trigger_on_kill
 from cancellable_agents.core.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
+    from cancellable_agents.airflow.task_try import TaskTry
     from cancellable_agents.durable.approval import ApprovalRequest, Decision
 
 log = logging.getLogger(__name__)
@@ -130,12 +131,28 @@ def answers_from_event(event: Any) -> tuple[str, dict[str, Decision]]:
 
     if not isinstance(event, dict) or not isinstance(event.get("results"), dict):
         raise ConfigurationError(f"resumed after a deferral without the trigger's results: {event!r}")
-    waited = time.time() - float(event.get("deferred_at") or time.time())
-    log.info(
-        "deferred calls answered after %.1f s (the worker slot was free for that long): %s",
-        waited,
-        sorted(event["results"]),
-    )
     return str(event.get("run_key", "0")), results_as_decisions(
         event["results"], "the deferred calls' trigger"
     )
+
+
+def note_wait(task_try: TaskTry, event: dict[str, Any]) -> None:
+    """The wait that just ended, named where a try's facts go: one log line, the try's facts
+    (``attached["deferred"]``, in the kill record of a later kill) and the metrics
+    (``deferred.wait``: the seconds the task held no worker slot)."""
+    from cancellable_agents.airflow.metrics import emit_deferred_wait
+
+    fired = float(event.get("fired_at") or time.time())
+    waited = max(0.0, fired - float(event.get("deferred_at") or fired))
+    results = event["results"]
+    timed_out = sorted(event.get("timed_out") or ())
+    log.info(
+        "deferred: %d call(s) answered after %.1f s without a worker slot%s",
+        len(results),
+        waited,
+        f"; timed out, their work stopped: {timed_out}" if timed_out else "",
+    )
+    task_try.scope.attach(
+        deferred={"waited_s": round(waited, 3), "calls": sorted(results), "timed_out": timed_out}
+    )
+    emit_deferred_wait(task_try, waited, len(results))

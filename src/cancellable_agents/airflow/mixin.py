@@ -230,9 +230,11 @@ class CancellableAgentMixin:
         ``execute`` runs again, and the run that stopped continues from its record with the
         trigger's event as the deferred calls' results (``airflow.deferral``). Reads nothing
         but ``event``: ``dag.test()`` hands a resumed task the event alone."""
-        from cancellable_agents.airflow.deferral import answers_from_event
+        from cancellable_agents.airflow.deferral import answers_from_event, note_wait
 
-        self.task_try(context).answers = answers_from_event(event)
+        task_try = self.task_try(context)
+        task_try.answers = answers_from_event(event)
+        note_wait(task_try, event)
         return self.execute(context)  # type: ignore[attr-defined]
 
     def run_timeout(self) -> float | None:

@@ -111,6 +111,7 @@ class DeferredCallsTrigger(BaseTrigger):
         self.run_key, self.calls, self.deferred_at = run_key, [dict(c) for c in calls], float(deferred_at)
         self._waiting: dict[str, BaseTrigger] = {}
         self._fired = False
+        self._timed_out: list[str] = []
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -129,21 +130,20 @@ class DeferredCallsTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         triggers = self._triggers()
         limits = {c["tool_call_id"]: c.get("timeout_s") for c in self.calls}
-        firsts = await asyncio.gather(
-            *(self._wait(t, limits.get(call_id)) for call_id, t in triggers.items())
-        )
+        firsts = await asyncio.gather(*(self._wait(c, t, limits.get(c)) for c, t in triggers.items()))
         results = dict(zip(triggers, firsts, strict=True))
         self._fired = True  # all fired: nothing left for on_kill to stop
         yield TriggerEvent(
             {
                 "run_key": self.run_key,
                 "results": results,
+                "timed_out": sorted(self._timed_out),
                 "deferred_at": self.deferred_at,
                 "fired_at": time.time(),
             }
         )
 
-    async def _wait(self, trigger: BaseTrigger, timeout_s: float | None) -> Any:
+    async def _wait(self, call_id: str, trigger: BaseTrigger, timeout_s: float | None) -> Any:
         """``trigger``'s first payload, or :func:`timed_out` once ``timeout_s`` passed since the task
         deferred (counted from ``deferred_at``, so a triggerer restart does not restart the clock),
         its outside work stopped first."""
@@ -154,7 +154,8 @@ class DeferredCallsTrigger(BaseTrigger):
             return await asyncio.wait_for(_first_event(trigger), max(remaining, 0.0))
         except TimeoutError:
             log.warning("a deferred call waited %.0f s, its timeout: stopping its outside work", timeout_s)
-            await _each({"": trigger}, "on_kill")
+            await _each({call_id: trigger}, "on_kill")
+            self._timed_out.append(call_id)
             return timed_out(timeout_s)
 
     async def on_kill(self) -> None:
