@@ -55,6 +55,7 @@ def test_a_deferred_call_resumes_with_the_trigger_event_and_asks_the_model_once_
     assert results == [{"rows": 42}], "the trigger's event is the tool's result"
     log = task.tail(400)
     assert "resuming from try 1 (deferred to outside work)" in log, log
-    waited = next(line for line in log.splitlines() if "deferred calls answered after" in line)
+    waited = next(line for line in log.splitlines() if "answered after" in line)
+    assert "without a worker slot" in waited, waited
     print(f"\n[deferred] model requests over the task: {len(requests)}; {waited.split('] ', 1)[-1][:80]}")
     assert "Pausing task as DEFERRED" in log and "deferred: start_job waits on PollTrigger" in log, log
