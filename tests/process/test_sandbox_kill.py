@@ -64,7 +64,8 @@ def test_sigterm_to_the_task_pid_kills_the_sandboxed_tree(
 
 
 @pytest.mark.skipif(
-    not bwrap_support().boundary, reason=f"no boundary profile: {bwrap_support().boundary_reason}"
+    not bwrap_support().boundary,
+    reason=f"no boundary profile: {bwrap_support().boundary_reason or bwrap_support().reason}",
 )
 def test_sigkill_of_the_task_leaves_no_boundary_command_running(
     marker: str, child_tasks: Callable[..., ChildTask]
