@@ -29,6 +29,7 @@ import shlex
 import shutil
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 #: The official Airflow image's user and group.
@@ -119,6 +120,31 @@ def restricted_argv(argv: list[str]) -> list[str]:
     ]
     script = f"{_mount_script()}\nexec {shlex.join(setpriv)}"
     return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script]
+
+
+def make_pod_dir() -> Path:
+    """A folder the pod's user owns (remove it with ``shutil.rmtree``): ``home`` (its ``HOME``,
+    with a secret planted in ``.aws/credentials``) and room for temporary files."""
+    root = Path(tempfile.mkdtemp(prefix="cancellable-agents-pod-"))
+    root.chmod(0o755)
+    (root / "home" / ".aws").mkdir(parents=True)
+    (root / "home" / ".aws" / "credentials").write_text("aws_secret_access_key = pod-secret\n")
+    for path in [root, *root.rglob("*")]:
+        os.chown(path, POD_UID, POD_GID)
+    return root
+
+
+def pod_env(pod_dir: Path) -> dict[str, str]:
+    """A pod's environment: what the image sets, no more (nothing of the test runner's)."""
+    return {
+        "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(pod_dir / "home"),
+        "USER": "airflow",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPATH": f"{REPO / 'src'}:{REPO}",
+        "TMPDIR": "/tmp",
+    }
 
 
 def _load_runtime_default_filter() -> None:

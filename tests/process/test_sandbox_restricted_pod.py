@@ -8,18 +8,24 @@ with namespace mode skipped for the reason the pod gives. Real processes, real s
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.process.restricted_pod import POD_GID, POD_UID, REPO, restricted_argv, unavailable_reason
+from tests.process.restricted_pod import (
+    POD_GID,
+    POD_UID,
+    REPO,
+    make_pod_dir,
+    pod_env,
+    restricted_argv,
+    unavailable_reason,
+)
 from tests.process.trees import landlock_reason, landlock_usable
 
 pytestmark = [
@@ -126,29 +132,9 @@ def _expected_skip(message: str) -> bool:
 
 @pytest.fixture
 def pod_dir() -> Iterator[Path]:
-    """A folder the pod's user owns: its home (with a planted secret) and pytest's temp."""
-    root = Path(tempfile.mkdtemp(prefix="cancellable-agents-pod-"))
-    root.chmod(0o755)
-    home = root / "home"
-    (home / ".aws").mkdir(parents=True)
-    (home / ".aws" / "credentials").write_text("aws_secret_access_key = pod-secret\n")
-    for path in [root, *root.rglob("*")]:
-        os.chown(path, POD_UID, POD_GID)
+    root = make_pod_dir()
     yield root
     shutil.rmtree(root, ignore_errors=True)
-
-
-def _pod_env(pod_dir: Path) -> dict[str, str]:
-    """A pod's environment: what the image sets, no more (nothing of the test runner's)."""
-    return {
-        "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
-        "HOME": str(pod_dir / "home"),
-        "USER": "airflow",
-        "LANG": "C.UTF-8",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONPATH": f"{REPO / 'src'}:{REPO}",
-        "TMPDIR": "/tmp",
-    }
 
 
 #: As the pod's process: what it is, whether it may make namespaces, what ``LocalSandbox()``
@@ -179,7 +165,7 @@ print(json.dumps(seen))
 def test_in_a_restricted_pod_auto_picks_landlock_and_hostile_commands_are_refused(pod_dir: Path) -> None:
     proc = subprocess.run(
         restricted_argv([sys.executable, "-c", PROBE]),
-        env=_pod_env(pod_dir), capture_output=True, text=True, timeout=120, check=False,
+        env=pod_env(pod_dir), capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout)
@@ -213,7 +199,7 @@ def test_the_sandbox_tests_pass_in_landlock_mode_inside_a_restricted_pod(pod_dir
         *(f"tests/process/{name}" for name in INSIDE),
     ]  # fmt: skip
     proc = subprocess.run(
-        restricted_argv(argv), env=_pod_env(pod_dir), cwd=REPO,
+        restricted_argv(argv), env=pod_env(pod_dir), cwd=REPO,
         capture_output=True, text=True, timeout=280, check=False,
     )  # fmt: skip
     assert report.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
