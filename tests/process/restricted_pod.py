@@ -100,9 +100,13 @@ def _mount_script() -> str:
     return "\n".join(lines)
 
 
-def restricted_argv(argv: list[str]) -> list[str]:
+def restricted_argv(argv: list[str], *, runtime_default: bool = True) -> list[str]:
     """``argv`` run as an unprivileged pod's process (see the module docstring). The caller is
-    root; the environment passes through unchanged (give it a ``HOME`` uid 50000 owns)."""
+    root; the environment passes through unchanged (give it a ``HOME`` uid 50000 owns).
+
+    ``runtime_default=False``: the same user without the seccomp filter, i.e. a non-root worker
+    where unprivileged user namespaces are allowed (a VM's ``airflow`` user, or a pod whose
+    seccomp profile is ``Unconfined``): there bubblewrap starts."""
     setpriv = [
         "setpriv",
         f"--reuid={POD_UID}",
@@ -115,7 +119,7 @@ def restricted_argv(argv: list[str]) -> list[str]:
         "--",
         sys.executable,
         str(HERE),
-        "--",
+        "--runtime-default" if runtime_default else "--no-filter",
         *argv,
     ]
     script = f"{_mount_script()}\nexec {shlex.join(setpriv)}"
@@ -163,9 +167,12 @@ def _load_runtime_default_filter() -> None:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] != ["--"] or len(argv) < 2 or os.getuid() == 0:
-        raise SystemExit("usage (from restricted_argv only): restricted_pod.py -- COMMAND...")
-    _load_runtime_default_filter()
+    if argv[:1] not in (["--runtime-default"], ["--no-filter"]) or len(argv) < 2 or os.getuid() == 0:
+        raise SystemExit(
+            "usage (from restricted_argv only): restricted_pod.py --runtime-default|--no-filter COMMAND..."
+        )
+    if argv[0] == "--runtime-default":
+        _load_runtime_default_filter()
     os.execvp(argv[1], argv[1:])
 
 

@@ -3,7 +3,9 @@
 (``tests/process/restricted_pod.py``). There bubblewrap cannot start, ``LocalSandbox()`` picks
 landlock mode, and the sandbox's own tests (confinement, hardening, limits, kill paths, the
 lifecycle) run again as that pod's process and pass: the same tests, parametrised over the modes,
-with namespace mode skipped for the reason the pod gives. Real processes, real system calls."""
+with namespace mode skipped for the reason the pod gives. The same user without the pod's seccomp
+profile (a non-root worker where user namespaces are allowed) gets namespace mode, and those
+tests' namespace cases pass there. Real processes, real system calls."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,13 +165,18 @@ print(json.dumps(seen))
 """
 
 
-def test_in_a_restricted_pod_auto_picks_landlock_and_hostile_commands_are_refused(pod_dir: Path) -> None:
+def _probe(pod_dir: Path, *, runtime_default: bool) -> dict[str, Any]:
     proc = subprocess.run(
-        restricted_argv([sys.executable, "-c", PROBE]),
+        restricted_argv([sys.executable, "-c", PROBE], runtime_default=runtime_default),
         env=pod_env(pod_dir), capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    seen = json.loads(proc.stdout)
+    seen: dict[str, Any] = json.loads(proc.stdout)
+    return seen
+
+
+def test_in_a_restricted_pod_auto_picks_landlock_and_hostile_commands_are_refused(pod_dir: Path) -> None:
+    seen = _probe(pod_dir, runtime_default=True)
     # The pod: uid 50000, no capability in any set, no_new_privs, a seccomp filter.
     assert (seen["uid"], seen["gid"]) == (POD_UID, POD_GID), seen
     assert {seen[k] for k in ("CapEff", "CapPrm", "CapBnd")} == {"0000000000000000"}, seen
@@ -191,16 +199,18 @@ def test_in_a_restricted_pod_auto_picks_landlock_and_hostile_commands_are_refuse
     ], control
 
 
-def test_the_sandbox_tests_pass_in_landlock_mode_inside_a_restricted_pod(pod_dir: Path) -> None:
+def _run_inside(pod_dir: Path, *, runtime_default: bool, select: str = "") -> dict[str, tuple[str, str]]:
+    """The sandbox tests (``INSIDE``, ``-k select``) run as the pod's process: each test id's
+    outcome (passed, skipped, failed) and message; asserts none failed."""
     report = pod_dir / "report.xml"
     argv = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         f"--basetemp={pod_dir / 'pytest'}", f"--junitxml={report}", "-rs",
-        *(f"tests/process/{name}" for name in INSIDE),
+        *(["-k", select] if select else []), *(f"tests/process/{name}" for name in INSIDE),
     ]  # fmt: skip
     proc = subprocess.run(
-        restricted_argv(argv), env=pod_env(pod_dir), cwd=REPO,
-        capture_output=True, text=True, timeout=280, check=False,
+        restricted_argv(argv, runtime_default=runtime_default), env=pod_env(pod_dir), cwd=REPO,
+        capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert report.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     outcomes: dict[str, tuple[str, str]] = {}
@@ -216,6 +226,11 @@ def test_the_sandbox_tests_pass_in_landlock_mode_inside_a_restricted_pod(pod_dir
             outcomes[test_id] = ("passed", "")
     failures = {k: v for k, v in outcomes.items() if v[0] == "failed"}
     assert proc.returncode == 0 and not failures, (failures, proc.stdout[-6000:])
+    return outcomes
+
+
+def test_the_sandbox_tests_pass_in_landlock_mode_inside_a_restricted_pod(pod_dir: Path) -> None:
+    outcomes = _run_inside(pod_dir, runtime_default=True)
     # Namespace mode is skipped (bubblewrap cannot start there), never run nor silently replaced.
     namespace = {k: v for k, v in outcomes.items() if "[namespace" in k}
     assert namespace and all(v[0] == "skipped" for v in namespace.values()), namespace
@@ -230,3 +245,42 @@ def test_the_sandbox_tests_pass_in_landlock_mode_inside_a_restricted_pod(pod_dir
         )
         unexpected = {k: v for k, v in landlock.items() if v[0] == "skipped" and not _expected_skip(v[1])}
         assert not unexpected, (probe, unexpected)
+
+
+needs_userns = pytest.mark.skipif(
+    subprocess.run(["unshare", "-Ur", "true"], capture_output=True, timeout=30, check=False).returncode != 0,
+    reason="this kernel refuses unprivileged user namespaces",
+)
+
+
+@needs_userns
+def test_as_a_non_root_worker_with_user_namespaces_auto_picks_namespace_mode(pod_dir: Path) -> None:
+    """The same user, no capabilities, no_new_privs, without the pod's seccomp profile: bubblewrap
+    starts unprivileged, and the same hostile command is refused there too."""
+    seen = _probe(pod_dir, runtime_default=False)
+    assert (seen["uid"], seen["CapEff"], seen["NoNewPrivs"], seen["Seccomp"]) == (POD_UID, "0" * 16, "1", "0")
+    assert seen["unshare"] == "" and seen["bwrap"] == "", seen
+    auto, control = seen["auto"], seen["control"]
+    assert auto["mode"] == "namespace", auto
+    assert "pod-secret" not in auto["stdout"] and "No such file or directory" in auto["stderr"], auto
+    assert "signalled" not in auto["stdout"] and "connected" not in auto["stdout"], auto
+    assert control["stdout"].split() == [
+        "aws_secret_access_key",
+        "=",
+        "pod-secret",
+        "signalled",
+        "connected",
+    ], control
+
+
+@needs_userns
+def test_the_namespace_cases_pass_as_a_non_root_worker_with_user_namespaces(pod_dir: Path) -> None:
+    """The same tests' namespace cases, as uid 50000 without capabilities where bubblewrap starts."""
+    outcomes = _run_inside(pod_dir, runtime_default=False, select="namespace")
+    namespace = {k: v for k, v in outcomes.items() if "[namespace" in k}
+    passed = {k for k, v in namespace.items() if v[0] == "passed"}
+    for probe, (module, name) in MUST_PASS.items():
+        test = f"test_sandbox_{module}::{name}"
+        cases = {k for k in namespace if k.startswith(f"{test}[")}
+        assert not cases or cases & passed, f"{probe}: {test} did not pass in namespace mode as non-root"
+    assert len(passed) >= 20, namespace
