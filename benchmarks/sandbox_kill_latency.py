@@ -23,9 +23,10 @@ interleaved: what the filter adds to each command's start; then the boundary pro
 network against the same with an egress allowlist (start and kill, interleaved).
 
 The main measurements end in one table, the modes side by side. ``--pod`` (root only) then
-measures landlock and process-group mode again inside a restricted pod
-(``tests/process/restricted_pod.py``: uid 50000, no capabilities, ``no_new_privs``, a
-RuntimeDefault-like seccomp filter, so no cgroup and no tmpfs), and prints their rows beside.
+measures every mode again as uid 50000 without capabilities where user namespaces are allowed,
+then landlock and process-group mode inside a restricted pod (``tests/process/restricted_pod.py``:
+the same user, ``no_new_privs``, a RuntimeDefault-like seccomp filter; no cgroup, no tmpfs), and
+prints their rows beside (measured after the root rows, so under the load of that moment).
 
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile] [--pod]``
 """
@@ -139,8 +140,9 @@ TABLE_HEAD = [
 ]
 
 
-def pod_rows(runs: int) -> list[str]:
-    """The same measurements, landlock and process-group mode, inside a restricted pod."""
+def pod_rows(runs: int, *, runtime_default: bool = True) -> list[str]:
+    """The same measurements inside a restricted pod (landlock and process-group mode), or
+    (``runtime_default=False``) as the same user where user namespaces are allowed."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.process.restricted_pod import make_pod_dir, pod_env, restricted_argv, unavailable_reason
 
@@ -150,9 +152,10 @@ def pod_rows(runs: int) -> list[str]:
         return []
     pod_dir = make_pod_dir()
     try:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--runs", str(runs), "--inside-pod"]
+        where = "pod" if runtime_default else "userns"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--runs", str(runs), f"--inside={where}"]
         proc = subprocess.run(
-            restricted_argv(argv),
+            restricted_argv(argv, runtime_default=runtime_default),
             env=pod_env(pod_dir),
             capture_output=True,
             text=True,
@@ -172,7 +175,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--hostile", action="store_true", help="also run the hostile-command table")
     parser.add_argument("--pod", action="store_true", help="also measure inside a restricted pod (root only)")
-    parser.add_argument("--inside-pod", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--inside", choices=["pod", "userns"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     # The process-group rows would print the "not a boundary" warning once per run.
     logging.getLogger("cancellable_agents.toolsets.sandbox.local.isolation").setLevel(logging.ERROR)
@@ -212,13 +215,16 @@ def main() -> None:
         summary[label]["true"] = took
         ms = [t * 1000 for t in took]
         print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
-    where = "restricted pod (uid 50000)" if args.inside_pod else f"uid {os.getuid()}"
+    where = {
+        "pod": "restricted pod (uid 50000, RuntimeDefault-like seccomp)",
+        "userns": "uid 50000, user namespaces allowed",
+    }.get(args.inside or "", f"uid {os.getuid()}")
     rows = table_rows(summary, where)
-    if args.inside_pod:
+    if args.inside:
         print("\n".join(rows))
         return
     if args.pod:
-        rows += pod_rows(args.runs)
+        rows += pod_rows(args.runs, runtime_default=False) + pod_rows(args.runs)
     print(f"\nSide by side, median / max of {args.runs} runs (gone: no process of the tree left):")
     print("\n".join(TABLE_HEAD + rows))
     if support.boundary:
