@@ -116,6 +116,10 @@ MUST_PASS: dict[str, tuple[str, str]] = {
         "command",
         "test_output_is_capped_with_a_marker_and_huge_output_does_not_hang",
     ),
+    "the hostile-command table, then a SIGTERM to the task during them": (
+        "kill",
+        "test_hostile_commands_are_contained_and_a_sigterm_during_them_unwinds",
+    ),
     "SIGTERM to the task kills the tree": (
         "kill",
         "test_sigterm_to_the_task_pid_kills_the_sandboxed_tree",
