@@ -81,9 +81,11 @@ def _hidden_ancestor(path: Path) -> Path | None:
     return None
 
 
-def _mount_script() -> str:
-    """Shell that makes the interpreter's real installation reachable in the mount namespace."""
+def _mount_script(binds: dict[str, str]) -> str:
+    """Shell that makes the interpreter's real installation reachable in the mount namespace,
+    and binds each ``binds`` source on its target."""
     lines = ["set -e"]
+    lines += [f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}" for src, dst in binds.items()]
     interpreter = Path(os.path.realpath(sys.executable)).parent.parent
     hidden = _hidden_ancestor(interpreter)
     if hidden is not None:
@@ -100,13 +102,18 @@ def _mount_script() -> str:
     return "\n".join(lines)
 
 
-def restricted_argv(argv: list[str], *, runtime_default: bool = True) -> list[str]:
+def restricted_argv(
+    argv: list[str], *, runtime_default: bool = True, binds: dict[str, str] | None = None
+) -> list[str]:
     """``argv`` run as an unprivileged pod's process (see the module docstring). The caller is
     root; the environment passes through unchanged (give it a ``HOME`` uid 50000 owns).
 
     ``runtime_default=False``: the same user without the seccomp filter, i.e. a non-root worker
     where unprivileged user namespaces are allowed (a VM's ``airflow`` user, or a pod whose
-    seccomp profile is ``Unconfined``): there bubblewrap starts."""
+    seccomp profile is ``Unconfined``): there bubblewrap starts.
+
+    ``binds``: folders shown at another path in the pod's mount namespace (source -> an existing
+    target), for a folder under one uid 50000 may not enter (pytest's ``/tmp/pytest-of-root``)."""
     setpriv = [
         "setpriv",
         f"--reuid={POD_UID}",
@@ -122,7 +129,7 @@ def restricted_argv(argv: list[str], *, runtime_default: bool = True) -> list[st
         "--runtime-default" if runtime_default else "--no-filter",
         *argv,
     ]
-    script = f"{_mount_script()}\nexec {shlex.join(setpriv)}"
+    script = f"{_mount_script(binds or {})}\nexec {shlex.join(setpriv)}"
     return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script]
 
 
