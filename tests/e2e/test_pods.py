@@ -52,6 +52,8 @@ from tests.e2e.test_celery import (
     _try_1_wrote_nothing_after_the_takeover,
 )
 from tests.e2e.test_kill_paths import _the_record, explained
+from tests.process.restricted_pod import unavailable_reason
+from tests.process.trees import landlock_reason, landlock_usable
 
 pytestmark = [
     pytest.mark.e2e,
@@ -65,6 +67,8 @@ TOOL_DAG_ID = "e2e_pod_tool"
 #: The same agent in an unprivileged pod (``RestrictedPods``): uid 50000, no capabilities,
 #: ``no_new_privs``, a RuntimeDefault-like seccomp filter.
 RESTRICTED_DAG_ID = "e2e_pod_restricted"
+#: Why an unprivileged pod cannot be made here (``None``: it can): its scenarios are left out.
+NO_RESTRICTED_POD = unavailable_reason() or (None if landlock_usable() else landlock_reason())
 #: How long a pod may take from its tree being up to the sync tool it then calls (start-up).
 TOOL_START_TIMEOUT_S = START_TIMEOUT
 #: ``terminationGracePeriodSeconds`` of the KubernetesExecutor's pod template.
@@ -192,6 +196,7 @@ SCENARIOS = {
             dag_id=RESTRICTED_DAG_ID,
         ),
     )
+    if not (s.restricted and NO_RESTRICTED_POD)
 }
 
 
@@ -234,12 +239,17 @@ class Outcome:
 @pytest.fixture(scope="module")
 def pod_runs(e2e: E2EEnv) -> Iterator[dict[str, Outcome]]:
     """Every scenario at once, each in its own pods; the kubelet is gone (and every pod) after."""
-    _await_dags(e2e.stack, e2e.rest, dag_ids=(DAG_ID, TOOL_DAG_ID, RESTRICTED_DAG_ID))
+    _await_dags(
+        e2e.stack,
+        e2e.rest,
+        dag_ids=(DAG_ID, TOOL_DAG_ID, *(() if NO_RESTRICTED_POD else (RESTRICTED_DAG_ID,))),
+    )
     runs = {name: PodRun() for name in SCENARIOS}
     log_dir = e2e.stack.home / "components"
-    restricted = RestrictedPods(e2e.stack.home, e2e.state_dir)
+    restricted = None if NO_RESTRICTED_POD else RestrictedPods(e2e.stack.home, e2e.state_dir)
     with contextlib.ExitStack() as stack:
-        stack.callback(restricted.close)
+        if restricted is not None:
+            stack.callback(restricted.close)
         kubelet = stack.enter_context(
             Kubelet(
                 e2e.state_dir,
@@ -491,6 +501,7 @@ def test_a_pod_that_dies_without_a_word_resumes_from_the_record(
 # -- an unprivileged pod ----------------------------------------------------------------------
 
 
+@pytest.mark.skipif(NO_RESTRICTED_POD is not None, reason=f"no unprivileged pod here: {NO_RESTRICTED_POD}")
 @pytest.mark.parametrize("name", ["rpod_delete", "rpod_drain", "rpod_mark_failed"])
 def test_in_an_unprivileged_pod_every_stop_ends_the_sandbox_and_a_hostile_command_is_refused(
     e2e: E2EEnv, pod_runs: dict[str, Outcome], name: str
