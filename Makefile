@@ -132,6 +132,7 @@ VERSION_FREE_PROCESS := tests/process/test_proc.py tests/process/test_reaper.py 
                   tests/process/test_sandbox_command.py tests/process/test_sandbox_confinement.py \
                   tests/process/test_sandbox_egress.py tests/process/test_sandbox_hardening.py \
                   tests/process/test_sandbox_kill.py tests/process/test_sandbox_local.py \
+                  tests/process/test_sandbox_restricted_pod.py \
                   tests/process/test_sandbox_workdirs.py
 AIRFLOW_COMPAT := 3.1 3.2
 COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tests/unit/test_provider.py \
