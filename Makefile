@@ -133,6 +133,7 @@ VERSION_FREE_PROCESS := tests/process/test_proc.py tests/process/test_reaper.py 
                   tests/process/test_sandbox_command.py tests/process/test_sandbox_confinement.py \
                   tests/process/test_sandbox_egress.py tests/process/test_sandbox_hardening.py \
                   tests/process/test_sandbox_kill.py tests/process/test_sandbox_local.py \
+                  tests/process/test_sandbox_restricted_pod.py \
                   tests/process/test_sandbox_workdirs.py
 # The floor's MCP stack is another generation (fastmcp 3, mcp 1.x): a stdio server closed in the
 # protocol's order and a remote one cancelled prove the hooks hold there; the rest is the same code.
@@ -145,6 +146,7 @@ COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tes
                   tests/unit/test_fingerprint.py tests/unit/test_durable_stores.py tests/unit/test_usage.py \
                   tests/unit/test_durable_operator.py tests/unit/test_server_stop.py \
                   tests/unit/test_approval.py tests/unit/test_approval_operator.py tests/unit/test_dag_test_compat.py \
+                  tests/unit/test_deferral.py \
                   tests/process $(addprefix --ignore=,$(VERSION_FREE_PROCESS)) \
                   --ignore=tests/process/test_mcp_kill.py $(MCP_FLOOR_SMOKE)
 COMPAT_SMOKE   := tests/unit/test_airflow_compat.py tests/unit/test_provider.py \

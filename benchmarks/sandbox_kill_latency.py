@@ -22,7 +22,13 @@ It ends with ``run('true')`` in the boundary profile with the seccomp filter on 
 interleaved: what the filter adds to each command's start; then the boundary profile without a
 network against the same with an egress allowlist (start and kill, interleaved).
 
-Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile]``
+The main measurements end in one table, the modes side by side. ``--pod`` (root only) then
+measures every mode again as uid 50000 without capabilities where user namespaces are allowed,
+then landlock and process-group mode inside a restricted pod (``tests/process/restricted_pod.py``:
+the same user, ``no_new_privs``, a RuntimeDefault-like seccomp filter; no cgroup, no tmpfs), and
+prints their rows beside (measured after the root rows, so under the load of that moment).
+
+Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile] [--pod]``
 """
 
 from __future__ import annotations
@@ -113,13 +119,67 @@ def describe(label: str, samples: list[float]) -> str:
     return f"{label:<9} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms"
 
 
+def ms_pair(samples: list[float]) -> str:
+    ms = [s * 1000 for s in samples]
+    return f"{statistics.median(ms):.0f} / {max(ms):.0f} ms"
+
+
+def table_rows(summary: dict[str, dict[str, list[float]]], where: str) -> list[str]:
+    """Markdown rows: a setup per row, run('true') and the two kills (median / max)."""
+    return [
+        f"| {label} | {where} | {ms_pair(cols['true'])} | {ms_pair(cols['stop()'])} | "
+        f"{ms_pair(cols['scope.cancel()'])} |"
+        for label, cols in summary.items()
+    ]
+
+
+TABLE_HEAD = [
+    "| mode | where | `run('true')` end to end | `stop()` of a 3-process tree, until gone "
+    "| `scope.cancel()`, until gone |",
+    "|---|---|---|---|---|",
+]
+
+
+def pod_rows(runs: int, *, runtime_default: bool = True) -> list[str]:
+    """The same measurements inside a restricted pod (landlock and process-group mode), or
+    (``runtime_default=False``) as the same user where user namespaces are allowed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.process.restricted_pod import make_pod_dir, pod_env, restricted_argv, unavailable_reason
+
+    why_not = unavailable_reason()
+    if why_not is not None:
+        print(f"restricted pod skipped: {why_not}")
+        return []
+    pod_dir = make_pod_dir()
+    try:
+        where = "pod" if runtime_default else "userns"
+        argv = [sys.executable, str(Path(__file__).resolve()), "--runs", str(runs), f"--inside={where}"]
+        proc = subprocess.run(
+            restricted_argv(argv, runtime_default=runtime_default),
+            env=pod_env(pod_dir),
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(pod_dir, ignore_errors=True)
+    if proc.returncode != 0:
+        print(f"restricted pod failed: {proc.stderr[-2000:]}")
+        return []
+    return [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--hostile", action="store_true", help="also run the hostile-command table")
+    parser.add_argument("--pod", action="store_true", help="also measure inside a restricted pod (root only)")
+    parser.add_argument("--inside", choices=["pod", "userns"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     # The process-group rows would print the "not a boundary" warning once per run.
     logging.getLogger("cancellable_agents.toolsets.sandbox.local.isolation").setLevel(logging.ERROR)
+    logging.getLogger("cancellable_agents.toolsets.sandbox.local").setLevel(logging.ERROR)
     support = bwrap_support()
     setups = [("process-group", "boundary")]
     if landlock_support().usable:
@@ -130,6 +190,7 @@ def main() -> None:
         setups[:0] = [("namespace", "host")] + ([("namespace", "boundary")] if support.boundary else [])
     else:
         print(f"namespace mode skipped: {support.reason}")
+    summary: dict[str, dict[str, list[float]]] = {}
     for via_scope in (False, True):
         how = "scope.cancel()" if via_scope else "stop()"
         # Interleaved, so the profiles share the same load.
@@ -139,6 +200,7 @@ def main() -> None:
                 samples[setup].append(one_run(setup[0], via_scope, setup[1]))
         for (mode, profile), results in samples.items():
             label = f"{mode}, profile={profile}" if mode == "namespace" else mode
+            summary.setdefault(label, {})[how] = [g for g, _ in results]
             print(f"{label} / {how}, {args.runs} runs:")
             print("  " + describe("gone", [g for g, _ in results]))
             print("  " + describe("returned", [r for _, r in results]))
@@ -150,8 +212,21 @@ def main() -> None:
         finally:
             box.destroy()
         label = f"{mode}, profile={profile}" if mode == "namespace" else mode
+        summary[label]["true"] = took
         ms = [t * 1000 for t in took]
         print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
+    where = {
+        "pod": "restricted pod (uid 50000, RuntimeDefault-like seccomp)",
+        "userns": "uid 50000, user namespaces allowed",
+    }.get(args.inside or "", f"uid {os.getuid()}")
+    rows = table_rows(summary, where)
+    if args.inside:
+        print("\n".join(rows))
+        return
+    if args.pod:
+        rows += pod_rows(args.runs, runtime_default=False) + pod_rows(args.runs)
+    print(f"\nSide by side, median / max of {args.runs} runs (gone: no process of the tree left):")
+    print("\n".join(TABLE_HEAD + rows))
     if support.boundary:
         filter_cost(args.runs)
         egress_cost(args.runs)

@@ -47,9 +47,11 @@ from typing import TYPE_CHECKING
 from cancellable_agents.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and linters alike
+    from cancellable_agents.airflow.deferral import defer_to as defer_to
     from cancellable_agents.airflow.mixin import CancellableAgentMixin as CancellableAgentMixin
     from cancellable_agents.airflow.retry import CancellationAwareRetryPolicy as CancellationAwareRetryPolicy
     from cancellable_agents.airflow.task_try import cancellation_of as cancellation_of
+    from cancellable_agents.airflow.triggers import PollTrigger as PollTrigger
     from cancellable_agents.core.causes import CancelCause as CancelCause
     from cancellable_agents.core.causes import UserAction as UserAction
     from cancellable_agents.core.exceptions import CancellableAgentsError as CancellableAgentsError
@@ -95,6 +97,8 @@ _EXPORTS = {
     "idempotency_headers": "cancellable_agents.run.tool_calls",
     "CancellableAgentMixin": "cancellable_agents.airflow.mixin",
     "cancellation_of": "cancellable_agents.airflow.task_try",
+    "defer_to": "cancellable_agents.airflow.deferral",
+    "PollTrigger": "cancellable_agents.airflow.triggers",
     "CancellationAwareRetryPolicy": "cancellable_agents.airflow.retry",
     "LLMOperator": "cancellable_agents.operators.llm",
     "AgentOperator": "cancellable_agents.operators.agent",

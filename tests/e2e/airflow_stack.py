@@ -1,4 +1,5 @@
-"""A real Airflow 3 on loopback for end-to-end tests: api-server, scheduler, dag-processor.
+"""A real Airflow 3 on loopback for end-to-end tests: api-server, scheduler, dag-processor, and
+(``triggerer=True``) a triggerer.
 
 ``AirflowStack`` owns a fresh ``AIRFLOW_HOME`` (SQLite unless given a PostgreSQL URL, as the
 Celery e2e and the fleet benchmark are: ``tests/e2e/postgres.py``; LocalExecutor, no examples,
@@ -132,12 +133,21 @@ class AirflowStack:
     :param extra_env: more environment for every component (and so for the tasks).
     :param database_url: the metadata database (a :class:`~tests.e2e.postgres.PostgresCluster`'s
         URL where several components write at once); SQLite in ``home`` by default.
+    :param triggerer: also run ``airflow triggerer`` (deferred tasks wait there), and wait for it
+        to report healthy too.
     """
 
     def __init__(
-        self, home: Path, dags_folder: Path, extra_env: dict[str, str], *, database_url: str | None = None
+        self,
+        home: Path,
+        dags_folder: Path,
+        extra_env: dict[str, str],
+        *,
+        database_url: str | None = None,
+        triggerer: bool = False,
     ) -> None:
         self.home = home
+        self.triggerer = triggerer
         self.database_url = database_url or f"sqlite:///{home / 'airflow.db'}"
         self.dags_folder = dags_folder
         self.port = free_port()
@@ -187,6 +197,8 @@ class AirflowStack:
             patient = {}  # PostgreSQL has no single writer to wait for
         self._spawn("scheduler", ["scheduler", "--skip-serve-logs"], env=patient)
         self._spawn("dag-processor", ["dag-processor"], env=patient)
+        if self.triggerer:
+            self._spawn("triggerer", ["triggerer", "--skip-serve-logs"], env=patient)
 
     def _spawn(
         self, name: str, args: list[str], *, argv: list[str] | None = None, env: dict[str, str] | None = None
@@ -215,7 +227,8 @@ class AirflowStack:
                 health = httpx.get(f"{self.url}/api/v2/monitor/health", timeout=5).json()
             except (httpx.HTTPError, ValueError):
                 return None
-            ok = all((health.get(c) or {}).get("status") == "healthy" for c in HEALTHY_COMPONENTS)
+            components = (*HEALTHY_COMPONENTS, "triggerer") if self.triggerer else HEALTHY_COMPONENTS
+            ok = all((health.get(c) or {}).get("status") == "healthy" for c in components)
             return health if ok else None
 
         return wait_until(probe, timeout, "Airflow to report healthy", interval=0.25, on_timeout=self.logs)

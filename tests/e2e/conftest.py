@@ -1,8 +1,8 @@
 """Session fixtures for the end-to-end tests: the local model server and a real Airflow 3.
 
 One Airflow per test session (a fresh ``AIRFLOW_HOME`` in a tmp dir, its metadata database on a
-throwaway PostgreSQL, ``airflow db migrate``, api-server + scheduler + dag-processor on
-127.0.0.1). Its DAGs folder is ``tests/e2e/dags``. The tasks reach the in-process model server
+throwaway PostgreSQL, ``airflow db migrate``, api-server + scheduler + dag-processor + triggerer
+on 127.0.0.1). Its DAGs folder is ``tests/e2e/dags``. The tasks reach the in-process model server
 through ``AIRFLOW_CONN_LOCAL_MODEL`` and report their pids and callbacks into ``E2E_STATE_DIR``.
 """
 
@@ -40,6 +40,8 @@ E2E_DAG_IDS = (
     "e2e_durable",
     "e2e_approval",
     "e2e_approval_timeout",
+    "e2e_deferred",
+    "e2e_deferred_timeout",
 )
 
 
@@ -77,7 +79,9 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, statsd: StatsdReceiver) -> Ite
     # a UI click's audit-log commit met a task's write and the api-server answered 500 after its
     # 5 s lock wait (ci, the approvals UI test).
     with e2e_world(tmp_path_factory, "airflow_home", extra) as world, PostgresCluster() as postgres:
-        stack = AirflowStack(world.home, DAGS_FOLDER, world.env, database_url=postgres.sqlalchemy_url)
+        stack = AirflowStack(
+            world.home, DAGS_FOLDER, world.env, database_url=postgres.sqlalchemy_url, triggerer=True
+        )
         started = time.monotonic()
         stack.migrate()
         migrated = time.monotonic()

@@ -76,17 +76,69 @@ class PodEnd:
     exit_code: int | None = None
 
 
+class RestrictedPods:
+    """What makes a pod an unprivileged one (``tests/process/restricted_pod.py``): its processes
+    run as uid 50000 with no capabilities, ``no_new_privs`` and a RuntimeDefault-like seccomp
+    filter. ``AIRFLOW_HOME`` (under pytest's root-only temp folder) is shown to it at a path of
+    its own; its logs and the test's state folder become writable by anyone; its ``HOME`` holds a
+    planted secret (``.aws/credentials``)."""
+
+    def __init__(self, airflow_home: Path, state_dir: Path) -> None:
+        from tests.process.restricted_pod import make_pod_dir
+
+        self.root = make_pod_dir()
+        self.home = self.root / "home"
+        self.airflow_home, self.shown_at = airflow_home, self.root / "airflow_home"
+        self.shown_at.mkdir(mode=0o755)
+        airflow_home.chmod(0o755)
+        for folder in (airflow_home / "logs", state_dir):
+            folder.mkdir(exist_ok=True)
+            folder.chmod(0o1777)
+        # The image's user: Airflow refuses to run as a uid without a name.
+        self.passwd = self.root / "passwd"
+        self.passwd.write_text(Path("/etc/passwd").read_text() + "airflow:x:50000:0::/home/airflow:/bin/sh\n")
+        self.passwd.chmod(0o644)
+
+    def argv(self, argv: list[str]) -> list[str]:
+        from tests.process.restricted_pod import restricted_argv
+
+        binds = {str(self.airflow_home): str(self.shown_at), str(self.passwd): "/etc/passwd"}
+        return restricted_argv(argv, binds=binds)
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        """The pod's environment: its paths into ``AIRFLOW_HOME`` through where it is shown."""
+        moved = {k: v.replace(str(self.airflow_home), str(self.shown_at)) for k, v in env.items()}
+        return {
+            **moved,
+            "HOME": str(self.home),
+            "USER": "airflow",
+            "LOGNAME": "airflow",
+            "E2E_POD_RESTRICTED": "1",
+        }
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 class Pod:
     """One pod: ``unshare`` -> ``dumb-init`` (PID 1 of the new namespace) -> the supervisor."""
 
     def __init__(
-        self, name: str, workload_json: str, env: dict[str, str], mode: SupervisorMode, log_path: Path
+        self,
+        name: str,
+        workload_json: str,
+        env: dict[str, str],
+        mode: SupervisorMode,
+        log_path: Path,
+        restricted: RestrictedPods | None = None,
     ) -> None:
         self.name, self.mode, self.log_path = name, mode, log_path
-        argv = [
-            "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-            DUMB_INIT, "--", sys.executable, "-m", mode.value, "--json-string", workload_json,
-        ]  # fmt: skip
+        container = [DUMB_INIT, "--", sys.executable, "-m", mode.value, "--json-string", workload_json]
+        if restricted is not None:
+            container, env = restricted.argv(container), restricted.env(env)
+        argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *container]
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 argv,
@@ -224,8 +276,14 @@ class Kubelet:
     """
 
     def __init__(
-        self, state_dir: Path, env: dict[str, str], mode_of: Callable[[str], SupervisorMode], log_dir: Path
+        self,
+        state_dir: Path,
+        env: dict[str, str],
+        mode_of: Callable[[str], SupervisorMode],
+        log_dir: Path,
+        restricted: Callable[[str], RestrictedPods | None] = lambda run_id: None,
     ) -> None:
+        self._restricted = restricted
         root = pod_dir(state_dir)
         self._queue, self._exits = root / "queue", root / "exit"
         self._queue.mkdir(parents=True, exist_ok=True)
@@ -278,7 +336,12 @@ class Kubelet:
         ti = json.loads(workload_json)["ti"]
         name = f"{ti['dag_id']}.{ti['run_id']}.try{ti['try_number']}"
         pod = Pod(
-            name, workload_json, self._env, self._mode_of(ti["run_id"]), self._log_dir / f"pod-{name}.log"
+            name,
+            workload_json,
+            self._env,
+            self._mode_of(ti["run_id"]),
+            self._log_dir / f"pod-{name}.log",
+            self._restricted(ti["run_id"]),
         )
         with self._lock:
             self.pods[(ti["run_id"], ti["try_number"])] = pod

@@ -16,6 +16,7 @@ call, with no entry of the stale try after the retry took the record over.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -42,7 +43,7 @@ from tests.e2e.driver import (
     mark_failed,
     tree_marker,
 )
-from tests.e2e.pod import DUMB_INIT, Kubelet, Pod, PodEnd, SupervisorMode
+from tests.e2e.pod import DUMB_INIT, Kubelet, Pod, PodEnd, RestrictedPods, SupervisorMode
 from tests.e2e.procs import ancestors, is_alive, marked_processes
 from tests.e2e.test_celery import (
     RECORDED_BY_TRY_1,
@@ -51,6 +52,8 @@ from tests.e2e.test_celery import (
     _try_1_wrote_nothing_after_the_takeover,
 )
 from tests.e2e.test_kill_paths import _the_record, explained
+from tests.process.restricted_pod import unavailable_reason
+from tests.process.trees import landlock_reason, landlock_usable
 
 pytestmark = [
     pytest.mark.e2e,
@@ -61,6 +64,11 @@ pytestmark = [
 DAG_ID = "e2e_pod"
 #: The same agent, killed while try 1 is in a sync tool (call :data:`POD_TOOL_AT`) instead.
 TOOL_DAG_ID = "e2e_pod_tool"
+#: The same agent in an unprivileged pod (``RestrictedPods``): uid 50000, no capabilities,
+#: ``no_new_privs``, a RuntimeDefault-like seccomp filter.
+RESTRICTED_DAG_ID = "e2e_pod_restricted"
+#: Why an unprivileged pod cannot be made here (``None``: it can): its scenarios are left out.
+NO_RESTRICTED_POD = unavailable_reason() or (None if landlock_usable() else landlock_reason())
 #: How long a pod may take from its tree being up to the sync tool it then calls (start-up).
 TOOL_START_TIMEOUT_S = START_TIMEOUT
 #: ``terminationGracePeriodSeconds`` of the KubernetesExecutor's pod template.
@@ -134,6 +142,10 @@ class Scenario:
     dag_id: str = DAG_ID
 
     @property
+    def restricted(self) -> bool:
+        return self.dag_id == RESTRICTED_DAG_ID
+
+    @property
     def in_tool(self) -> bool:
         return self.dag_id == TOOL_DAG_ID
 
@@ -160,7 +172,31 @@ SCENARIOS = {
         # The warm supervisor forwards no signal it receives; a refused heartbeat still signals.
         Scenario("warm_mark_failed", WARM, partial(_rest, mark_failed), True, _terminal_run),
         Scenario("warm_clear", WARM, partial(_rest, clear), True),
+        # In an unprivileged pod: the sandbox is in landlock mode there.
+        Scenario(
+            "rpod_delete",
+            FORWARDING,
+            partial(_terminate, DELETE_GRACE_S, "deletion"),
+            True,
+            dag_id=RESTRICTED_DAG_ID,
+        ),
+        Scenario(
+            "rpod_drain",
+            FORWARDING,
+            partial(_terminate, DRAIN_GRACE_S, "drain"),
+            True,
+            dag_id=RESTRICTED_DAG_ID,
+        ),
+        Scenario(
+            "rpod_mark_failed",
+            FORWARDING,
+            partial(_rest, mark_failed),
+            True,
+            _terminal_run,
+            dag_id=RESTRICTED_DAG_ID,
+        ),
     )
+    if not (s.restricted and NO_RESTRICTED_POD)
 }
 
 
@@ -203,10 +239,26 @@ class Outcome:
 @pytest.fixture(scope="module")
 def pod_runs(e2e: E2EEnv) -> Iterator[dict[str, Outcome]]:
     """Every scenario at once, each in its own pods; the kubelet is gone (and every pod) after."""
-    _await_dags(e2e.stack, e2e.rest, dag_ids=(DAG_ID, TOOL_DAG_ID))
+    _await_dags(
+        e2e.stack,
+        e2e.rest,
+        dag_ids=(DAG_ID, TOOL_DAG_ID, *(() if NO_RESTRICTED_POD else (RESTRICTED_DAG_ID,))),
+    )
     runs = {name: PodRun() for name in SCENARIOS}
     log_dir = e2e.stack.home / "components"
-    with Kubelet(e2e.state_dir, e2e.stack.env, lambda run_id: _scenario_of(run_id).mode, log_dir) as kubelet:
+    restricted = None if NO_RESTRICTED_POD else RestrictedPods(e2e.stack.home, e2e.state_dir)
+    with contextlib.ExitStack() as stack:
+        if restricted is not None:
+            stack.callback(restricted.close)
+        kubelet = stack.enter_context(
+            Kubelet(
+                e2e.state_dir,
+                e2e.stack.env,
+                lambda run_id: _scenario_of(run_id).mode,
+                log_dir,
+                lambda run_id: restricted if _scenario_of(run_id).restricted else None,
+            )
+        )
         started = time.monotonic()
         kill = partial(_kill_in_pod, kubelet, runs)
         paths = {
@@ -444,3 +496,36 @@ def test_a_pod_that_dies_without_a_word_resumes_from_the_record(
         if name.startswith("warm_"):
             assert end is not None and not end.by_itself
             assert outcome.result.task_pid in _task_left_at_sigkill(outcome), "the task outlived the grace"
+
+
+# -- an unprivileged pod ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(NO_RESTRICTED_POD is not None, reason=f"no unprivileged pod here: {NO_RESTRICTED_POD}")
+@pytest.mark.parametrize("name", ["rpod_delete", "rpod_drain", "rpod_mark_failed"])
+def test_in_an_unprivileged_pod_every_stop_ends_the_sandbox_and_a_hostile_command_is_refused(
+    e2e: E2EEnv, pod_runs: dict[str, Outcome], name: str
+) -> None:
+    """The task runs as uid 50000 with no capabilities, ``no_new_privs`` and a RuntimeDefault-like
+    seccomp filter: the sandbox is in landlock mode (bubblewrap cannot start there). A sandboxed
+    command reads neither the secret in the pod's HOME nor reaches the API server's port (the
+    task itself, the control, does both); deletion, drain and *Mark failed* each stop every
+    sandboxed process before any SIGKILL."""
+    outcome = pod_runs[name]
+    result = outcome.result
+    with judged(e2e, outcome):
+        hostile = json.loads((e2e.state_dir / f"{result.dag_id}.{result.run_id}.hostile.json").read_text())
+        assert (hostile["uid"], hostile["mode"]) == (50000, "landlock"), hostile
+        assert "pod-secret" not in hostile["stdout"] and "connected" not in hostile["stdout"], hostile
+        assert "Permission denied" in hostile["stderr"], hostile
+        assert hostile["task_reads"] and hostile["task_connects"], hostile
+        if name == "rpod_mark_failed":
+            _the_record(result, "user", "marked failed")
+            _nothing_of_try_1_left(outcome)
+            assert result.final_ti["state"] == "failed"
+            return
+        end = outcome.run.end
+        assert end is not None
+        left = _task_left_at_sigkill(outcome)
+        assert not outcome.run.tree & set(left), f"the sandbox was SIGKILLed with the pod: {end}"
+        _in_a_new_pod(outcome)

@@ -1,8 +1,9 @@
 """The boundary profile against a hostile command (issue 21, items 1-3): the seccomp filter
 (nested namespaces, keyrings, ptrace, process_vm_*, io_uring denied with EPERM, not a kill),
-file tools a command racing them cannot redirect, and the environment by allowlist. Each check
-has a control that shows it could fail (the ``"host"`` profile, the filter missing, a forced
-fallback)."""
+file tools a command racing them cannot redirect, and the environment by allowlist, in each
+boundary mode (namespace, landlock). Each check has a control that shows it could fail (the
+``"host"`` profile beside namespace mode, process-group mode beside landlock mode, the filter
+missing, a forced fallback)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,20 @@ from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
 from cancellable_agents.toolsets.sandbox.local.boundary import seccomp as seccomp_module
 from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, openat2_supported
 from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError
-from tests.process.trees import LANDLOCK
+from tests.process.trees import BOUNDARY_MODES, LANDLOCK, NAMESPACE_BOUNDARY
 
-pytestmark = [
-    pytest.mark.process,
-    pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
-    ),
-]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
+
+needs_namespace = pytest.mark.skipif(
+    not bwrap_support().boundary,
+    reason=f"no boundary profile here: {bwrap_support().boundary_reason or bwrap_support().reason}",
+)
+#: What shows a probe could succeed without the boundary: the host profile beside namespace
+#: mode, process-group mode beside landlock mode.
+CONTROL: dict[str, dict[str, Any]] = {
+    "namespace": {"isolation": "namespace", "profile": "host"},
+    "landlock": {"isolation": "process-group"},
+}
 
 needs_filter = pytest.mark.skipif(
     seccomp_module.seccomp_filter().program is None, reason=seccomp_module.seccomp_filter().reason
@@ -44,7 +50,7 @@ needs_filter = pytest.mark.skipif(
 
 
 def _run(command: str | list[str], **options: Any) -> tuple[int | None, str, str]:
-    box = LocalSandbox(isolation="namespace", **options)
+    box = LocalSandbox(**{"isolation": "namespace", **options})
     try:
         result = box.run(command, timeout=30)
         return result.exit_code, result.stdout, result.stderr
@@ -60,14 +66,26 @@ NESTED = (
 )
 
 
+def _worker_can_unshare() -> bool:
+    """Whether the test process itself may make a user namespace (not in a restricted pod,
+    whose own seccomp profile refuses it: there the control cannot succeed either)."""
+    return (
+        subprocess.run(["unshare", "-r", "true"], capture_output=True, timeout=30, check=False).returncode
+        == 0
+    )
+
+
 @needs_filter
-def test_nested_namespaces_are_denied_with_eperm_not_a_kill() -> None:
-    code, out, err = _run(NESTED)
+@pytest.mark.parametrize("mode", BOUNDARY_MODES)
+def test_nested_namespaces_are_denied_with_eperm_not_a_kill(mode: str) -> None:
+    code, out, err = _run(NESTED, isolation=mode)
     assert code == 0 and out.endswith("alive\n"), (out, err)
     assert "unshare=0" not in out and "bwrap=0" not in out, (out, err)
     assert "Operation not permitted" in err, err
+    if not _worker_can_unshare():
+        return  # a restricted pod: the worker's own profile refuses them; no control to show
     # Control: the same command where the filter is not applied (the host profile) does it.
-    code, out, err = _run(NESTED, profile="host")
+    code, out, err = _run(NESTED, **CONTROL[mode])
     assert "unshare=0" in out and "bwrap=0" in out, (out, err)
 
 
@@ -102,43 +120,47 @@ def _syscall_numbers() -> dict[str, int]:
     return {name: pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) for name in names}
 
 
-#: The task: a session keyring of its own with a key in it, then the probe in each profile.
+#: The task: a session keyring of its own with a key in it (where its own seccomp profile lets
+#: it: a restricted pod's refuses keyrings to the task too), then the probe in the mode and in its
+#: control.
 TASK = """
 import ctypes, json, sys
 from cancellable_agents.toolsets.sandbox import LocalSandbox
-numbers, probe = json.loads(sys.argv[1]), sys.argv[2]
+numbers, probe, runs = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 libc.syscall(numbers["keyctl"], 1, None)  # KEYCTL_JOIN_SESSION_KEYRING: a fresh one
 key = libc.syscall(numbers["add_key"], b"user", b"cancellable-agents-test", b"task-secret", 11, -3)
-assert key > 0, ctypes.get_errno()
-seen = {}
-for profile in ("boundary", "host"):
-    box = LocalSandbox(isolation="namespace", profile=profile)
+seen = {"task_has_a_keyring": key > 0}
+for name, options in runs.items():
+    box = LocalSandbox(**options)
     result = box.run([sys.executable, "-c", probe, sys.argv[1], str(key)], timeout=30)
     box.destroy()
-    seen[profile] = json.loads(result.stdout) if result.exit_code == 0 else result.stderr
+    seen[name] = json.loads(result.stdout) if result.exit_code == 0 else result.stderr
 print(json.dumps(seen))
 """
 
 
 @needs_filter
-def test_keyrings_ptrace_process_vm_and_io_uring_are_denied_with_eperm() -> None:
+@pytest.mark.parametrize("mode", BOUNDARY_MODES)
+def test_keyrings_ptrace_process_vm_and_io_uring_are_denied_with_eperm(mode: str) -> None:
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    runs = json.dumps({"boundary": {"isolation": mode}, "control": CONTROL[mode]})
     task = subprocess.run(
-        [sys.executable, "-c", TASK, json.dumps(_syscall_numbers()), PROBE],
+        [sys.executable, "-c", TASK, json.dumps(_syscall_numbers()), PROBE, runs],
         capture_output=True, text=True, timeout=90, env=env, check=False,
     )  # fmt: skip
     assert task.returncode == 0, task.stderr
     seen = json.loads(task.stdout)
-    filtered, unfiltered = seen["boundary"], seen["host"]
+    filtered, unfiltered = seen["boundary"], seen["control"]
     for name in ("keyctl", "ptrace", "process_vm_readv", "io_uring_setup"):
         assert filtered[name] == [-1, errno.EPERM], (name, filtered)
     assert filtered["key"] == ""
     # Control: unfiltered, the key in the task's session keyring is readable and the calls work.
-    assert unfiltered["key"] == "task-secret", unfiltered
     assert unfiltered["process_vm_readv"][0] == 0 and unfiltered["io_uring_setup"][0] >= 0, unfiltered
+    if seen["task_has_a_keyring"]:  # not in a restricted pod, whose profile refuses keyrings
+        assert unfiltered["key"] == "task-secret", unfiltered
 
 
 #: socket() by syscall number, so the family can carry bits above 32 (the kernel reads an int:
@@ -160,22 +182,27 @@ print(json.dumps(seen))
 
 
 @needs_filter
+@pytest.mark.parametrize("mode", BOUNDARY_MODES)
 @pytest.mark.parametrize(
     "network", [False, True, ["pypi.org"]], ids=["no-network", "host-network", "allowlist"]
 )
-def test_vsock_sockets_are_denied_with_eperm_in_every_boundary_mode(network: Any) -> None:
+def test_vsock_sockets_are_denied_with_eperm_in_every_boundary_mode(mode: str, network: Any) -> None:
     """AF_VSOCK reaches the hypervisor, and no network namespace confines it: refused whatever
-    ``network`` is, also with the family's upper 32 bits set; other families still work."""
+    ``network`` is, also with the family's upper 32 bits set; other families still work (in
+    landlock mode without a network, every family but unix is refused)."""
     import pyseccomp
 
+    if mode == "landlock" and isinstance(network, list):
+        pytest.skip("landlock mode refuses an egress allowlist (test_sandbox_confinement.py)")
     number = str(pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, "socket"))
-    code, out, err = _run([sys.executable, "-c", SOCKETS, number], network=network)
+    code, out, err = _run([sys.executable, "-c", SOCKETS, number], isolation=mode, network=network)
     assert code == 0, err
     seen = json.loads(out)
-    assert seen == {"vsock": "EPERM", "vsock_high_bits": "EPERM", "inet": "created", "unix": "created"}, seen
-    # Control: unfiltered (the host profile), the call reaches the kernel: a socket where it has
+    inet = "EPERM" if mode == "landlock" and network is False else "created"
+    assert seen == {"vsock": "EPERM", "vsock_high_bits": "EPERM", "inet": inet, "unix": "created"}, seen
+    # Control: unfiltered, the call reaches the kernel: a socket where it has
     # vsock (a VM), EAFNOSUPPORT where not; never the filter's EPERM.
-    code, out, err = _run([sys.executable, "-c", SOCKETS, number], profile="host")
+    code, out, err = _run([sys.executable, "-c", SOCKETS, number], **CONTROL[mode])
     assert code == 0, err
     unfiltered = json.loads(out)
     assert unfiltered["vsock"] != "EPERM" and unfiltered["vsock_high_bits"] == unfiltered["vsock"], unfiltered
@@ -191,6 +218,7 @@ def no_libseccomp(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     seccomp_module.seccomp_filter.cache_clear()
 
 
+@needs_namespace
 def test_without_libseccomp_the_sandbox_says_once_which_protections_are_off(
     no_libseccomp: None, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -213,7 +241,7 @@ def test_without_libseccomp_the_sandbox_says_once_which_protections_are_off(
 ENV_NAMES = [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
 
 
-@pytest.mark.parametrize("isolation", ["namespace", LANDLOCK, "process-group"])
+@pytest.mark.parametrize("isolation", [NAMESPACE_BOUNDARY, LANDLOCK, "process-group"])
 def test_commands_get_the_environment_by_allowlist(isolation: str, monkeypatch: pytest.MonkeyPatch) -> None:
     leaked = {
         "DATABASE_URL": "postgres://u:pw@db/x",
@@ -284,13 +312,14 @@ def _wait_for(path: Path, timeout: float) -> None:
         threading.Event().wait(0.01)
 
 
+@pytest.mark.parametrize("mode", BOUNDARY_MODES)
 @pytest.mark.parametrize("resolver", ["sandbox", "openat2", "walk"])
 def test_file_tools_racing_a_command_that_swaps_folders_and_symlinks_never_leave_the_workdir(
-    resolver: str, host_folder: Path
+    resolver: str, host_folder: Path, mode: str
 ) -> None:
     if resolver == "openat2" and not openat2_supported():
         pytest.skip("this kernel has no openat2")
-    box = LocalSandbox(isolation="namespace")
+    box = LocalSandbox(isolation=mode)  # type: ignore[arg-type]
     files: Any = box
     if resolver != "sandbox":
         owner = box.workdir.stat().st_uid if os.geteuid() == 0 else None
@@ -353,6 +382,7 @@ def test_file_tools_follow_no_symlink_and_keep_their_messages(tmp_path: Path, us
         files.read_file("sub")
 
 
+@needs_namespace
 def test_files_written_for_a_root_worker_s_sandbox_are_its_uid_s_by_descriptor() -> None:
     if os.geteuid() != 0:
         pytest.skip("only a root worker's sandbox runs as a uid of its own")

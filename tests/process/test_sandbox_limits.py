@@ -292,6 +292,11 @@ def test_a_kill_at_each_limit_unwinds_within_the_budget_and_is_recorded(
     limits, script = AT_THE_LIMIT[limit]
     scope = TaskCancellation("t", budget=3.0)
     box = _box(boxes, limits, scope=scope, stop_grace=0.5)
+    if limit == "processes" and boxes.mode == "landlock" and box.cgroup is None:
+        # Documented: without a cgroup (a non-root pod) landlock mode cannot count processes.
+        pytest.skip(
+            f"max_processes is not enforced in landlock mode without a cgroup: {cgroup_support().reason}"
+        )
     command = box.start(["python", "-c", script.format(m=marker)])
     eventually(lambda: (box.workdir / "ready").exists(), timeout=20)
     started = time.monotonic()

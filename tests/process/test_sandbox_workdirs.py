@@ -7,9 +7,11 @@ then SIGKILLed (nothing in it can clean up), or is left alive, or exits normally
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 
 from cancellable_agents.toolsets.sandbox import LocalSandbox
 from cancellable_agents.toolsets.sandbox.local.workdirs import WORKDIR_PREFIX, remove_orphaned_workdirs
+from tests.process.restricted_pod import POD_GID, POD_UID, pod_env, restricted_argv, unavailable_reason
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 
@@ -86,3 +89,42 @@ def _a_dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(10)
     return proc.pid
+
+
+SWEEP = (
+    "import logging, sys\n"
+    "logging.basicConfig()\n"
+    "from cancellable_agents.toolsets.sandbox.local.workdirs import remove_orphaned_workdirs\n"
+    "print([p.name for p in remove_orphaned_workdirs(sys.argv[1])])\n"
+)
+
+
+@pytest.mark.skipif(bool(unavailable_reason()), reason=str(unavailable_reason()))
+def test_a_non_root_sweep_leaves_another_users_workdirs_alone() -> None:
+    """A non-root worker beside a root one (one ``/tmp``): the root worker's orphan, with its
+    tmpfs, is not the non-root sweep's to remove, and no failed unmount is logged for it."""
+    shared = Path(tempfile.mkdtemp(prefix="cancellable-agents-shared-tmp-"))
+    shared.chmod(0o1777)  # like /tmp
+    dead, namespace = _a_dead_pid(), os.stat("/proc/self/ns/pid").st_ino
+    roots = shared / f"{WORKDIR_PREFIX}{namespace}.{dead}.1-root"
+    mine = shared / f"{WORKDIR_PREFIX}{namespace}.{dead}.1-pod"
+    roots.mkdir()
+    mine.mkdir()
+    os.chown(mine, POD_UID, POD_GID)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(roots)], check=True, timeout=30)
+    try:
+        sweep = subprocess.run(
+            restricted_argv([sys.executable, "-c", SWEEP, str(shared)], runtime_default=False),
+            env=pod_env(shared),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert sweep.returncode == 0, sweep.stderr[-2000:]
+        assert sweep.stdout.split("\n")[-2] == f"[{mine.name!r}]", sweep.stdout
+        assert "could not be unmounted" not in sweep.stderr, sweep.stderr
+        assert os.path.ismount(roots) and not mine.exists()
+    finally:
+        subprocess.run(["umount", "-l", str(roots)], check=False, timeout=30)
+        shutil.rmtree(shared, ignore_errors=True)

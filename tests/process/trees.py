@@ -56,7 +56,8 @@ MODES = [NAMESPACE, LANDLOCK, "process-group"]
 NAMESPACE_BOUNDARY = pytest.param(
     "namespace",
     marks=pytest.mark.skipif(
-        not bwrap_support().boundary, reason=f"no boundary profile here: {bwrap_support().boundary_reason}"
+        not bwrap_support().boundary,
+        reason=f"no boundary profile here: {bwrap_support().boundary_reason or bwrap_support().reason}",
     ),
 )
 #: The modes that claim a boundary (namespace mode with the boundary profile, landlock mode).

@@ -132,6 +132,16 @@ def has_task_awaiting_input() -> bool:
     return True
 
 
+def has_trigger_on_kill() -> bool:
+    """Airflow 3.3+ calls a trigger's ``on_kill`` when a user marks its deferred task failed or
+    clears it: where a deferred tool call's outside work is stopped."""
+    try:
+        from airflow.triggers.base import BaseTrigger
+    except ImportError:
+        return False
+    return "on_kill" in vars(BaseTrigger)
+
+
 def base_operator() -> type:
     from airflow.sdk.bases.operator import BaseOperator
 

@@ -61,6 +61,7 @@ def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
 def _run_guarded(operator: GuardedOperator, execute: Callable[..., Any], context: Any) -> Any:
     from cancellable_agents.airflow.adapter import is_execution_timeout
     from cancellable_agents.airflow.approval import park
+    from cancellable_agents.airflow.deferral import deferral_for
     from cancellable_agents.core.exceptions import TaskCancelled
     from cancellable_agents.core.scope import Outcome
     from cancellable_agents.durable.approval import AwaitingApproval
@@ -85,10 +86,13 @@ def _run_guarded(operator: GuardedOperator, execute: Callable[..., Any], context
         scope.settle(Outcome.CANCELLED)
         raise
     except AwaitingApproval as paused:
-        # The run stopped at a step boundary with its record written: this execution's work is
-        # done, and nothing of it may keep running while the task waits without a worker.
+        # The run stopped at a step boundary with its record written (awaiting a person, or the
+        # outside work a tool deferred to): this execution's work is done, and nothing of it may
+        # keep running while the task waits without a worker.
         scope.settle(Outcome.COMPLETED)
         task_try.finish_reaper()
+        if paused.request.is_deferral:
+            raise deferral_for(operator, paused.request) from None
         raise park(operator, paused.request, context) from None
     except Exception as exc:
         if scope.cancelled:

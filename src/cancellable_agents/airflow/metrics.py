@@ -99,6 +99,19 @@ def step_write_timer(task_try: TaskTry) -> Callable[[float], None]:
     return emit
 
 
+def emit_deferred_wait(task_try: TaskTry, seconds: float, calls: int) -> None:
+    """A deferral ended (the trigger fired): how long the task waited without a worker slot (the
+    slot-seconds it freed) and for how many calls. Never raises."""
+    _safely(_emit_deferred_wait, seconds, calls, tags_of(task_try).common())
+
+
+def _emit_deferred_wait(seconds: float, calls: int, tags: dict[str, str]) -> None:
+    stats = _stats()
+    if stats is not None:
+        stats.timing(PREFIX + "deferred.wait", timedelta(seconds=seconds), tags=tags)
+        stats.incr(PREFIX + "deferred.calls", count=calls, tags=tags)
+
+
 def _emit_step_write(ms: float, tags: dict[str, str]) -> None:
     stats = _stats()
     if stats is not None:

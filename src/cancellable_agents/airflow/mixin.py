@@ -222,7 +222,19 @@ class CancellableAgentMixin:
         from cancellable_agents.durable.approval import ApprovalRequest
 
         paused = ApprovalRequest.from_dict(request)
-        self.task_try(context).approval = (paused, decisions_from_event(event, paused))
+        self.task_try(context).answers = (paused.run_key, decisions_from_event(event, paused))
+        return self.execute(context)  # type: ignore[attr-defined]
+
+    def resume_after_deferral(self, context: Any, event: Any = None, **_: Any) -> Any:
+        """Airflow calls this instead of ``execute`` once the trigger a tool deferred to fired:
+        ``execute`` runs again, and the run that stopped continues from its record with the
+        trigger's event as the deferred calls' results (``airflow.deferral``). Reads nothing
+        but ``event``: ``dag.test()`` hands a resumed task the event alone."""
+        from cancellable_agents.airflow.deferral import answers_from_event, note_wait
+
+        task_try = self.task_try(context)
+        task_try.answers = answers_from_event(event)
+        note_wait(task_try, event)
         return self.execute(context)  # type: ignore[attr-defined]
 
     def run_timeout(self) -> float | None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from cancellable_agents.airflow.supervisor import SupervisorWatch
     from cancellable_agents.core.causes import CauseVerdict
     from cancellable_agents.core.scope import TaskCancellation
-    from cancellable_agents.durable.approval import ApprovalRequest, Decision
+    from cancellable_agents.durable.approval import Decision
     from cancellable_agents.procs.reaper import DescendantReaper
     from cancellable_agents.run.tool_calls import RunIdentity
 
@@ -56,8 +56,9 @@ class TaskTry:
     reaper: DescendantReaper | None = None
     #: Watches for the loss of the Task SDK supervisor (stops by itself once the run settled).
     supervisor_watch: SupervisorWatch | None = None
-    #: After a pause for approval: the paused request and the reviewer's decisions.
-    approval: tuple[ApprovalRequest, dict[str, Decision]] | None = None
+    #: After a pause (an approval, a deferral): the key of the run that paused and the answers
+    #: its pending calls got (a reviewer's decisions, the outside work's results).
+    answers: tuple[str, dict[str, Decision]] | None = None
     #: ``run_agent_sync`` calls made so far: each run's key (under ``durable=True``, in the record).
     durable_runs: int = 0
     #: The kill record is written once per try.
@@ -131,10 +132,10 @@ class TaskTry:
         return RunIdentity(self.key, run_key, try_number if isinstance(try_number, int) else 0)
 
     def answers_for(self, run_key: str) -> dict[str, Decision] | None:
-        """The reviewer's decisions if this execution resumes run ``run_key`` after its pause."""
-        if self.approval is None or self.approval[0].run_key != run_key:
+        """The answers if this execution resumes run ``run_key`` after its pause."""
+        if self.answers is None or self.answers[0] != run_key:
             return None
-        return self.approval[1]
+        return self.answers[1]
 
 
 def try_of(task: Any) -> TaskTry | None:

@@ -1,10 +1,13 @@
-"""Tool approval in a durable run: the run stops at the step whose tool calls need a person's
-consent, the pending calls are in the record, and a later execution continues with the answers.
+"""Pauses of a durable run: the run stops at the step whose tool calls wait for something outside
+it, the pending calls are in the record, and a later execution continues with the answers.
 
-pydantic-ai ends a run whose model called a ``requires_approval`` tool with a
-``DeferredToolRequests`` output; here that output becomes an :class:`ApprovalRequest` (what a
-reviewer needs: tool, arguments, the model's own words), and the reviewer's :class:`Decision`
-per call becomes the ``DeferredToolResults`` the next run gets. Airflow-free.
+Two things make a call wait, and both take this one path: a ``requires_approval`` tool (a
+person's consent) and a tool that deferred its result to outside work
+(:mod:`cancellable_agents.durable.deferral`: pydantic-ai's ``CallDeferred`` carrying a trigger).
+pydantic-ai ends such a run with a ``DeferredToolRequests`` output; here that output becomes an
+:class:`ApprovalRequest` (the pending calls; for a reviewer: tool, arguments, the model's own
+words; for a deferral: what to wait on), and each call's :class:`Decision` (a reviewer's answer,
+or the outside work's result) becomes the ``DeferredToolResults`` the next run gets. Airflow-free.
 """
 
 from __future__ import annotations
@@ -20,32 +23,46 @@ if TYPE_CHECKING:  # pydantic-ai loads when a run needs it, not when a DAG file 
     from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied
     from pydantic_ai.messages import ModelMessage, ToolCallPart
 
+#: The key of a deferred call's metadata (``DeferredToolRequests.metadata[tool_call_id]``) that
+#: holds what it waits on (:class:`~cancellable_agents.durable.deferral.Wait`).
+WAIT_KEY = "cancellable_agents.wait"
+
 #: What a rejected call's model is told when the reviewer gave no message.
 DEFAULT_REJECTION = "A reviewer rejected this tool call."
 
 
 @dataclass(frozen=True)
 class PendingCall:
-    """One tool call waiting for consent."""
+    """One tool call waiting: for consent, or (``wait`` set) for the outside work its tool
+    started, ``wait`` being the JSON spec of what to wait on
+    (:class:`~cancellable_agents.durable.deferral.Wait`)."""
 
     tool_call_id: str
     tool_name: str
     args: dict[str, Any]
+    wait: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, part: ToolCallPart) -> PendingCall:
-        return cls(part.tool_call_id, part.tool_name, part.args_as_dict())
+    def of(cls, part: ToolCallPart, wait: dict[str, Any] | None = None) -> PendingCall:
+        return cls(part.tool_call_id, part.tool_name, part.args_as_dict(), wait)
 
     def args_text(self) -> str:
         """The arguments as indented JSON: what a reviewer reads."""
         return json.dumps(self.args, indent=2, sort_keys=True, default=str)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tool_call_id": self.tool_call_id, "tool": self.tool_name, "args": self.args}
+        data = {"tool_call_id": self.tool_call_id, "tool": self.tool_name, "args": self.args}
+        return data if self.wait is None else {**data, "wait": self.wait}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PendingCall:
-        return cls(str(data["tool_call_id"]), str(data["tool"]), dict(data.get("args") or {}))
+        wait = data.get("wait")
+        return cls(
+            str(data["tool_call_id"]),
+            str(data["tool"]),
+            dict(data.get("args") or {}),
+            dict(wait) if isinstance(wait, Mapping) else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,11 @@ class ApprovalRequest:
             str(data.get("run_key", "0")),
         )
 
+    @property
+    def is_deferral(self) -> bool:
+        """The calls wait for outside work (the task defers to a trigger), not for a person."""
+        return any(c.wait is not None for c in self.calls)
+
     def describe(self) -> str:
         """Markdown for a reviewer: the model's reason, then each call with its arguments."""
         lines = [f"> {line}" for line in self.reason.splitlines()] if self.reason else []
@@ -95,18 +117,30 @@ class Decision:
     whose pending call (same tool call id) has other arguments is asked again
     (:meth:`answers`), never handed a consent given for another call. ``None``: not bound (a
     decision made in code, which knows what it answers).
+
+    ``external``: the call's outside work finished and ``result`` is what the tool returns to
+    the model (a deferred call's answer; ``approved`` is then ``True``, the rest unused).
     """
 
     approved: bool
     message: str | None = None
     override_args: dict[str, Any] | None = None
     args: dict[str, Any] | None = None
+    external: bool = False
+    result: Any = None
+
+    @classmethod
+    def returned(cls, result: Any) -> Decision:
+        """A deferred call's outside work finished with ``result`` (JSON)."""
+        return cls(True, external=True, result=result)
 
     def answers(self, call: PendingCall) -> bool:
         """Whether this decision was made for ``call`` as it stands (its arguments unchanged)."""
         return self.args is None or self.args == call.args
 
     def as_dict(self) -> dict[str, Any]:
+        if self.external:
+            return {"approved": True, "external": True, "result": self.result}
         return {
             "approved": self.approved,
             "message": self.message,
@@ -116,6 +150,8 @@ class Decision:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Decision:
+        if data.get("external"):
+            return cls.returned(data.get("result"))
         override, args = data.get("override_args"), data.get("args")
         return cls(
             bool(data["approved"]),
@@ -145,7 +181,8 @@ class AwaitingApproval(BaseException):
 
 
 class ApprovalNotPossible(CancellableAgentsError):
-    """The run asked for an approval that cannot be waited for (no record, or an external call)."""
+    """The run asked for a pause that cannot be waited for (no record, an external call that
+    names nothing to wait on, approvals and deferrals in one step)."""
 
 
 def request_of(
@@ -153,16 +190,26 @@ def request_of(
 ) -> ApprovalRequest:
     """The :class:`ApprovalRequest` for a run that ended with ``output``.
 
-    Raises :class:`ApprovalNotPossible` for calls deferred for external execution, which a
-    reviewer cannot answer.
+    Raises :class:`ApprovalNotPossible` for calls deferred for external execution without a
+    :class:`~cancellable_agents.durable.deferral.Wait` (nothing could answer them), and for a
+    step that both asks a person and waits for outside work (not supported yet).
     """
-    if output.calls:
-        names = ", ".join(c.tool_name for c in output.calls)
-        raise ApprovalNotPossible(f"tool calls deferred for external execution are not supported ({names})")
-    ids = {c.tool_call_id for c in output.approvals}
-    return ApprovalRequest(
-        tuple(PendingCall.of(c) for c in output.approvals), _reason(messages, ids), try_number, run_key
-    )
+    unnamed = [c.tool_name for c in output.calls if WAIT_KEY not in output.metadata.get(c.tool_call_id, {})]
+    if unnamed:
+        raise ApprovalNotPossible(
+            f"tool calls deferred for external execution without a trigger to wait on are not supported "
+            f"({', '.join(unnamed)}); defer with cancellable_agents.defer_to(trigger)"
+        )
+    if output.calls and output.approvals:
+        raise ApprovalNotPossible(
+            f"one step both asks for approval ({', '.join(c.tool_name for c in output.approvals)}) and "
+            f"waits for outside work ({', '.join(c.tool_name for c in output.calls)}); not supported yet"
+        )
+    calls = tuple(
+        PendingCall.of(c, output.metadata[c.tool_call_id][WAIT_KEY]) for c in output.calls
+    ) or tuple(PendingCall.of(c) for c in output.approvals)
+    ids = {c.tool_call_id for c in calls}
+    return ApprovalRequest(calls, _reason(messages, ids), try_number, run_key)
 
 
 def _reason(messages: Sequence[ModelMessage], ids: set[str]) -> str:
@@ -181,7 +228,10 @@ def deferred_results(decisions: Mapping[str, Decision]) -> DeferredToolResults:
     """What the continuing run gets for the answered calls."""
     from pydantic_ai import DeferredToolResults
 
-    return DeferredToolResults(approvals={call_id: d.as_result() for call_id, d in decisions.items()})
+    return DeferredToolResults(
+        approvals={call_id: d.as_result() for call_id, d in decisions.items() if not d.external},
+        calls={call_id: d.result for call_id, d in decisions.items() if d.external},
+    )
 
 
 def with_deferred_output(output_type: Any) -> Any:

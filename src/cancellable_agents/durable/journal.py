@@ -39,6 +39,7 @@ from cancellable_agents.durable.approval import (
     request_of,
 )
 from cancellable_agents.durable.capability import JournalCapability
+from cancellable_agents.durable.deferral import journaled_run
 from cancellable_agents.durable.fingerprint import fingerprint
 from cancellable_agents.durable.reasons import FreshStart, RecordingOff
 from cancellable_agents.durable.record import (
@@ -127,6 +128,7 @@ class Journal:
     _steps: StepRecorder = field(init=False)
     _fresh: FreshStart | None = None
     _resume_token: contextvars.Token[ResumeInfo | None] | None = None
+    _journaled_token: contextvars.Token[bool] | None = None
     _end: dict[str, Any] | None = None  # the end :meth:`cancelled` noted for :meth:`write_end`
     #: This try's usage before an approval pause it continues (added to the run's own).
     _paused: TryUsage | None = None
@@ -181,7 +183,7 @@ class Journal:
         ``message_history`` rides along with it too).
         """
         fp = fingerprint(agent, user_prompt, run_kwargs)
-        run_kwargs = run_arguments.with_approvals(agent, dict(run_kwargs))
+        run_kwargs = run_arguments.with_pauses(agent, dict(run_kwargs))
         try:
             plan = plan_resume(
                 self._read(fp),
@@ -209,6 +211,7 @@ class Journal:
         if self.usage_spans_tries:
             run_kwargs = run_arguments.with_earlier_usage(run_kwargs, self.earlier)
         self._resume_token = active_resume.set(self.resume)
+        self._journaled_token = journaled_run.set(True)
         self._attach_facts()
         return user_prompt, run_kwargs
 
@@ -239,7 +242,8 @@ class Journal:
             return None
         if approval.decisions is None:
             log.info(
-                "durable: the run is still awaiting approval of %s",
+                "durable: the run is still %s %s",
+                _waiting_for(approval.request),
                 [c.tool_name for c in approval.request.calls],
             )
             raise AwaitingApproval(approval.request)
@@ -308,7 +312,7 @@ class Journal:
             }
         )
         self._steps.all_written(len(messages))
-        log.info("durable: run stopped awaiting approval of %s", [c.tool_name for c in request.calls])
+        log.info("durable: run stopped %s %s", _waiting_for(request), [c.tool_name for c in request.calls])
         return request
 
     def completed(self, result: Any) -> None:
@@ -354,6 +358,10 @@ class Journal:
         return this_try
 
     def _reset_resume(self) -> None:
+        if self._journaled_token is not None:
+            with contextlib.suppress(ValueError):  # reset from another context: leave it
+                journaled_run.reset(self._journaled_token)
+            self._journaled_token = None
         if self._resume_token is not None:
             with contextlib.suppress(ValueError):  # reset from another context: leave it
                 active_resume.reset(self._resume_token)
@@ -378,3 +386,8 @@ class Journal:
     def _attach_facts(self, this_try: TryUsage | None = None) -> None:
         if self.scope is not None:
             self.scope.attach(durable=self._facts(this_try))
+
+
+def _waiting_for(request: ApprovalRequest) -> str:
+    """What a paused run waits for, for its log lines."""
+    return "waiting for the outside work of" if request.is_deferral else "awaiting approval of"

@@ -20,7 +20,7 @@ from pydantic_ai.messages import ModelResponse, ToolCallPart
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.durable.approval import ApprovalRequest, Decision
 from cancellable_agents.durable.reasons import FreshStart
-from cancellable_agents.durable.record import LoadedRecord, RecordProblem
+from cancellable_agents.durable.record import AWAITING, LoadedRecord, RecordProblem
 from cancellable_agents.durable.resume import ResumeInfo
 from cancellable_agents.durable.usage import TryUsage
 
@@ -117,7 +117,7 @@ def plan_resume(
         earlier=[t for t in tries if t.try_number != try_number],
         paused=this_try if previous == try_number else None,
         approval=_approval(paused, answers),
-        how_ended=f"ended {end.get('cause') or end.get('state')}" if end else "died without a word",
+        how_ended=_how_ended(end, paused),
         alive_age=_alive_age(found, now) if end is None and previous != try_number else None,
     )
 
@@ -163,6 +163,17 @@ def _announce_resume(plan: Resume) -> None:
     )
 
 
+def _how_ended(
+    end: dict[str, Any] | None, paused: tuple[ApprovalRequest, dict[str, Decision] | None] | None
+) -> str:
+    """How the previous execution ended, for the log line."""
+    if end is None:
+        return "died without a word"
+    if paused is not None and end.get("state") == AWAITING:
+        return "deferred to outside work" if paused[0].is_deferral else "awaiting approval"
+    return f"ended {end.get('cause') or end.get('state')}"
+
+
 def _stopped_by_user(loaded: LoadedRecord, end: dict[str, Any] | None, clear_count: int | None) -> str:
     """What the user did to the previous try, if anything: its end entry says so, or (a cleared
     try can no longer write: its task instance is gone) the clear count grew since it began."""
@@ -182,7 +193,8 @@ def _in_flight(
     approved ones ran only if an execution took the answer in (its decisions are in the record)
     and stopped before its next step."""
     if paused is not None:
-        return frozenset(call_id for call_id, d in (paused[1] or {}).items() if d.approved)
+        # A deferred call's result came from outside: it does not run again.
+        return frozenset(call_id for call_id, d in (paused[1] or {}).items() if d.approved and not d.external)
     last = loaded.messages[-1]
     if not isinstance(last, ModelResponse):
         return frozenset()

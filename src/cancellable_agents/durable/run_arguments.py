@@ -11,11 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from cancellable_agents.durable.approval import Decision, deferred_results, with_deferred_output
-from cancellable_agents.durable.fingerprint import (
-    run_toolsets,
-    tools_requiring_approval,
-    workspace_lost_on_retry,
-)
+from cancellable_agents.durable.fingerprint import run_toolsets, workspace_lost_on_retry
 from cancellable_agents.durable.resume_plan import Resume
 from cancellable_agents.durable.usage import TryUsage, add_usage
 
@@ -27,12 +23,12 @@ SANDBOX_NOTE = (
 )
 
 
-def with_approvals(agent: Any, run_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Let a run with tools that require approval end asking for it (``DeferredToolRequests``
-    among its output types), where pydantic-ai allows a run's own ``output_type``: not for an
-    agent with output validators (its own error then names the fix)."""
-    toolsets = run_toolsets(agent, run_kwargs)
-    if not tools_requiring_approval(toolsets=toolsets) or getattr(agent, "_output_validators", None):
+def with_pauses(agent: Any, run_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Let a durable run end at a pause (``DeferredToolRequests`` among its output types): where
+    a tool requires approval, and where any tool may defer to outside work, which a run cannot
+    know before the tool runs. Where pydantic-ai allows a run's own ``output_type``: not for an
+    agent with output validators (its own error then names the fix, should a tool pause)."""
+    if getattr(agent, "_output_validators", None):
         return run_kwargs
     return {
         **run_kwargs,

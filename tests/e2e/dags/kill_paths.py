@@ -90,6 +90,8 @@ def begin_try(context: Any) -> None:
     """Say who we are (pid, supervisor pid) and, on the first try, start the sandboxed tree."""
     ti = context["ti"]
     scope = context["task"].cancellation
+    if ti.try_number == 1 and os.environ.get("E2E_POD_RESTRICTED"):
+        hostile_in_a_restricted_pod(ti, scope)
     if ti.try_number == 1:
         sandbox = LocalSandbox(scope=scope)
         marker = tree_marker(ti.dag_id, ti.run_id, ti.try_number)
@@ -100,6 +102,28 @@ def begin_try(context: Any) -> None:
     path.with_suffix(".tmp").write_text(json.dumps(info))
     path.with_suffix(".tmp").replace(path)
     log.info("E2E_MIDRUN %s", json.dumps(info))
+
+
+def hostile_in_a_restricted_pod(ti: Any, scope: Any) -> None:
+    """In an unprivileged pod: a sandboxed command tries the secret planted in the pod's HOME and
+    the API server's port; the task itself (no boundary: the control) can do both."""
+    secret = Path(os.environ["HOME"]) / ".aws" / "credentials"
+    port = int(os.environ["AIRFLOW__API__PORT"])
+    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), 5); print('connected')"
+    box = LocalSandbox(scope=scope, env={"SECRET": str(secret)})
+    try:
+        result = box.run(f'cat "$SECRET"; {sys.executable} -c "{connect}"', timeout=30)
+        seen = {"mode": box.mode, "stdout": result.stdout, "stderr": result.stderr, "uid": os.getuid()}
+    finally:
+        box.destroy()
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), 5):
+        seen["task_connects"] = True
+    seen["task_reads"] = "pod-secret" in secret.read_text()
+    path = STATE_DIR / f"{ti.dag_id}.{ti.run_id}.hostile.json"
+    path.with_suffix(".tmp").write_text(json.dumps(seen))
+    path.with_suffix(".tmp").replace(path)
 
 
 def talk_to_the_supervisor_until_killed(context: Any) -> None:
@@ -307,6 +331,14 @@ def append_line_after_a_long_job(ctx: RunContext[None], n: int) -> str:
 
 if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
     with _dag("e2e_pod", "Run in a pod (PID namespace, dumb-init, execute_workload): killed as pods are."):
+        _agent_operator(
+            prompt=CELERY_PROMPT,
+            model=CELERY_MODEL,
+            tools=[append_line],
+            durable=DurableOptions(flush_after=0),
+            executor=POD_EXECUTOR,
+        )
+    with _dag("e2e_pod_restricted", "Run in an unprivileged pod (uid 50000, RuntimeDefault seccomp)."):
         _agent_operator(
             prompt=CELERY_PROMPT,
             model=CELERY_MODEL,

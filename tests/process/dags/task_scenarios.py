@@ -25,9 +25,17 @@ from airflow.sdk.bases.operator import BaseOperator
 from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, current_cancellation
+from cancellable_agents import (
+    AgentOperator,
+    CancellableAgentMixin,
+    LLMOperator,
+    PollTrigger,
+    current_cancellation,
+    defer_to,
+)
 from cancellable_agents.core.unwind import Phase
 from cancellable_agents.hooks.model import build_model
+from cancellable_agents.testing import jobs as deferred_jobs
 from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
 
 _FD = int(os.environ["SCENARIO_EVENTS_FD"])
@@ -164,7 +172,30 @@ def build_task(scenario: str) -> BaseOperator:
         return build_subagent_task(scenario, common)
     if scenario.startswith("mcp_"):
         return build_mcp_task(scenario, common)
+    if scenario == "deferred":
+        return AgentOperator(
+            prompt="run the job",
+            model=_model('tool?name=start_job&args={"job":"j1"}&then=finished'),
+            tools=[start_job],
+            durable=True,
+            **common,
+        )
     raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def start_job(job: str) -> str:
+    """Start outside work (``cancellable_agents.testing.jobs``: a file the test finishes) and defer to it."""
+    root = os.environ["JOBS_DIR"]
+    deferred_jobs.start(root, job)
+    emit("job_started", job=job, pid=os.getpid())
+    defer_to(
+        PollTrigger(
+            "cancellable_agents.testing.jobs.status",
+            {"root": root, "job": job, "events_fd": _FD},
+            interval=0.05,
+            cancel="cancellable_agents.testing.jobs.cancel",
+        )
+    )
 
 
 def _block_until_killed(context: Any) -> None:

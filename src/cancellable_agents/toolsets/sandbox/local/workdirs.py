@@ -6,7 +6,9 @@ named after its owner: the pid namespace, pid and start time of the process that
 Creating a workdir first removes those whose owner is gone (same namespace, that pid is not that
 process any more). A directory without that name (someone else's, an older version's), or
 whose owner lives in another pid namespace sharing this ``/tmp``, is never touched: its owner
-cannot be checked from here (:mod:`cancellable_agents.procs.owner`).
+cannot be checked from here (:mod:`cancellable_agents.procs.owner`). Nor, unless we are root, is
+another user's: a sticky ``/tmp`` refuses its removal and only root may unmount its tmpfs (a
+non-root worker beside a root one would otherwise log a failed unmount at every start).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def remove_orphaned_workdirs(root: str | os.PathLike[str] | None = None) -> list
     removed = []
     for entry in folder.glob(WORKDIR_PREFIX + "*"):
         match = _OWNED.match(entry.name)
-        if match is None or not owner_gone(match["owner"]):
+        if match is None or not _ours_to_remove(entry) or not owner_gone(match["owner"]):
             continue
         remove_workdir(entry)
         if not entry.exists():
@@ -80,3 +82,14 @@ def remove_orphaned_workdirs(root: str | os.PathLike[str] | None = None) -> list
             ", ".join(p.name for p in removed),
         )
     return removed
+
+
+def _ours_to_remove(entry: Path) -> bool:
+    """Root may remove any orphan; another user only its own."""
+    uid = os.geteuid()
+    if uid == 0:
+        return True
+    try:
+        return entry.lstat().st_uid == uid
+    except OSError:
+        return False

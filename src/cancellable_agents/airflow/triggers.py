@@ -1,0 +1,193 @@
+"""Triggers for deferred tool calls (:mod:`cancellable_agents.airflow.deferral`).
+
+- :class:`PollTrigger`: the common case. A tool started outside work (a Spark or dbt job, a
+  batch inference, a review elsewhere); the trigger polls a status callable until it says done,
+  and a user's *Mark failed* / *Clear* of the deferred task runs the optional cancel callable
+  (from ``on_kill``, Airflow 3.3+), which a triggerer restart does not (``cleanup`` is not
+  ``on_kill``).
+- :class:`DeferredCallsTrigger`: what the task defers to. It runs the trigger of every call a
+  model response deferred, at once, and fires once all have: one event whose payload holds each
+  call's result by tool call id. Its ``on_kill`` and ``cleanup`` reach every call's trigger.
+
+Both are importable by the triggerer (this module imports Airflow, pydantic-ai does not load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+log = logging.getLogger(__name__)
+
+
+def import_callable(path: str) -> Callable[..., Any]:
+    """``module.attr`` (or ``module:attr``) as the object it names."""
+    module, _, name = path.replace(":", ".").rpartition(".")
+    found = getattr(importlib.import_module(module), name)
+    if not callable(found):
+        raise TypeError(f"{path} is not callable")
+    return found  # type: ignore[no-any-return]
+
+
+async def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """Call ``fn`` off the triggerer's event loop unless it is a coroutine function."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(**kwargs)
+    return await asyncio.to_thread(fn, **kwargs)
+
+
+class PollTrigger(BaseTrigger):
+    """Fire when outside work is done: call ``status(**kwargs)`` every ``interval`` seconds; it
+    returns ``None`` while the work runs, and what it returns then (JSON) is the event's payload,
+    which becomes the deferred tool call's result.
+
+    :param status: import path of the status callable (``"my_pkg.jobs.job_status"``), sync (run
+        on a thread) or ``async``; it raising ends the wait with that error (the task fails).
+    :param kwargs: JSON keyword arguments for ``status`` and ``cancel`` (the job's id).
+    :param interval: seconds between polls.
+    :param cancel: import path of a callable that stops the outside work, called with ``kwargs``
+        from ``on_kill`` (a user marked the deferred task failed or cleared it; Airflow 3.3+).
+    """
+
+    def __init__(
+        self,
+        status: str,
+        kwargs: dict[str, Any] | None = None,
+        interval: float = 5.0,
+        cancel: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.status, self.kwargs, self.interval, self.cancel = (
+            status,
+            dict(kwargs or {}),
+            float(interval),
+            cancel,
+        )
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"status": self.status, "kwargs": self.kwargs, "interval": self.interval, "cancel": self.cancel},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        status = import_callable(self.status)
+        while True:
+            result = await _call(status, self.kwargs)
+            if result is not None:
+                yield TriggerEvent(result)
+                return
+            await asyncio.sleep(self.interval)
+
+    async def on_kill(self) -> None:
+        if self.cancel is None:
+            return
+        log.info("stopping the outside work: %s(%s)", self.cancel, self.kwargs)
+        await _call(import_callable(self.cancel), self.kwargs)
+
+
+class DeferredCallsTrigger(BaseTrigger):
+    """Wait for every deferred call of one model response; fire once with all their results.
+
+    :param run_key: which agent run of the task paused (its order in ``execute``).
+    :param calls: per call ``{"tool_call_id", "tool", "classpath", "kwargs", "timeout_s"}``: its
+        trigger, and how long it may wait (``None``: no limit). A call whose wait times out has its
+        trigger's ``on_kill`` run (the outside work is stopped) and gets :func:`timed_out` as its
+        result: the model is told, as an approval nobody answered in time is rejected.
+    :param deferred_at: when the task deferred (``time.time()``), so the resumed task can say how
+        long the wait held no worker slot.
+    """
+
+    def __init__(self, run_key: str, calls: list[dict[str, Any]], deferred_at: float) -> None:
+        super().__init__()
+        self.run_key, self.calls, self.deferred_at = run_key, [dict(c) for c in calls], float(deferred_at)
+        self._waiting: dict[str, BaseTrigger] = {}
+        self._fired = False
+        self._timed_out: list[str] = []
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {"run_key": self.run_key, "calls": self.calls, "deferred_at": self.deferred_at},
+        )
+
+    def _triggers(self) -> dict[str, BaseTrigger]:
+        if not self._waiting:
+            self._waiting = {
+                c["tool_call_id"]: import_callable(c["classpath"])(**(c.get("kwargs") or {}))
+                for c in self.calls
+            }
+        return self._waiting
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        triggers = self._triggers()
+        limits = {c["tool_call_id"]: c.get("timeout_s") for c in self.calls}
+        firsts = await asyncio.gather(*(self._wait(c, t, limits.get(c)) for c, t in triggers.items()))
+        results = dict(zip(triggers, firsts, strict=True))
+        self._fired = True  # all fired: nothing left for on_kill to stop
+        yield TriggerEvent(
+            {
+                "run_key": self.run_key,
+                "results": results,
+                "timed_out": sorted(self._timed_out),
+                "deferred_at": self.deferred_at,
+                "fired_at": time.time(),
+            }
+        )
+
+    async def _wait(self, call_id: str, trigger: BaseTrigger, timeout_s: float | None) -> Any:
+        """``trigger``'s first payload, or :func:`timed_out` once ``timeout_s`` passed since the task
+        deferred (counted from ``deferred_at``, so a triggerer restart does not restart the clock),
+        its outside work stopped first."""
+        if timeout_s is None:
+            return await _first_event(trigger)
+        remaining = self.deferred_at + timeout_s - time.time()
+        try:
+            return await asyncio.wait_for(_first_event(trigger), max(remaining, 0.0))
+        except TimeoutError:
+            log.warning("a deferred call waited %.0f s, its timeout: stopping its outside work", timeout_s)
+            await _each({call_id: trigger}, "on_kill")
+            self._timed_out.append(call_id)
+            return timed_out(timeout_s)
+
+    async def on_kill(self) -> None:
+        """A user stopped the deferred task: stop every call's outside work still waited on."""
+        if not self._fired:
+            await _each(self._triggers(), "on_kill")
+
+    async def cleanup(self) -> None:
+        await _each(self._waiting, "cleanup")
+
+
+def timed_out(timeout_s: float) -> dict[str, str]:
+    """The result a deferred call gets when its wait timed out (what the model reads)."""
+    return {"error": f"the outside work did not finish within its timeout of {timeout_s:g} s and was stopped"}
+
+
+async def _first_event(trigger: BaseTrigger) -> Any:
+    """The payload of ``trigger``'s first event (its run ends there)."""
+    runner = trigger.run()
+    try:
+        async for event in runner:
+            return event.payload
+    finally:
+        with contextlib.suppress(Exception):
+            await runner.aclose()  # type: ignore[attr-defined]
+    raise RuntimeError(f"{type(trigger).__name__} ended without an event")
+
+
+async def _each(triggers: dict[str, BaseTrigger], method: str) -> None:
+    """Call ``method`` of every trigger at once; one failing is logged, the others still run."""
+    hooks = [getattr(t, method, None) for t in triggers.values()]
+    outcomes = await asyncio.gather(*(h() for h in hooks if h is not None), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            log.warning("a deferred call's trigger failed in %s: %r", method, outcome)

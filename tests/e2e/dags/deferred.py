@@ -1,0 +1,96 @@
+"""DAG for the deferred tool call e2e tests: a tool starts an outside job and defers to it.
+
+The job is :mod:`cancellable_agents.testing.jobs` under ``E2E_STATE_DIR/jobs`` (a file: the test
+finishes it, the trigger's ``on_kill`` cancels it and stamps ``cancelled_at``); the triggerer polls
+it with ``PollTrigger`` every 0.2 s. Each start of a job appends a line (try, job) to
+``<dag_id>.<run_id>.starts``: the tool's runs over the whole task. ``max_active_tasks=1``:
+``other`` can run only in a slot the deferred agent does not hold.
+``e2e_deferred_timeout``: the call's wait times out after 12 s: the job is stopped, the model told.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import DAG, get_current_context, task
+
+from cancellable_agents import AgentOperator, PollTrigger, defer_to
+from cancellable_agents.testing import jobs
+
+STATE_DIR = Path(os.environ.get("E2E_STATE_DIR", "/tmp/cancellable-agents-e2e"))
+JOBS = STATE_DIR / "jobs"
+
+
+def _start_and_defer(timeout: float | None) -> Any:
+    ti = get_current_context()["ti"]
+    job = f"{ti.dag_id}.{ti.run_id}.try{ti.try_number}"
+    jobs.start(str(JOBS), job)
+    with (STATE_DIR / f"{ti.dag_id}.{ti.run_id}.starts").open("a") as out:
+        out.write(json.dumps({"try": ti.try_number, "job": job, "at": time.time()}) + "\n")
+    defer_to(
+        PollTrigger(
+            "cancellable_agents.testing.jobs.status",
+            {"root": str(JOBS), "job": job},
+            interval=0.2,
+            cancel="cancellable_agents.testing.jobs.cancel",
+        ),
+        timeout=timeout,
+    )
+
+
+def run_job(n: int) -> Any:
+    """Start the outside job and wait for it without a worker slot."""
+    return _start_and_defer(None)
+
+
+def run_short_job(n: int) -> Any:
+    """Start the outside job; give up waiting after 12 s (past the ~5 s in which Airflow 3.3.2
+    loses a trigger that fires too soon: tests/e2e/test_deferred.py, ``_deferrals_seen``)."""
+    return _start_and_defer(12.0)
+
+
+def _dag(dag_id: str, doc: str, **kwargs: Any) -> DAG:
+    return DAG(
+        dag_id,
+        schedule=None,
+        start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
+        catchup=False,
+        is_paused_upon_creation=False,
+        default_args={"retries": 1, "retry_delay": timedelta(seconds=2)},
+        doc_md=doc,
+        tags=["e2e"],
+        **kwargs,
+    )
+
+
+def _agent(tool: Any, then: str, **kwargs: Any) -> AgentOperator:
+    return AgentOperator(
+        task_id="agent",
+        prompt="[{{ dag.dag_id }}/{{ run_id }}] run the job",
+        model=f"openai:steps?name={tool.__name__}&count=1&then={then}",
+        llm_conn_id="local_model",
+        tools=[tool],
+        durable=True,
+        **kwargs,
+    )
+
+
+with _dag(
+    "e2e_deferred", "A tool defers to its outside job: no worker slot while it runs.", max_active_tasks=1
+):
+    _agent(run_job, "job+done", priority_weight=100)
+
+    @task(priority_weight=1)
+    def other() -> float:
+        """Runs only once a slot is free."""
+        return time.time()
+
+    other()
+
+with _dag("e2e_deferred_timeout", "The wait for the job times out: the job is stopped, the model told."):
+    _agent(run_short_job, "gave+up")
