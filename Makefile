@@ -51,10 +51,11 @@ typecheck: $(STAMP)
 
 # CI runs two lanes side by side (2 cores; an Airflow stack spends most of its time waiting on
 # its own loops, so the lanes overlap its waits with the other lane's work):
-#   lane A: the LocalExecutor end-to-end suite and the stress test on Airflow 3.3, the sub-agent,
-#           durable and sandbox process tests, then common.ai and the 3.2 smoke;
-#   lane B: the other unit and process tests on Airflow 3.3, then the supported floor (3.1 +
-#           pydantic-ai 2.58);
+#   lane A: the LocalExecutor end-to-end suite (with a triggerer) and the stress test on Airflow
+#           3.3, then the sub-agent, durable, MCP and sandbox process tests;
+#   lane B: the other unit and process tests on Airflow 3.3, the supported floor (3.1 +
+#           pydantic-ai 2.58), then common.ai and the 3.2 smoke (moved from lane A when the MCP
+#           and deferral suites made it the longer one: ~810 s against ~720 s before the move);
 # then, alone, the CeleryExecutor end-to-end suite. Its metadata database is PostgreSQL now (SQLite's
 # "database is locked" ended components), but nine workers and six retries importing at once still
 # starve a 2-core box beside a lane: beside other load (load average 9-10) one run passed in 108 s,
@@ -69,11 +70,11 @@ ci-lane-a: $(STAMP) system-deps
 	$(MAKE) --no-print-directory e2e-local
 	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-30} $(MAKE) --no-print-directory stress
 	$(VENV)/bin/pytest -q -p no:cacheprovider $(LANE_A_PROCESS)
-	$(MAKE) --no-print-directory compat-common-ai compat-airflow AIRFLOW_COMPAT_RUN=3.2
 
 ci-lane-b: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/process $(addprefix --ignore=,$(LANE_A_PROCESS))
 	$(MAKE) --no-print-directory compat-airflow AIRFLOW_COMPAT_RUN=3.1
+	$(MAKE) --no-print-directory compat-common-ai compat-airflow AIRFLOW_COMPAT_RUN=3.2
 
 # The process tests lane A runs after its Airflow suites (lane B, unit + process + the 3.1 floor,
 # was the longer lane: 691 s against 490 s in one CI run). About 100 s on a quiet machine.
