@@ -155,19 +155,24 @@ def test_stdio_server_cleanup_on_cancel_finishes(mcp_task: Spawn, marker: str, r
     assert task.wait_exit(SETTLE), task.tail()
 
 
-def test_setsid_grandchild_of_a_stdio_tool_is_left_to_the_reaper(mcp_task: Spawn, marker: str) -> None:
-    """A tool's double-forked ``setsid`` grandchild escapes the server's group and tree: the
-    server is closed first, the descendant reaper then stops the escapee."""
-    task, events = mcp_task("mcp_setsid")
+@pytest.mark.parametrize("reap", [True, False], ids=["reaper", "no_reaper"])
+def test_setsid_grandchild_of_a_stdio_tool_is_stopped_with_its_server(
+    mcp_task: Spawn, marker: str, reap: bool
+) -> None:
+    """A tool's double-forked ``setsid`` grandchild escapes the server's group and tree, not the
+    environment it was started with: the server's close finds it by its tag, reaper or not."""
+    scenario = "mcp_setsid" if reap else "mcp_setsid_noreap"
+    task, events = mcp_task(scenario)
     result = _kill(task, events, marker)
-    _report("mcp_setsid", result)
+    _report(scenario, result)
     assert result["cancel_seen_ms"] is not None and result["server_exit"]
     assert result["gone_ms"] is not None, f"left running: {result['survivors']}"
+    [closed] = result["closed"]
+    assert closed["outcome"] == "exited" and closed["killed"], closed
     killed = result["record"]["killed"]
-    assert any(k["source"] == "descendant_reaper" and marker in k["command"] for k in killed), killed
-    # The reaper ran after the server was closed, not before (it would have killed the server).
-    events = [e["event"] for e in result["record"]["timeline"]]
-    assert events.index("mcp_server_closed") < max(i for i, e in enumerate(events) if e == "killed")
+    assert any(
+        k["source"] == "mcp_stdio" and marker in k["command"] and k["pid"] in closed["killed"] for k in killed
+    ), killed
     assert task.wait_exit(SETTLE), task.tail()
 
 

@@ -17,10 +17,13 @@ scope first cancels in-flight tool calls (``Phase.IN_FLIGHT``: the SDK sends
 ``notifications/cancelled`` as each call's task is cancelled), then :meth:`StdioServer.close`
 runs the MCP shutdown sequence within the budget: wait for the run's tool tasks to end, close the
 server's stdin, wait (:data:`STDIN_GRACE`, less if the budget is short) for it to exit, then stop
-whatever is left of its process group and its process tree (SIGTERM, :data:`TERM_GRACE`,
-SIGKILL). Only then does ``Phase.TEARDOWN`` (the reaper) run, for what escaped (a ``setsid``
-grandchild whose parent exited). The same happens with ``reap_descendants=False``. A server
-spawned after the cancel (one still starting) is registered late and so closed at once.
+whatever is left of its process group, its process tree and its environment tag (SIGTERM,
+:data:`TERM_GRACE`, SIGKILL). The tag (:data:`SERVER_TAG`, set in the environment the server is
+spawned with) is inherited by everything its tools start, so a ``setsid`` grandchild whose parent
+exited, out of the group and the tree, is still found; only a process that drops its environment
+(``env -i``) escapes it, and is left to ``Phase.TEARDOWN`` (the reaper), which runs after. The
+same happens with ``reap_descendants=False``, the reaper's part aside. A server spawned after the
+cancel (one still starting) is registered late and so closed at once.
 
 Each server's outcome is on the scope's timeline (``mcp_server_closed``: how it ended, ms) and
 what had to be killed in its ``killed`` list (source ``mcp_stdio``). Remote servers (streamable
@@ -37,9 +40,11 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,6 +55,7 @@ from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,
     command_line,
+    environ_contains,
     is_running,
     read_proc,
     terminate,
@@ -80,6 +86,9 @@ STDIN_GRACE = 1.5
 TERM_GRACE = 0.5
 #: How long to wait for a SIGKILLed process to be gone.
 KILL_WAIT = 0.3
+#: The environment variable each stdio server is spawned with (a value of its own): what its
+#: tools start inherits it, so a process that left the server's group and tree is still its.
+SERVER_TAG = "CANCELLABLE_AGENTS_MCP_SERVER"
 
 #: The tracker of the run whose toolsets are being entered (a server spawned there is the run's).
 _entering: contextvars.ContextVar[RunTracker | None] = contextvars.ContextVar(
@@ -170,8 +179,10 @@ def watch_spawns() -> bool:
             return True
 
         async def spawn_watched(*args: Any, **kwargs: Any) -> Any:
+            tag = uuid.uuid4().hex
+            args, kwargs = _with_tag(args, kwargs, tag)
             process = await spawn(*args, **kwargs)
-            _spawned(process)
+            _spawned(process, f"{SERVER_TAG}={tag}".encode())
             return process
 
         setattr(spawn_watched, _HOOKED, True)
@@ -179,7 +190,21 @@ def watch_spawns() -> bool:
         return True
 
 
-def _spawned(process: Any) -> None:
+SpawnArguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _with_tag(args: tuple[Any, ...], kwargs: dict[str, Any], tag: str) -> SpawnArguments:
+    """The spawn's arguments with :data:`SERVER_TAG` added to its ``env`` (the third argument)."""
+
+    def tagged(env: dict[str, str] | None) -> dict[str, str]:
+        return {**(os.environ if env is None else env), SERVER_TAG: tag}
+
+    if len(args) > 2:
+        return (*args[:2], tagged(args[2]), *args[3:]), kwargs
+    return args, {**kwargs, "env": tagged(kwargs.get("env"))}
+
+
+def _spawned(process: Any, tag: bytes) -> None:
     """A stdio server was spawned: register it with the scope of the run this code is part of."""
     scope = current_cancellation()
     pid = getattr(process, "pid", None)
@@ -189,6 +214,7 @@ def _spawned(process: Any) -> None:
     server = StdioServer(
         process=process,
         key=ProcKey(info.pid, info.start),
+        tag=tag,
         command=command_line(info.pid),
         loop=asyncio.get_running_loop(),
         # A server a session reconnects to in the middle of a tool call has no run to wait with:
@@ -210,6 +236,7 @@ class StdioServer:
 
     process: Any  # the SDK's anyio Process: its stdin is the transport's end of the pipe
     key: ProcKey
+    tag: bytes  # ``SERVER_TAG=value`` as it appears in the environment of what it started
     command: str
     loop: asyncio.AbstractEventLoop
     tracker: RunTracker | None
@@ -223,8 +250,8 @@ class StdioServer:
 
         1. wait for the run's in-flight tool calls to end (their cancel notifications are sent);
         2. close the server's stdin (on the loop that owns the pipe) and wait for it to exit;
-        3. SIGTERM, then SIGKILL what is left of its process group and of its process tree
-           (a tool's children outlive a server that exited on EOF, in its group).
+        3. SIGTERM, then SIGKILL what is left of its process group, its process tree and its
+           tag (a tool's children outlive a server that exited on EOF, in its group or not).
         """
         if not self._closing.acquire(blocking=False):
             return
@@ -281,9 +308,9 @@ class StdioServer:
         return True
 
     def _stop_leftovers(self, known: list[ProcKey]) -> list[KillRecord]:
-        """SIGTERM, then SIGKILL, ``known`` and every process still in the server's group."""
-        group = [ProcKey(pid, info.start) for pid, info in _group(self.key.pid)]
-        targets = {k for k in [*known, *group] if is_running(k)}
+        """SIGTERM, then SIGKILL, ``known`` and every process still in the server's group or
+        carrying its tag."""
+        targets = {k for k in [*known, *_left_by(self.key, self.tag)] if is_running(k)}
         if not targets:
             return []
         commands = {k: command_line(k.pid) for k in targets}
@@ -350,14 +377,17 @@ async def wait_closed(tracker: RunTracker) -> None:
 _POLL = 0.005
 
 
-def _group(pgid: int) -> list[tuple[int, Any]]:
-    """Running processes of process group ``pgid`` (found by scanning: its leader may be gone)."""
-    members = []
+def _left_by(server: ProcKey, tag: bytes) -> list[ProcKey]:
+    """Running processes started since ``server`` that are in its process group (found by
+    scanning: the leader may be gone) or carry its ``tag`` (a ``setsid`` daemon of a tool)."""
+    found = []
     for pid in all_pids():
         info = read_proc(pid)
-        if info is not None and info.pgid == pgid and not info.exited:
-            members.append((pid, info))
-    return members
+        if info is None or info.exited or info.start < server.start or pid == os.getpid():
+            continue
+        if info.pgid == server.pid or environ_contains(pid, tag):
+            found.append(ProcKey(pid, info.start))
+    return found
 
 
 def _ms(seconds: float) -> float:
