@@ -326,8 +326,12 @@ class TaskChild:
             event = self._seen.wait_for(lambda: found() or self.exited_at is not None, timeout)
             event = found()
         if event is None:
+            # A child still alive past its bound is a hang: its stacks are the only clue CI keeps.
+            hung = self.exited_at is None
+            if hung:
+                self.dump_stacks(wait=1.0)
             raise AssertionError(
-                f"no {name!r} event within {timeout}s; events: {self.names()}\n{self.tail(60)}"
+                f"no {name!r} event within {timeout}s; events: {self.names()}\n{self.tail(250 if hung else 60)}"
             )
         return event
 

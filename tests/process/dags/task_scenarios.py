@@ -345,8 +345,12 @@ with DAG(f"scenario_{SCENARIO}", schedule=None, start_date=datetime(2026, 1, 1, 
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
     from tests.dag_test_compat import exit_as_the_task_sdk_does, prepare_dag_test
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # TaskChild.dump_stacks on a hang
     emit("starting", pid=os.getpid())
     prepare_dag_test()  # Airflow 3.1/3.2's dag.test() path, made to behave like production
     dag.test()
