@@ -330,9 +330,8 @@ class TaskChild:
             hung = self.exited_at is None
             if hung:
                 self.dump_stacks(wait=1.0)
-            raise AssertionError(
-                f"no {name!r} event within {timeout}s; events: {self.names()}\n{self.tail(250 if hung else 60)}"
-            )
+            tail = self.tail(250 if hung else 60)
+            raise AssertionError(f"no {name!r} event within {timeout}s; events: {self.names()}\n{tail}")
         return event
 
     def event(self, name: str) -> dict[str, Any] | None:
