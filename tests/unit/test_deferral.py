@@ -208,6 +208,53 @@ def test_on_kill_stops_the_outside_work_still_waited_on(tmp_path: Path) -> None:
     assert deferred_jobs.state_of(str(tmp_path), "j1") == "cancelled"
 
 
+@needs_3_3
+def test_a_stop_slower_than_the_triggerers_loop_is_not_cut_off_by_its_repeated_cancel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Airflow 3.3's triggerer cancels a trigger a user stopped once per loop (1 s) until it has
+    ended, its ``on_kill`` included; the stop must still reach the job. Run here by Airflow's own
+    ``TriggerRunner`` (``run_trigger``, ``cleanup_finished_triggers``, ``cancel_triggers``), with
+    the supervisor's part played as it is: the trigger's id in every sync's ``to_cancel`` until
+    the trigger is finished. The job's cancel call answers after 3 such loops."""
+    from airflow.jobs.triggerer_job_runner import TriggerRunner
+
+    monkeypatch.setenv("AIRFLOW_DISABLE_GREENBACK_PORTAL", "true")  # no sync calls from this trigger
+    root, loop_s = str(tmp_path), 0.2
+    deferred_jobs.start(root, "j1")
+    classpath, kwargs = PollTrigger(
+        "cancellable_agents.testing.jobs.status",
+        {"root": root, "job": "j1", "answer_s": 3 * loop_s},
+        0.01,
+        "cancellable_agents.testing.jobs.acancel",
+    ).serialize()
+    trigger = DeferredCallsTrigger(
+        "0", [{"tool_call_id": "c", "tool": "run_job", "classpath": classpath, "kwargs": kwargs}], 0.0
+    )
+
+    async def stopped_by_a_user() -> int:
+        ours = asyncio.all_tasks()
+        runner = TriggerRunner()
+        runner.triggers[1] = {"task": None, "is_watcher": False, "name": "agent (ID 1)", "events": 0}
+        runner.triggers[1]["task"] = asyncio.create_task(runner.run_trigger(1, trigger))
+        while deferred_jobs.first_polled(root, "j1") is None:
+            await asyncio.sleep(0.01)
+        cancels = 0
+        while 1 in runner.triggers:
+            await runner.cleanup_finished_triggers()
+            if 1 in runner.triggers:
+                runner.to_cancel.append(1)  # the supervisor's cancelling set, sent on every sync
+                cancels += 1
+            await runner.cancel_triggers()
+            await asyncio.sleep(loop_s)
+        await asyncio.gather(*asyncio.all_tasks() - ours)  # what outlived the trigger
+        return cancels
+
+    cancels = asyncio.run(asyncio.wait_for(stopped_by_a_user(), 10))
+    assert cancels >= 2, "the trigger ended at the first cancel: nothing was cut off"
+    assert deferred_jobs.state_of(root, "j1") == "cancelled", "the repeated cancel cut the stop off"
+
+
 def test_cleanup_alone_does_not_stop_the_outside_work(tmp_path: Path) -> None:
     """A triggerer restart runs ``cleanup``, not ``on_kill``: the outside work goes on."""
     deferred_jobs.start(str(tmp_path), "j1")

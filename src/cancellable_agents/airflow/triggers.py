@@ -20,7 +20,7 @@ import importlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -42,6 +42,35 @@ async def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     if inspect.iscoroutinefunction(fn):
         return await fn(**kwargs)
     return await asyncio.to_thread(fn, **kwargs)
+
+
+#: Stops that outlived the ``on_kill`` that started them (the loop holds tasks only weakly).
+_stopping: set[asyncio.Future[Any]] = set()
+
+
+async def _to_its_end(stop: Awaitable[Any]) -> None:
+    """Await ``stop`` such that cancelling the awaiting ``on_kill`` does not cut it off.
+
+    Airflow 3.3's triggerer cancels a trigger the user stopped again on every loop (~1 s) until
+    the trigger has ended, ``on_kill`` included, and swallows that cancel: a stop slower than a
+    loop (a remote cancel call; a thread that did not start in time on a loaded machine) was cut
+    off and the outside work went on. Here the stop goes on to its end in the background.
+    """
+    task = asyncio.ensure_future(stop)
+    _stopping.add(task)
+    task.add_done_callback(_stopping.discard)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            log.info("on_kill was cancelled again; stopping the outside work goes on to its end")
+            task.add_done_callback(_log_failed_stop)
+        raise
+
+
+def _log_failed_stop(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("stopping the outside work failed: %r", error)
 
 
 class PollTrigger(BaseTrigger):
@@ -91,7 +120,7 @@ class PollTrigger(BaseTrigger):
         if self.cancel is None:
             return
         log.info("stopping the outside work: %s(%s)", self.cancel, self.kwargs)
-        await _call(import_callable(self.cancel), self.kwargs)
+        await _to_its_end(_call(import_callable(self.cancel), self.kwargs))
 
 
 class DeferredCallsTrigger(BaseTrigger):
@@ -161,7 +190,7 @@ class DeferredCallsTrigger(BaseTrigger):
     async def on_kill(self) -> None:
         """A user stopped the deferred task: stop every call's outside work still waited on."""
         if not self._fired:
-            await _each(self._triggers(), "on_kill")
+            await _to_its_end(_each(self._triggers(), "on_kill"))
 
     async def cleanup(self) -> None:
         await _each(self._waiting, "cleanup")

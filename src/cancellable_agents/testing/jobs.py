@@ -11,6 +11,7 @@ name, needs nothing but this package. Stdlib only.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -22,25 +23,36 @@ def _path(root: str, job: str) -> Path:
     return Path(root) / f"{job}.json"
 
 
+def _write(root: str, job: str, state: dict[str, Any]) -> None:
+    """Replace the job's file in one step: the triggerer's poll reads it at any moment, and a
+    half-written file would end the wait with a JSON error."""
+    path = _path(root, job)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(state))
+    os.replace(partial, path)
+
+
 def start(root: str, job: str, seconds: float | None = None, result: Any = None) -> str:
     """Start ``job``: it runs until :func:`finish` or :func:`cancel`, or for ``seconds`` (then
     its result is ``result``). Returns the job file's path."""
     Path(root).mkdir(parents=True, exist_ok=True)
-    path = _path(root, job)
     due = None if seconds is None else time.time() + seconds
-    path.write_text(json.dumps({"state": "running", "due": due, "result": result}))
-    return str(path)
+    _write(root, job, {"state": "running", "due": due, "result": result})
+    return str(_path(root, job))
 
 
 def finish(root: str, job: str, result: Any) -> None:
-    _path(root, job).write_text(json.dumps({"state": "done", "result": result}))
+    _write(root, job, {"state": "done", "result": result})
 
 
-def status(root: str, job: str, events_fd: int | None = None) -> Any:
+def status(root: str, job: str, events_fd: int | None = None, **_: Any) -> Any:
     """``None`` while ``job`` runs, its result once done (the PollTrigger protocol); raises for a
-    cancelled job. ``events_fd``: a process test's event pipe, told of each poll (so the test
-    knows the trigger waits, without sleeping)."""
+    cancelled job. The first poll leaves ``first_polled`` its time: then a trigger is waiting on
+    the job, and so a user's stop reaches its ``on_kill``. ``events_fd``: a process test's event
+    pipe, told of each poll (so the test knows the trigger waits, without sleeping); other
+    keyword arguments (the cancel call's) are ignored."""
     state = json.loads(_path(root, job).read_text())
+    _note_first_poll(root, job)
     if events_fd is not None:
         line = {"event": "polled", "job": job, "state": state["state"], "t": time.monotonic()}
         os.write(events_fd, (json.dumps(line) + "\n").encode())
@@ -51,11 +63,39 @@ def status(root: str, job: str, events_fd: int | None = None) -> Any:
     return None
 
 
+def _polled_path(root: str, job: str) -> Path:
+    return Path(root) / f"{job}.polled"
+
+
+def _note_first_poll(root: str, job: str) -> None:
+    try:
+        with _polled_path(root, job).open("x") as out:  # "x": only the first poll writes
+            out.write(repr(time.time()))
+    except FileExistsError:
+        pass
+
+
+def first_polled(root: str, job: str) -> float | None:
+    """When a trigger first polled ``job`` (``time.time()``), or ``None`` if none has yet."""
+    try:
+        text = _polled_path(root, job).read_text()
+    except FileNotFoundError:
+        return None
+    return float(text) if text else None  # empty: the first poll is writing it
+
+
 def cancel(root: str, job: str, **_: Any) -> None:
     """Stop ``job`` (what a trigger's ``on_kill`` calls); extra keyword arguments (the status
     call's, such as ``events_fd``) are ignored."""
     state = json.loads(_path(root, job).read_text())
-    _path(root, job).write_text(json.dumps({**state, "state": "cancelled", "cancelled_at": time.time()}))
+    _write(root, job, {**state, "state": "cancelled", "cancelled_at": time.time()})
+
+
+async def acancel(root: str, job: str, answer_s: float = 0.0, **_: Any) -> None:
+    """:func:`cancel` as an ``async`` job API whose cancel call takes ``answer_s`` seconds to
+    answer (a remote service's), on the triggerer's event loop; the job stops at the answer."""
+    await asyncio.sleep(answer_s)
+    cancel(root, job)
 
 
 def state_of(root: str, job: str) -> str:
