@@ -42,6 +42,7 @@ E2E_DAG_IDS = (
     "e2e_approval_timeout",
     "e2e_deferred",
     "e2e_deferred_timeout",
+    "e2e_deferred_timeout_fail",
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from tests.e2e.driver import (
     _await_settled,
     _trigger,
     clear,
+    fetch_log,
     mark_failed,
 )
 from tests.e2e.procs import is_alive
@@ -182,12 +184,49 @@ def test_clear_while_deferred_cancels_the_job_and_the_next_try_starts_fresh(e2e:
     print(f"\n[deferred] clear: job cancelled {stopped_ms:.0f} ms after the POST; try 2 ran fresh")
 
 
-def test_a_wait_past_its_timeout_stops_the_job_and_tells_the_model(e2e: E2EEnv) -> None:
-    result = _run("timeout", "e2e_deferred_timeout")
-    _trigger(e2e, result)
-    _await_settled(e2e, result, lambda r: r.run_state in ("success", "failed"))
+@pytest.fixture(scope="module")
+def timed_out_runs(e2e: E2EEnv) -> dict[str, PathResult]:
+    """Both timeout paths, driven at once (each waits 12 s deferred): ``tell`` and ``fail``."""
+    runs = {
+        "tell": _run("timeout", "e2e_deferred_timeout"),
+        "fail": _run("timeout-fail", "e2e_deferred_timeout_fail"),
+    }
+
+    def drive(result: PathResult) -> PathResult:
+        _trigger(e2e, result)
+        _await_settled(e2e, result, lambda r: r.run_state in ("success", "failed"))
+        return result
+
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="e2e-deferred") as pool:
+        return dict(zip(runs, pool.map(drive, runs.values()), strict=True))
+
+
+def test_a_wait_past_its_timeout_stops_the_job_and_tells_the_model(
+    e2e: E2EEnv, timed_out_runs: dict[str, PathResult]
+) -> None:
+    result = timed_out_runs["tell"]
     assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 1), result.final_ti
     (start,) = _starts(e2e, result)
     assert jobs.state_of(str(e2e.state_dir / "jobs"), start["job"]) == "cancelled"
     requests = _requests(e2e, result)
     assert len(requests) == 2 and "did not finish within its timeout of 12 s" in requests[-1]
+
+
+def test_a_wait_past_a_failing_timeout_stops_the_job_and_ends_the_task_as_timeout(
+    e2e: E2EEnv, timed_out_runs: dict[str, PathResult]
+) -> None:
+    result = timed_out_runs["fail"]
+    assert (result.final_ti["state"], result.final_ti["try_number"]) == ("failed", 1), result.final_ti
+    (start,) = _starts(e2e, result)
+    job = jobs.state_of(str(e2e.state_dir / "jobs"), start["job"])
+    assert job == "cancelled", "the trigger stopped the job at the timeout"
+    assert len(_requests(e2e, result)) == 1, "the model was not asked again"
+    result.logs[1] = fetch_log(e2e, result, 1)
+    (record,) = result.records(1)
+    assert (record["cause"], record["outcome"]) == ("timeout", "cancelled"), record
+    assert "deferred call run_job_or_fail" in record["detail"] and "waited 12 s" in record["detail"], record
+    stopped = json.loads((e2e.state_dir / "jobs" / f"{start['job']}.json").read_text())["cancelled_at"]
+    print(
+        f"\n[deferred] timeout fail: job stopped {stopped - start['at']:.1f} s after the deferral; "
+        f"requests 1, tool runs 1, failed try 1, cause {record['cause']}: {record['detail']}"
+    )

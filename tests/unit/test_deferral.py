@@ -366,3 +366,62 @@ def test_a_wait_past_its_timeout_stops_the_work_and_the_model_is_told(tmp_path: 
     output = operator().resume_execution(RESUME_METHOD, {"event": event}, context)
     assert "did not finish within its timeout of 0.3 s and was stopped" in output
     assert (counts.requests, counts.started) == (2, ["j1"])
+
+
+@needs_3_3
+def test_a_wait_past_a_failing_timeout_ends_the_task_as_timeout_and_stops_every_call(tmp_path: Path) -> None:
+    """``on_timeout="fail"``: the call's work is stopped, and so is the work of the step's other
+    call (the task ends, nothing will read it); the trigger fires at the timeout, not when the
+    other call is done, and the resumed task ends as ``timeout`` naming the wait, asking the
+    model nothing more."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from cancellable_agents.core.causes import CancelCause
+    from cancellable_agents.core.exceptions import TaskCancelled
+
+    counts = Counts()
+    root = str(tmp_path)
+
+    def run_job(job: str, limit: float | None) -> str:
+        counts.started.append(job)
+        deferred_jobs.start(root, job)
+        trigger = PollTrigger(
+            "cancellable_agents.testing.jobs.status",
+            {"root": root, "job": job},
+            interval=0.01,
+            cancel="cancellable_agents.testing.jobs.cancel",
+        )
+        defer_to(trigger, timeout=limit, on_timeout="fail")
+
+    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        counts.requests += 1
+        return ModelResponse(
+            parts=[
+                ToolCallPart("run_job", {"job": "short", "limit": 0.3}, tool_call_id="c-short"),
+                ToolCallPart("run_job", {"job": "long", "limit": None}, tool_call_id="c-long"),
+            ]
+        )
+
+    def operator() -> AgentOperator:
+        return _operator(Agent(FunctionModel(script), tools=[run_job]), tmp_path)
+
+    context = {"ti": TI(), "task_instance": TI()}
+    with pytest.raises(TaskDeferred) as deferred:
+        operator().execute(context)
+    event = _fire(deferred.value.trigger)
+    assert event["failed"] == {"tool_call_id": "c-short", "tool": "run_job", "timeout_s": 0.3}
+    assert [deferred_jobs.state_of(root, j) for j in ("short", "long")] == ["cancelled", "cancelled"]
+
+    resumed = operator()
+    with pytest.raises(
+        TaskCancelled, match=r"timed out: deferred call run_job \(c-short\) waited 0.3 s"
+    ) as ended:
+        resumed.resume_execution(RESUME_METHOD, {"event": event}, context)
+    assert ended.value.cause is CancelCause.TIMEOUT
+    assert resumed.cancellation.attached["deferred"]["failed"]["tool_call_id"] == "c-short"
+    assert (counts.requests, sorted(counts.started)) == (1, ["long", "short"]), "nothing asked again"
+
+
+def test_an_unknown_on_timeout_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"on_timeout='retry'"):
+        defer_to(PollTrigger("my_pkg.jobs.status"), timeout=5, on_timeout="retry")

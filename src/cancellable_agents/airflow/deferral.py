@@ -36,23 +36,27 @@ BACKSTOP_S = 300.0
 _UNIMPORTABLE = ("__main__", "unusual_prefix_")
 
 
-def defer_to(trigger: Any, *, timeout: timedelta | float | None = None) -> NoReturn:
+def defer_to(trigger: Any, *, timeout: timedelta | float | None = None, on_timeout: str = "tell") -> NoReturn:
     """From a tool: end this call until ``trigger`` (any Airflow ``BaseTrigger``) fires; its
     event's payload becomes the call's result. The task defers meanwhile and holds no worker slot.
 
     Start the outside work first, then defer; the trigger's ``on_kill`` stops it when a user marks
     the deferred task failed or clears it. ``timeout``: how long the wait may take; then the
-    trigger's ``on_kill`` stops the work and the model is told the call timed out (its result is
-    ``{"error": "... did not finish within its timeout ..."}``), and the run goes on. Needs
+    trigger's ``on_kill`` stops the work, and ``on_timeout`` says what follows: ``"tell"`` (the
+    model is told the call timed out: its result is ``{"error": "... did not finish within its
+    timeout ..."}``, and the run goes on) or ``"fail"`` (the task ends as ``timeout``, the work of
+    every call of the step stopped; :class:`TaskCancelled` names the wait). Needs
     ``durable=True`` and Airflow 3.3+; the trigger must serialize to an importable class and JSON
     keyword arguments. Raises :class:`ConfigurationError` naming the fix where any of that is
     missing.
     """
-    from cancellable_agents.durable.deferral import Wait, check_journaled, defer_call
+    from cancellable_agents.durable.deferral import ON_TIMEOUT, Wait, check_journaled, defer_call
 
+    if on_timeout not in ON_TIMEOUT:
+        raise ConfigurationError(f"defer_to(on_timeout={on_timeout!r}): must be one of {ON_TIMEOUT}")
     classpath, kwargs = _serialized(trigger)
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    wait = Wait(classpath, kwargs, None if seconds is None else float(seconds))
+    wait = Wait(classpath, kwargs, None if seconds is None else float(seconds), on_timeout)
     check_journaled(wait)  # first: the fix every Airflow needs
     if not has_trigger_on_kill():
         import airflow
@@ -96,6 +100,7 @@ def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
             "classpath": w.classpath,
             "kwargs": w.kwargs,
             "timeout_s": w.timeout_s,
+            "on_timeout": w.on_timeout,
         }
         for c in request.calls
         if (w := waits.get(c.tool_call_id)) is not None
@@ -136,6 +141,26 @@ def answers_from_event(event: Any) -> tuple[str, dict[str, Decision]]:
     )
 
 
+def end_if_timed_out(task_try: TaskTry, event: dict[str, Any]) -> str | None:
+    """If a call whose ``on_timeout`` is ``"fail"`` timed out: cancel the try's scope as
+    ``TIMEOUT`` naming the wait (nothing runs: the run is not continued), and return the message
+    the :class:`TaskCancelled` carries."""
+    failed = event.get("failed")
+    if not failed:
+        return None
+    from cancellable_agents.core.causes import CancelCause
+    from cancellable_agents.core.scope import Outcome
+
+    timeout_s = float(failed.get("timeout_s") or 0.0)
+    wait = f"deferred call {failed.get('tool')} ({failed.get('tool_call_id')}) waited {timeout_s:g} s"
+    log.warning("%s, its timeout: the outside work of the step was stopped; the task ends as timeout", wait)
+    scope = task_try.scope
+    scope.cancel(CancelCause.TIMEOUT, detail=f"deferral timeout: {wait}")
+    scope.record("execute_refused", reason="the deferral timed out")
+    scope.settle(Outcome.CANCELLED)
+    return f"the wait for outside work timed out: {wait}"
+
+
 def note_wait(task_try: TaskTry, event: dict[str, Any]) -> None:
     """The wait that just ended, named where a try's facts go: one log line, the try's facts
     (``attached["deferred"]``, in the kill record of a later kill) and the metrics
@@ -152,7 +177,8 @@ def note_wait(task_try: TaskTry, event: dict[str, Any]) -> None:
         waited,
         f"; timed out, their work stopped: {timed_out}" if timed_out else "",
     )
-    task_try.scope.attach(
-        deferred={"waited_s": round(waited, 3), "calls": sorted(results), "timed_out": timed_out}
-    )
+    facts = {"waited_s": round(waited, 3), "calls": sorted(results), "timed_out": timed_out}
+    if event.get("failed"):
+        facts["failed"] = event["failed"]  # the call whose timeout ended the task
+    task_try.scope.attach(deferred=facts)
     emit_deferred_wait(task_try, waited, len(results))

@@ -228,13 +228,17 @@ class CancellableAgentMixin:
     def resume_after_deferral(self, context: Any, event: Any = None, **_: Any) -> Any:
         """Airflow calls this instead of ``execute`` once the trigger a tool deferred to fired:
         ``execute`` runs again, and the run that stopped continues from its record with the
-        trigger's event as the deferred calls' results (``airflow.deferral``). Reads nothing
-        but ``event``: ``dag.test()`` hands a resumed task the event alone."""
-        from cancellable_agents.airflow.deferral import answers_from_event, note_wait
+        trigger's event as the deferred calls' results (``airflow.deferral``); or, when a call
+        whose ``on_timeout`` is ``"fail"`` timed out, the task ends as ``timeout`` (raises
+        :class:`TaskCancelled`). Reads nothing but ``event``: ``dag.test()`` hands a resumed task
+        the event alone."""
+        from cancellable_agents.airflow.deferral import answers_from_event, end_if_timed_out, note_wait
 
         task_try = self.task_try(context)
         task_try.answers = answers_from_event(event)
         note_wait(task_try, event)
+        if (timed_out := end_if_timed_out(task_try, event)) is not None:
+            raise self.cancelled_error(timed_out)
         return self.execute(context)  # type: ignore[attr-defined]
 
     def run_timeout(self) -> float | None:

@@ -127,10 +127,12 @@ class DeferredCallsTrigger(BaseTrigger):
     """Wait for every deferred call of one model response; fire once with all their results.
 
     :param run_key: which agent run of the task paused (its order in ``execute``).
-    :param calls: per call ``{"tool_call_id", "tool", "classpath", "kwargs", "timeout_s"}``: its
-        trigger, and how long it may wait (``None``: no limit). A call whose wait times out has its
-        trigger's ``on_kill`` run (the outside work is stopped) and gets :func:`timed_out` as its
-        result: the model is told, as an approval nobody answered in time is rejected.
+    :param calls: per call ``{"tool_call_id", "tool", "classpath", "kwargs", "timeout_s",
+        "on_timeout"}``: its trigger, how long it may wait (``None``: no limit), and what then. A
+        call whose wait times out has its trigger's ``on_kill`` run (the outside work is stopped);
+        with ``on_timeout="tell"`` it gets :func:`timed_out` as its result (the model is told, as an
+        approval nobody answered in time is rejected); with ``"fail"`` the other calls' work is
+        stopped too and the event fires at once naming it (``failed``): the task ends as timeout.
     :param deferred_at: when the task deferred (``time.time()``), so the resumed task can say how
         long the wait held no worker slot.
     """
@@ -139,8 +141,10 @@ class DeferredCallsTrigger(BaseTrigger):
         super().__init__()
         self.run_key, self.calls, self.deferred_at = run_key, [dict(c) for c in calls], float(deferred_at)
         self._waiting: dict[str, BaseTrigger] = {}
+        self._waits: dict[str, asyncio.Future[Any]] = {}
         self._fired = False
         self._timed_out: list[str] = []
+        self._failed: dict[str, Any] | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -158,24 +162,37 @@ class DeferredCallsTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         triggers = self._triggers()
-        limits = {c["tool_call_id"]: c.get("timeout_s") for c in self.calls}
-        firsts = await asyncio.gather(*(self._wait(c, t, limits.get(c)) for c, t in triggers.items()))
-        results = dict(zip(triggers, firsts, strict=True))
-        self._fired = True  # all fired: nothing left for on_kill to stop
+        calls = {c["tool_call_id"]: c for c in self.calls}
+        self._waits = {c: asyncio.ensure_future(self._wait(calls[c], t)) for c, t in triggers.items()}
+        try:
+            await asyncio.wait(self._waits.values(), return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for waiting in self._waits.values():
+                waiting.cancel()  # a user's cancel, a failure: nothing goes on polling
+        self._fired = True  # all fired or stopped: nothing left for on_kill to stop
+        outcomes = {c: _outcome(w) for c, w in self._waits.items()}
+        if self._failed is None:
+            for outcome in outcomes.values():
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        # A failing timeout cancelled the other waits: they have no result.
+        results = {c: o for c, o in outcomes.items() if not isinstance(o, BaseException)}
         yield TriggerEvent(
             {
                 "run_key": self.run_key,
                 "results": results,
                 "timed_out": sorted(self._timed_out),
+                "failed": self._failed,
                 "deferred_at": self.deferred_at,
                 "fired_at": time.time(),
             }
         )
 
-    async def _wait(self, call_id: str, trigger: BaseTrigger, timeout_s: float | None) -> Any:
-        """``trigger``'s first payload, or :func:`timed_out` once ``timeout_s`` passed since the task
-        deferred (counted from ``deferred_at``, so a triggerer restart does not restart the clock),
-        its outside work stopped first."""
+    async def _wait(self, call: dict[str, Any], trigger: BaseTrigger) -> Any:
+        """``trigger``'s first payload, or :func:`timed_out` once the call's ``timeout_s`` passed
+        since the task deferred (counted from ``deferred_at``, so a triggerer restart does not
+        restart the clock), its outside work stopped first."""
+        call_id, timeout_s = call["tool_call_id"], call.get("timeout_s")
         if timeout_s is None:
             return await _first_event(trigger)
         remaining = self.deferred_at + timeout_s - time.time()
@@ -185,7 +202,19 @@ class DeferredCallsTrigger(BaseTrigger):
             log.warning("a deferred call waited %.0f s, its timeout: stopping its outside work", timeout_s)
             await _each({call_id: trigger}, "on_kill")
             self._timed_out.append(call_id)
+            if call.get("on_timeout") == "fail" and self._failed is None:
+                await self._end_every_wait(call)
             return timed_out(timeout_s)
+
+    async def _end_every_wait(self, call: dict[str, Any]) -> None:
+        """A call timed out whose timeout ends the task: stop the other calls' waits and work."""
+        self._failed = {k: call.get(k) for k in ("tool_call_id", "tool", "timeout_s")}
+        others = {
+            c: t for c, t in self._waiting.items() if c != call["tool_call_id"] and not self._waits[c].done()
+        }
+        for call_id in others:
+            self._waits[call_id].cancel()
+        await _each(others, "on_kill")
 
     async def on_kill(self) -> None:
         """A user stopped the deferred task: stop every call's outside work still waited on."""
@@ -194,6 +223,13 @@ class DeferredCallsTrigger(BaseTrigger):
 
     async def cleanup(self) -> None:
         await _each(self._waiting, "cleanup")
+
+
+def _outcome(waiting: asyncio.Future[Any]) -> Any:
+    """A finished wait's result, or what ended it (its exception, or ``CancelledError``)."""
+    if waiting.cancelled():
+        return asyncio.CancelledError()
+    return waiting.exception() or waiting.result()
 
 
 def timed_out(timeout_s: float) -> dict[str, str]:

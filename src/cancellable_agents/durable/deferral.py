@@ -23,6 +23,10 @@ from typing import Any, NoReturn
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable.approval import WAIT_KEY, Decision
 
+#: What a deferred call's timeout does: the model is told (and the run goes on), or the task ends
+#: as ``timeout``.
+ON_TIMEOUT = ("tell", "fail")
+
 #: Set while a journaled run goes (``Journal.attach`` to its end): only there may a tool defer,
 #: since only a record lets a later execution continue the run with the result.
 journaled_run: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -34,15 +38,23 @@ journaled_run: contextvars.ContextVar[bool] = contextvars.ContextVar(
 class Wait:
     """What a deferred call waits on: a trigger, rebuilt as ``import(classpath)(**kwargs)``.
 
-    ``timeout_s``: how long the wait may take (``None``: no limit of its own).
+    ``timeout_s``: how long the wait may take (``None``: no limit of its own). ``on_timeout``:
+    what its end does, one of :data:`ON_TIMEOUT` (``"tell"``: the model is told the call timed out;
+    ``"fail"``: the task ends as ``timeout``).
     """
 
     classpath: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
+    on_timeout: str = "tell"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"classpath": self.classpath, "kwargs": self.kwargs, "timeout_s": self.timeout_s}
+        return {
+            "classpath": self.classpath,
+            "kwargs": self.kwargs,
+            "timeout_s": self.timeout_s,
+            "on_timeout": self.on_timeout,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Wait:
@@ -51,6 +63,7 @@ class Wait:
             str(data["classpath"]),
             dict(data.get("kwargs") or {}),
             None if timeout is None else float(timeout),
+            str(data.get("on_timeout") or "tell"),
         )
 
 

@@ -6,6 +6,8 @@ it with ``PollTrigger`` every 0.2 s. Each start of a job appends a line (try, jo
 ``<dag_id>.<run_id>.starts``: the tool's runs over the whole task. ``max_active_tasks=1``:
 ``other`` can run only in a slot the deferred agent does not hold.
 ``e2e_deferred_timeout``: the call's wait times out after 12 s: the job is stopped, the model told.
+``e2e_deferred_timeout_fail``: the same with ``on_timeout="fail"``: the job is stopped, the task
+ends as ``timeout`` (no retry: ``retries=0``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ STATE_DIR = Path(os.environ.get("E2E_STATE_DIR", "/tmp/cancellable-agents-e2e"))
 JOBS = STATE_DIR / "jobs"
 
 
-def _start_and_defer(timeout: float | None) -> Any:
+def _start_and_defer(timeout: float | None, on_timeout: str = "tell") -> Any:
     ti = get_current_context()["ti"]
     job = f"{ti.dag_id}.{ti.run_id}.try{ti.try_number}"
     jobs.start(str(JOBS), job)
@@ -40,6 +42,7 @@ def _start_and_defer(timeout: float | None) -> Any:
             cancel="cancellable_agents.testing.jobs.cancel",
         ),
         timeout=timeout,
+        on_timeout=on_timeout,
     )
 
 
@@ -54,14 +57,19 @@ def run_short_job(n: int) -> Any:
     return _start_and_defer(12.0)
 
 
-def _dag(dag_id: str, doc: str, **kwargs: Any) -> DAG:
+def run_job_or_fail(n: int) -> Any:
+    """Start the outside job; after 12 s of waiting the task ends as timeout."""
+    return _start_and_defer(12.0, on_timeout="fail")
+
+
+def _dag(dag_id: str, doc: str, retries: int = 1, **kwargs: Any) -> DAG:
     return DAG(
         dag_id,
         schedule=None,
         start_date=datetime(2026, 1, 1, tzinfo=timezone.utc),
         catchup=False,
         is_paused_upon_creation=False,
-        default_args={"retries": 1, "retry_delay": timedelta(seconds=2)},
+        default_args={"retries": retries, "retry_delay": timedelta(seconds=2)},
         doc_md=doc,
         tags=["e2e"],
         **kwargs,
@@ -94,3 +102,10 @@ with _dag(
 
 with _dag("e2e_deferred_timeout", "The wait for the job times out: the job is stopped, the model told."):
     _agent(run_short_job, "gave+up")
+
+with _dag(
+    "e2e_deferred_timeout_fail",
+    "The wait for the job times out: the job is stopped, the task ends.",
+    retries=0,
+):
+    _agent(run_job_or_fail, "never+asked")
