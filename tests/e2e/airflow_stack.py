@@ -98,6 +98,9 @@ class Component:
     seen: dict[int, float] = field(default_factory=dict)
     #: Set by a test that kills it on purpose (a Celery worker): its exit is not a failure.
     expendable: bool = False
+    #: How it was started (the command line and the environment), so it can be started again.
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     def remember_descendants(self) -> None:
         """Note (pid, start time) of everything under us, so stop() can find it after reparenting."""
@@ -201,22 +204,47 @@ class AirflowStack:
             self._spawn("triggerer", ["triggerer", "--skip-serve-logs"], env=patient)
 
     def _spawn(
-        self, name: str, args: list[str], *, argv: list[str] | None = None, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        *,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        append: bool = False,
     ) -> Component:
-        """Start ``airflow ARGS`` (or ``argv``) with the stack's environment plus ``env``."""
+        """Start ``airflow ARGS`` (or ``argv``) with the stack's environment plus ``env``; its log
+        is started afresh unless ``append``."""
         log_path = self.home / "components" / f"{name}.log"
-        log = log_path.open("wb")
+        command, environment = argv or [*AIRFLOW, *args], {**self.env, **(env or {})}
+        log = log_path.open("ab" if append else "wb")
         proc = subprocess.Popen(
-            argv or [*AIRFLOW, *args],
-            env={**self.env, **(env or {})},
+            command,
+            env=environment,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
         log.close()
-        self.components[name] = Component(name, proc, log_path)
+        self.components[name] = Component(name, proc, log_path, argv=command, env=environment)
         return self.components[name]
+
+    def restart(self, name: str, grace: float = 30.0) -> float:
+        """SIGTERM component ``name``'s process group (as a deploy or a node drain does), wait up
+        to ``grace`` s for it to exit, and start it again as it was started, its log appended.
+        Returns when the old one had exited (``time.time()``); fails if it did not exit in time."""
+        old = self.components[name]
+        old.remember_descendants()
+        os.killpg(old.proc.pid, signal.SIGTERM)
+        try:
+            old.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            old.stop()
+            raise AssertionError(f"{name} did not exit within {grace:.0f} s of SIGTERM") from None
+        exited = time.time()
+        old.stop(grace=0)  # anything of it still in its group
+        self._spawn(name, [], argv=old.argv, env=old.env, append=True)
+        return exited
 
     def wait_healthy(self, timeout: float = 120) -> dict[str, Any]:
         """Poll ``/api/v2/monitor/health`` until the database, scheduler and dag-processor are healthy."""

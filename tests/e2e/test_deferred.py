@@ -12,6 +12,7 @@ appends, over the whole task (all executions, all tries).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -113,7 +114,7 @@ def _polled(env: E2EEnv, job: str) -> bool:
     run the Clear went 0.6 s after the deferral, 0.5 s before the trigger started; a loaded
     machine stretches the triggerer's loop (ci7: both stops left their jobs running).
     """
-    return jobs.first_polled(str(env.state_dir / "jobs"), job) is not None
+    return jobs.last_polled(str(env.state_dir / "jobs"), job) is not None
 
 
 def _job(env: E2EEnv, result: PathResult, try_number: int = 1) -> str:
@@ -184,27 +185,58 @@ def test_clear_while_deferred_cancels_the_job_and_the_next_try_starts_fresh(e2e:
     print(f"\n[deferred] clear: job cancelled {stopped_ms:.0f} ms after the POST; try 2 ran fresh")
 
 
+def test_a_triggerer_restart_while_deferred_leaves_the_job_running_and_its_result_flows_back(
+    e2e: E2EEnv,
+) -> None:
+    """SIGTERM to the triggerer (a deploy, a node drain) ends its triggers with ``cleanup``, not
+    ``on_kill``: the job goes on; the next triggerer takes the trigger in (the stopped one's job
+    row has its end date, so at its first loop) and the job's result reaches the model."""
+    result = _run("triggerer-restart")
+    _trigger(e2e, result)
+    _await_deferred(e2e, result)
+    root, job = str(e2e.state_dir / "jobs"), _job(e2e, result)
+    exited = e2e.stack.restart("triggerer")
+    assert jobs.state_of(root, job) == "running", "the triggerer's stop did not stop the job"
+    e2e.stack.wait_healthy()
+    wait_until(
+        lambda: (jobs.last_polled(root, job) or 0.0) > exited, WAIT_S, "the new triggerer to poll the job"
+    )
+    resumed_after = time.time() - exited
+    assert jobs.state_of(root, job) == "running"
+    jobs.finish(root, job, {"rows": 7})
+    _await_settled(e2e, result, lambda r: r.run_state in ("success", "failed"))
+    assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 1), result.final_ti
+    requests = _requests(e2e, result)
+    assert len(requests) == 2 and _tool_results(requests[-1]) == [{"rows": 7}], "the result reached the model"
+    assert len(_starts(e2e, result)) == 1, "the tool ran once"
+    print(
+        f"\n[deferred] triggerer restart: job left running; the new triggerer polled it "
+        f"{resumed_after:.1f} s after the old one exited; requests 2, tool runs 1, success try 1"
+    )
+
+
 @pytest.fixture(scope="module")
-def timed_out_runs(e2e: E2EEnv) -> dict[str, PathResult]:
-    """Both timeout paths, driven at once (each waits 12 s deferred): ``tell`` and ``fail``."""
+def concurrent_runs(e2e: E2EEnv) -> dict[str, PathResult]:
+    """The paths that mostly wait, driven at once: both timeouts (12 s deferred each)."""
     runs = {
-        "tell": _run("timeout", "e2e_deferred_timeout"),
-        "fail": _run("timeout-fail", "e2e_deferred_timeout_fail"),
+        "tell": (_run("timeout", "e2e_deferred_timeout"), _drive_to_the_end),
+        "fail": (_run("timeout-fail", "e2e_deferred_timeout_fail"), _drive_to_the_end),
     }
-
-    def drive(result: PathResult) -> PathResult:
-        _trigger(e2e, result)
-        _await_settled(e2e, result, lambda r: r.run_state in ("success", "failed"))
-        return result
-
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="e2e-deferred") as pool:
-        return dict(zip(runs, pool.map(drive, runs.values()), strict=True))
+        futures = {name: pool.submit(drive, e2e, result) for name, (result, drive) in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _drive_to_the_end(env: E2EEnv, result: PathResult) -> PathResult:
+    _trigger(env, result)
+    _await_settled(env, result, lambda r: r.run_state in ("success", "failed"))
+    return result
 
 
 def test_a_wait_past_its_timeout_stops_the_job_and_tells_the_model(
-    e2e: E2EEnv, timed_out_runs: dict[str, PathResult]
+    e2e: E2EEnv, concurrent_runs: dict[str, PathResult]
 ) -> None:
-    result = timed_out_runs["tell"]
+    result = concurrent_runs["tell"]
     assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 1), result.final_ti
     (start,) = _starts(e2e, result)
     assert jobs.state_of(str(e2e.state_dir / "jobs"), start["job"]) == "cancelled"
@@ -213,9 +245,9 @@ def test_a_wait_past_its_timeout_stops_the_job_and_tells_the_model(
 
 
 def test_a_wait_past_a_failing_timeout_stops_the_job_and_ends_the_task_as_timeout(
-    e2e: E2EEnv, timed_out_runs: dict[str, PathResult]
+    e2e: E2EEnv, concurrent_runs: dict[str, PathResult]
 ) -> None:
-    result = timed_out_runs["fail"]
+    result = concurrent_runs["fail"]
     assert (result.final_ti["state"], result.final_ti["try_number"]) == ("failed", 1), result.final_ti
     (start,) = _starts(e2e, result)
     job = jobs.state_of(str(e2e.state_dir / "jobs"), start["job"])
@@ -230,3 +262,4 @@ def test_a_wait_past_a_failing_timeout_stops_the_job_and_ends_the_task_as_timeou
         f"\n[deferred] timeout fail: job stopped {stopped - start['at']:.1f} s after the deferral; "
         f"requests 1, tool runs 1, failed try 1, cause {record['cause']}: {record['detail']}"
     )
+

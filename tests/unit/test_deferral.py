@@ -237,7 +237,7 @@ def test_a_stop_slower_than_the_triggerers_loop_is_not_cut_off_by_its_repeated_c
         runner = TriggerRunner()
         runner.triggers[1] = {"task": None, "is_watcher": False, "name": "agent (ID 1)", "events": 0}
         runner.triggers[1]["task"] = asyncio.create_task(runner.run_trigger(1, trigger))
-        while deferred_jobs.first_polled(root, "j1") is None:
+        while deferred_jobs.last_polled(root, "j1") is None:
             await asyncio.sleep(0.01)
         cancels = 0
         while 1 in runner.triggers:

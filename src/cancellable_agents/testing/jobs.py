@@ -47,12 +47,12 @@ def finish(root: str, job: str, result: Any) -> None:
 
 def status(root: str, job: str, events_fd: int | None = None, **_: Any) -> Any:
     """``None`` while ``job`` runs, its result once done (the PollTrigger protocol); raises for a
-    cancelled job. The first poll leaves ``first_polled`` its time: then a trigger is waiting on
-    the job, and so a user's stop reaches its ``on_kill``. ``events_fd``: a process test's event
+    cancelled job. Each poll leaves its time for :func:`last_polled`: a trigger is waiting on the
+    job, and so a user's stop reaches its ``on_kill``. ``events_fd``: a process test's event
     pipe, told of each poll (so the test knows the trigger waits, without sleeping); other
     keyword arguments (the cancel call's) are ignored."""
     state = json.loads(_path(root, job).read_text())
-    _note_first_poll(root, job)
+    _note_poll(root, job)
     if events_fd is not None:
         line = {"event": "polled", "job": job, "state": state["state"], "t": time.monotonic()}
         os.write(events_fd, (json.dumps(line) + "\n").encode())
@@ -67,21 +67,19 @@ def _polled_path(root: str, job: str) -> Path:
     return Path(root) / f"{job}.polled"
 
 
-def _note_first_poll(root: str, job: str) -> None:
-    try:
-        with _polled_path(root, job).open("x") as out:  # "x": only the first poll writes
-            out.write(repr(time.time()))
-    except FileExistsError:
-        pass
+def _note_poll(root: str, job: str) -> None:
+    path = _polled_path(root, job)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(repr(time.time()))
+    os.replace(partial, path)
 
 
-def first_polled(root: str, job: str) -> float | None:
-    """When a trigger first polled ``job`` (``time.time()``), or ``None`` if none has yet."""
+def last_polled(root: str, job: str) -> float | None:
+    """When a trigger last polled ``job`` (``time.time()``), or ``None`` if none has yet."""
     try:
-        text = _polled_path(root, job).read_text()
+        return float(_polled_path(root, job).read_text())
     except FileNotFoundError:
         return None
-    return float(text) if text else None  # empty: the first poll is writing it
 
 
 def cancel(root: str, job: str, **_: Any) -> None:
