@@ -43,6 +43,7 @@ E2E_DAG_IDS = (
     "e2e_deferred",
     "e2e_deferred_timeout",
     "e2e_deferred_timeout_fail",
+    "e2e_deferred_evict",
 )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +29,7 @@ from tests.e2e.driver import (
     _await_settled,
     _trigger,
     clear,
+    evict,
     fetch_log,
     mark_failed,
 )
@@ -217,14 +219,37 @@ def test_a_triggerer_restart_while_deferred_leaves_the_job_running_and_its_resul
 
 @pytest.fixture(scope="module")
 def concurrent_runs(e2e: E2EEnv) -> dict[str, PathResult]:
-    """The paths that mostly wait, driven at once: both timeouts (12 s deferred each)."""
+    """The paths that mostly wait, driven at once: both timeouts (12 s deferred each) and an
+    eviction in the resumed part."""
     runs = {
         "tell": (_run("timeout", "e2e_deferred_timeout"), _drive_to_the_end),
         "fail": (_run("timeout-fail", "e2e_deferred_timeout_fail"), _drive_to_the_end),
+        "evict": (_run("evict", "e2e_deferred_evict"), _drive_eviction),
     }
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="e2e-deferred") as pool:
-        futures = {name: pool.submit(drive, e2e, result) for name, (result, drive) in runs.items()}
+        futures = {
+            name: pool.submit(_kept_error, drive, e2e, result) for name, (result, drive) in runs.items()
+        }
         return {name: future.result() for name, future in futures.items()}
+
+
+def _kept_error(
+    drive: Callable[[E2EEnv, PathResult], PathResult], env: E2EEnv, result: PathResult
+) -> PathResult:
+    """Drive one path; an error is kept for its own test to raise (:func:`_settled`), so one path
+    failing does not fail the others'."""
+    try:
+        return drive(env, result)
+    except Exception as exc:
+        result.error = exc
+        return result
+
+
+def _settled(runs: dict[str, PathResult], name: str) -> PathResult:
+    result = runs[name]
+    if result.error is not None:
+        raise result.error
+    return result
 
 
 def _drive_to_the_end(env: E2EEnv, result: PathResult) -> PathResult:
@@ -233,10 +258,42 @@ def _drive_to_the_end(env: E2EEnv, result: PathResult) -> PathResult:
     return result
 
 
+def _drive_eviction(env: E2EEnv, result: PathResult) -> PathResult:
+    """Finish the job once the trigger waits on it; evict the resumed execution while the model's
+    answer after step 2 streams (step 1's deferral and step 2 complete and in the record)."""
+    _trigger(env, result)
+    _await_deferred(env, result)
+    jobs.finish(str(env.state_dir / "jobs"), _job(env, result), {"rows": 3})
+    resumed = env.state_dir / f"{result.dag_id}.{result.run_id}.resumed.json"
+
+    def asking_after_step_2() -> bool:
+        """The model's answer to step 2 is in flight (not streamed: the agent's requests are not)."""
+        env.stack.check_alive()
+        at_step_3 = [r for r in _records(env, result) if _tool_messages(r.messages) == 2]
+        return resumed.exists() and any(r.outcome is None for r in at_step_3)
+
+    wait_until(asking_after_step_2, WAIT_S, f"{result.run_id}: the resumed part mid-request", interval=0.1)
+    info = json.loads(resumed.read_text())
+    result.task_pid, result.supervisor_pid = info["pid"], info["ppid"]
+    result.click_wall, result.answered_wall = evict(env, result)
+    _await_settled(env, result, lambda r: r.run_state in ("success", "failed"))
+    result.logs[1] = fetch_log(env, result, 1)
+    return result
+
+
+def _records(env: E2EEnv, result: PathResult) -> list[Any]:
+    tag = f"[{result.dag_id}/{result.run_id}]"
+    return [r for r in env.model_server.requests if tag in json.dumps(r.messages)]
+
+
+def _tool_messages(messages: list[dict[str, Any]]) -> int:
+    return sum(m.get("role") == "tool" for m in messages)
+
+
 def test_a_wait_past_its_timeout_stops_the_job_and_tells_the_model(
     e2e: E2EEnv, concurrent_runs: dict[str, PathResult]
 ) -> None:
-    result = concurrent_runs["tell"]
+    result = _settled(concurrent_runs, "tell")
     assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 1), result.final_ti
     (start,) = _starts(e2e, result)
     assert jobs.state_of(str(e2e.state_dir / "jobs"), start["job"]) == "cancelled"
@@ -247,7 +304,7 @@ def test_a_wait_past_its_timeout_stops_the_job_and_tells_the_model(
 def test_a_wait_past_a_failing_timeout_stops_the_job_and_ends_the_task_as_timeout(
     e2e: E2EEnv, concurrent_runs: dict[str, PathResult]
 ) -> None:
-    result = concurrent_runs["fail"]
+    result = _settled(concurrent_runs, "fail")
     assert (result.final_ti["state"], result.final_ti["try_number"]) == ("failed", 1), result.final_ti
     (start,) = _starts(e2e, result)
     job = jobs.state_of(str(e2e.state_dir / "jobs"), start["job"])
@@ -263,3 +320,27 @@ def test_a_wait_past_a_failing_timeout_stops_the_job_and_ends_the_task_as_timeou
         f"requests 1, tool runs 1, failed try 1, cause {record['cause']}: {record['detail']}"
     )
 
+
+def test_an_eviction_in_the_resumed_part_resumes_from_the_record_without_repeating_a_step(
+    e2e: E2EEnv, concurrent_runs: dict[str, PathResult]
+) -> None:
+    """A kill after the trigger fired is a kill of an ordinary execution: eviction, try 2 resumes
+    from the record. Over the whole task the job started once, each step's tool ran once, and
+    the model was asked once per step but the one in flight at the kill (asked again by try 2)."""
+    result = _settled(concurrent_runs, "evict")
+    assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 2), result.final_ti
+    (record,) = result.records(1)
+    assert (record["cause"], record["outcome"]) == ("eviction", "cancelled"), record
+    unwound_ms = PathResult.event_ms(record, "run_unwound")
+    assert unwound_ms is not None and 0 <= unwound_ms < 5000, record["timeline"]
+    steps_path = e2e.state_dir / f"{result.dag_id}.{result.run_id}.steps"
+    steps = [json.loads(line) for line in steps_path.read_text().splitlines()]
+    assert sorted(s["n"] for s in steps) == [1, 2, 3], f"each step's tool ran once: {steps}"
+    assert [s["n"] for s in steps if s["try"] == 2] == [3], "try 2 ran only what the record did not hold"
+    assert len(_starts(e2e, result)) == 1, "the job started once"
+    per_step = [_tool_messages(r.messages) for r in _records(e2e, result)]
+    assert sorted(per_step) == [0, 1, 2, 2, 3], f"requests by tool results they carried: {per_step}"
+    print(
+        f"\n[deferred] evicted in the resumed part: unwound {unwound_ms} ms; requests {len(per_step)} "
+        f"(the one in flight asked again), tool runs {len(steps)}, job starts 1, success try 2"
+    )

@@ -8,6 +8,9 @@ it with ``PollTrigger`` every 0.2 s. Each start of a job appends a line (try, jo
 ``e2e_deferred_timeout``: the call's wait times out after 12 s: the job is stopped, the model told.
 ``e2e_deferred_timeout_fail``: the same with ``on_timeout="fail"``: the job is stopped, the task
 ends as ``timeout`` (no retry: ``retries=0``).
+``e2e_deferred_evict``: step 1 defers to the job; after it fired, step 2 runs a quick tool (writing
+the task's pid and its supervisor's, for the test's eviction) and the model takes 20 s to answer
+it: the test evicts the task there, and try 2 resumes from the record.
 """
 
 from __future__ import annotations
@@ -62,6 +65,20 @@ def run_job_or_fail(n: int) -> Any:
     return _start_and_defer(12.0, on_timeout="fail")
 
 
+def step(n: int) -> Any:
+    """Step 1 starts the job and defers; step 2 says which processes run the resumed part; every
+    run of a step appends (try, n) to ``<dag_id>.<run_id>.steps``."""
+    ti = get_current_context()["ti"]
+    with (STATE_DIR / f"{ti.dag_id}.{ti.run_id}.steps").open("a") as out:
+        out.write(json.dumps({"try": ti.try_number, "n": n}) + "\n")
+    if n == 1:
+        return _start_and_defer(None)
+    if n == 2:
+        pids = {"try": ti.try_number, "pid": os.getpid(), "ppid": os.getppid()}
+        (STATE_DIR / f"{ti.dag_id}.{ti.run_id}.resumed.json").write_text(json.dumps(pids))
+    return f"step {n} done"
+
+
 def _dag(dag_id: str, doc: str, retries: int = 1, **kwargs: Any) -> DAG:
     return DAG(
         dag_id,
@@ -76,11 +93,11 @@ def _dag(dag_id: str, doc: str, retries: int = 1, **kwargs: Any) -> DAG:
     )
 
 
-def _agent(tool: Any, then: str, **kwargs: Any) -> AgentOperator:
+def _agent(tool: Any, then: str, steps: str = "count=1", **kwargs: Any) -> AgentOperator:
     return AgentOperator(
         task_id="agent",
         prompt="[{{ dag.dag_id }}/{{ run_id }}] run the job",
-        model=f"openai:steps?name={tool.__name__}&count=1&then={then}",
+        model=f"openai:steps?name={tool.__name__}&{steps}&then={then}",
         llm_conn_id="local_model",
         tools=[tool],
         durable=True,
@@ -109,3 +126,7 @@ with _dag(
     retries=0,
 ):
     _agent(run_job_or_fail, "never+asked")
+
+with _dag("e2e_deferred_evict", "Evicted in the part that runs after the job's result came back."):
+    # The model answers step 2 after 400 tokens 50 ms apart (20 s), the first time only.
+    _agent(step, "all+done", steps="count=3&stall_at=2&tokens=400&delay=0.05")
