@@ -23,13 +23,16 @@ def _path(root: str, job: str) -> Path:
     return Path(root) / f"{job}.json"
 
 
-def _write(root: str, job: str, state: dict[str, Any]) -> None:
-    """Replace the job's file in one step: the triggerer's poll reads it at any moment, and a
-    half-written file would end the wait with a JSON error."""
-    path = _path(root, job)
+def _replace(path: Path, text: str) -> None:
+    """Replace ``path`` in one step: another process reads it at any moment (the triggerer's poll
+    the job's state, a test the poll's time), and a half-written file would be read as garbage."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(state))
+    partial.write_text(text)
     os.replace(partial, path)
+
+
+def _write(root: str, job: str, state: dict[str, Any]) -> None:
+    _replace(_path(root, job), json.dumps(state))
 
 
 def start(root: str, job: str, seconds: float | None = None, result: Any = None) -> str:
@@ -68,10 +71,7 @@ def _polled_path(root: str, job: str) -> Path:
 
 
 def _note_poll(root: str, job: str) -> None:
-    path = _polled_path(root, job)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(repr(time.time()))
-    os.replace(partial, path)
+    _replace(_polled_path(root, job), repr(time.time()))
 
 
 def last_polled(root: str, job: str) -> float | None:
