@@ -14,6 +14,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -180,6 +181,35 @@ def test_a_retry_of_a_task_that_failed_while_deferred_waits_again_without_runnin
         RESUME_METHOD, {"event": _fire(again.value.trigger)}, retry
     )
     assert output == "results: [7]" and (counts.requests, counts.started) == (2, ["j1"])
+
+
+@needs_3_3
+def test_after_a_clear_while_deferred_a_resumed_run_starts_the_work_again(tmp_path: Path) -> None:
+    """With ``resume_after_clear``, the try after a Clear of the deferred task continues the run,
+    but the wait it stopped at is void (the Clear ran the trigger's ``on_kill``: the work was
+    stopped): the deferred call runs again and defers to its new work; the model is not asked
+    again."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    counts = Counts()
+    options = DurableOptions(path=str(tmp_path / "record"), resume_after_clear=True)
+
+    def context(try_number: int, clears: int) -> dict[str, Any]:
+        ti = TI(try_number=try_number)
+        return {"ti": ti, "task_instance": ti, "dag_run": SimpleNamespace(clear_number=clears)}
+
+    with pytest.raises(TaskDeferred):
+        _operator(_agent(counts, tmp_path), tmp_path, options).execute(context(1, 0))
+    deferred_jobs.cancel(str(tmp_path), "j1")  # what the Clear's on_kill did
+    with pytest.raises(TaskDeferred) as again:
+        _operator(_agent(counts, tmp_path), tmp_path, options).execute(context(2, 1))
+    assert (counts.requests, counts.started) == (1, ["j1", "j1"]), "the tool ran again, not the model"
+    assert deferred_jobs.state_of(str(tmp_path), "j1") == "running"
+    deferred_jobs.finish(str(tmp_path), "j1", 9)
+    output = _operator(_agent(counts, tmp_path), tmp_path, options).resume_execution(
+        RESUME_METHOD, {"event": _fire(again.value.trigger)}, context(2, 1)
+    )
+    assert output == "results: [9]" and counts.requests == 2
 
 
 @needs_3_3

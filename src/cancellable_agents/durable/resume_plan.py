@@ -105,8 +105,13 @@ def plan_resume(
         return StartFresh(FreshStart.NOTHING_RECORDED)
     replay = found.returned_in_flight()
     paused = found.approval()
+    # A user's stop of a deferred try reached its trigger's on_kill: the outside work is stopped.
+    approval = _approval(paused, answers, work_stopped=bool(stopped_by_user) and previous != try_number)
+    ran = paused
+    if approval is not None and paused is not None and approval.new and paused[0].is_deferral:
+        ran = (approval.request, approval.decisions)  # its calls started their work: they run again
     info = ResumeInfo(
-        try_number, previous, len(found.messages), _in_flight(found, paused) - set(replay), frozenset(replay)
+        try_number, previous, len(found.messages), _in_flight(found, ran) - set(replay), frozenset(replay)
     )
     tries = found.tries()
     this_try = next((t for t in tries if t.try_number == try_number), None)
@@ -116,7 +121,7 @@ def plan_resume(
         replay=replay,
         earlier=[t for t in tries if t.try_number != try_number],
         paused=this_try if previous == try_number else None,
-        approval=_approval(paused, answers),
+        approval=approval,
         how_ended=_how_ended(end, paused),
         alive_age=_alive_age(found, now) if end is None and previous != try_number else None,
     )
@@ -202,14 +207,24 @@ def _in_flight(
 
 
 def _approval(
-    paused: tuple[ApprovalRequest, dict[str, Decision] | None] | None, answers: dict[str, Decision] | None
+    paused: tuple[ApprovalRequest, dict[str, Decision] | None] | None,
+    answers: dict[str, Decision] | None,
+    *,
+    work_stopped: bool,
 ) -> Approval | None:
-    """The answer to the approval the record is stopped at: the record's, else ``answers``'."""
+    """The answer to the approval the record is stopped at: the record's, else ``answers``'.
+
+    A deferral whose outside work was stopped (``work_stopped``: a user cleared the deferred try
+    and the run resumes after a clear) is not waited on again: its pending calls run again (as
+    any call in flight), each starting its work anew. Otherwise a new try waits on the same work
+    (Airflow's own deferral timeout fails a try without stopping it)."""
     if paused is None:
         return None
     request, recorded = paused
     if recorded is not None:
         return Approval(request, recorded)
+    if answers is None and work_stopped and request.is_deferral:
+        return Approval(request, {c.tool_call_id: Decision(True) for c in request.calls}, new=True)
     if answers is None:
         return Approval(request, None)
     stale = tuple(
