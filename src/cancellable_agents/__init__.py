@@ -48,6 +48,7 @@ from cancellable_agents.core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and linters alike
     from cancellable_agents.airflow.deferral import defer_to as defer_to
+    from cancellable_agents.airflow.http_job import HttpJobTrigger as HttpJobTrigger
     from cancellable_agents.airflow.mixin import CancellableAgentMixin as CancellableAgentMixin
     from cancellable_agents.airflow.retry import CancellationAwareRetryPolicy as CancellationAwareRetryPolicy
     from cancellable_agents.airflow.task_try import cancellation_of as cancellation_of
@@ -99,6 +100,7 @@ _EXPORTS = {
     "cancellation_of": "cancellable_agents.airflow.task_try",
     "defer_to": "cancellable_agents.airflow.deferral",
     "PollTrigger": "cancellable_agents.airflow.triggers",
+    "HttpJobTrigger": "cancellable_agents.airflow.http_job",
     "CancellationAwareRetryPolicy": "cancellable_agents.airflow.retry",
     "LLMOperator": "cancellable_agents.operators.llm",
     "AgentOperator": "cancellable_agents.operators.agent",
