@@ -451,6 +451,14 @@ def test_a_wait_past_a_failing_timeout_ends_the_task_as_timeout_and_stops_every_
     assert resumed.cancellation.attached["deferred"]["failed"]["tool_call_id"] == "c-short"
     assert (counts.requests, sorted(counts.started)) == (1, ["long", "short"]), "nothing asked again"
 
+    # A retry (the timeout cause) continues the run, but not the wait: its work was stopped. The
+    # step's calls run again, start their work anew and defer; the model is not asked again.
+    retry = {"ti": TI(try_number=2), "task_instance": TI(try_number=2)}
+    with pytest.raises(TaskDeferred):
+        operator().execute(retry)
+    assert (counts.requests, sorted(counts.started)) == (1, ["long", "long", "short", "short"])
+    assert [deferred_jobs.state_of(root, j) for j in ("short", "long")] == ["running", "running"]
+
 
 def test_an_unknown_on_timeout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=r"on_timeout='retry'"):

@@ -19,6 +19,7 @@ from pydantic_ai.messages import ModelResponse, ToolCallPart
 
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.durable.approval import ApprovalRequest, Decision
+from cancellable_agents.durable.deferral import Wait
 from cancellable_agents.durable.reasons import FreshStart
 from cancellable_agents.durable.record import AWAITING, LoadedRecord, RecordProblem
 from cancellable_agents.durable.resume import ResumeInfo
@@ -105,8 +106,10 @@ def plan_resume(
         return StartFresh(FreshStart.NOTHING_RECORDED)
     replay = found.returned_in_flight()
     paused = found.approval()
-    # A user's stop of a deferred try reached its trigger's on_kill: the outside work is stopped.
-    approval = _approval(paused, answers, work_stopped=bool(stopped_by_user) and previous != try_number)
+    # A user's stop of a deferred try reached its trigger's on_kill, and a failing timeout ran it
+    # itself: either way the outside work is stopped.
+    stopped = bool(stopped_by_user) or _failing_wait_timed_out(found, paused, now)
+    approval = _approval(paused, answers, work_stopped=stopped and previous != try_number)
     ran = paused
     if approval is not None and paused is not None and approval.new and paused[0].is_deferral:
         ran = (approval.request, approval.decisions)  # its calls started their work: they run again
@@ -215,9 +218,9 @@ def _approval(
     """The answer to the approval the record is stopped at: the record's, else ``answers``'.
 
     A deferral whose outside work was stopped (``work_stopped``: a user cleared the deferred try
-    and the run resumes after a clear) is not waited on again: its pending calls run again (as
-    any call in flight), each starting its work anew. Otherwise a new try waits on the same work
-    (Airflow's own deferral timeout fails a try without stopping it)."""
+    and the run resumes after a clear, or a failing timeout ended it) is not waited on again: its
+    pending calls run again (as any call in flight), each starting its work anew. Otherwise a new
+    try waits on the same work (Airflow's own deferral timeout fails a try without stopping it)."""
     if paused is None:
         return None
     request, recorded = paused
@@ -237,6 +240,22 @@ def _approval(
     decisions = {c.tool_call_id: answers[c.tool_call_id] for c in request.calls if c.tool_call_id in answers}
     undecided = tuple(c.tool_name for c in request.calls if c.tool_call_id not in decisions)
     return Approval(request, decisions, new=True, undecided=undecided)
+
+
+def _failing_wait_timed_out(
+    loaded: LoadedRecord, paused: tuple[ApprovalRequest, dict[str, Decision] | None] | None, now: float
+) -> bool:
+    """Whether a deferred call the record is stopped at had ``on_timeout="fail"`` and its timeout
+    has passed since the run paused: its trigger then stopped the step's work and ended the try
+    (``airflow.deferral.end_if_timed_out``), so nothing is left to wait on."""
+    if paused is None or not paused[0].is_deferral:
+        return False
+    pauses = [e for e in loaded.entries if e["kind"] == "end" and e.get("state") == AWAITING]
+    at = [float(e.get("at", 0.0)) for e in pauses]
+    waits = [Wait.from_dict(c.wait) for c in paused[0].calls if c.wait is not None]
+    return bool(at) and any(
+        w.on_timeout == "fail" and w.timeout_s is not None and now >= at[-1] + w.timeout_s for w in waits
+    )
 
 
 def _alive_age(loaded: LoadedRecord, now: float) -> float | None:
