@@ -243,19 +243,8 @@ class TaskChild:
         self.log_path = log_path
         self._log = log_path.open("ab")
         argv = [sys.executable, "-m", command] if isinstance(command, str) else list(command)
-        self.proc = subprocess.Popen(
-            argv,
-            env={
-                **env,
-                events_env: str(write_fd),
-                "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-            },
-            cwd=ROOT,
-            pass_fds=(write_fd,),
-            stdin=subprocess.PIPE,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        env = {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])}
+        self.proc = self._start(argv, env, events_env, write_fd)
         os.close(write_fd)
         self.pid = self.proc.pid
         self.exited_at: float | None = None
@@ -265,6 +254,19 @@ class TaskChild:
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
         self._reader.start()
+
+    def _start(self, argv: list[str], env: dict[str, str], events_env: str, write_fd: int) -> Any:
+        """Start the process (a ``Popen`` or what behaves as one: ``pid``, ``stdin``, ``poll``,
+        ``wait``) with ``write_fd`` as its events fd, named in ``events_env``."""
+        return subprocess.Popen(
+            argv,
+            env={**env, events_env: str(write_fd)},
+            cwd=ROOT,
+            pass_fds=(write_fd,),
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:

@@ -26,9 +26,10 @@ import pytest
 
 from cancellable_agents.run.tool_calls import IDEMPOTENCY_META_KEY
 from cancellable_agents.testing.openai_server import ScriptedModelServer
-from tests.airflow_env import airflow_env
+from tests.process.conftest import scenario_env
 from tests.process.harness import TaskProcess
 from tests.process.trees import eventually, survivors
+from tests.process.zygote import ScenarioZygote
 from tests.taskproc import GRACE, SETTLE, STARTUP, unwound_ms, wait_markers_gone
 
 try:
@@ -60,22 +61,20 @@ Spawn = Callable[..., tuple[TaskProcess, Path]]
 
 @pytest.fixture
 def mcp_task(
-    airflow_home: Path, model_server: ScriptedModelServer, tmp_path: Path, marker: str
+    airflow_home: Path,
+    model_server: ScriptedModelServer,
+    tmp_path: Path,
+    marker: str,
+    scenario_zygote: ScenarioZygote,
 ) -> Iterator[Spawn]:
     """Start scenario ``mcp_*`` with its server's events file and ``marker``; SIGKILL it after."""
     started: list[TaskProcess] = []
 
     def spawn(scenario: str, url: str = "") -> tuple[TaskProcess, Path]:
         events = tmp_path / f"{scenario}.events.jsonl"
-        conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
-        overrides = {
-            "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
-            "MCP_EVENTS": str(events),
-            "MCP_MARKER": marker,
-            "MCP_URL": url,
-        }
-        env = airflow_env(airflow_home, overrides, pythonpath=Path(__file__).parents[2])
-        task = TaskProcess(scenario, env, tmp_path)
+        overrides = {"MCP_EVENTS": str(events), "MCP_MARKER": marker, "MCP_URL": url}
+        env = scenario_env(airflow_home, model_server.base_url, overrides)
+        task = TaskProcess(scenario, env, tmp_path, zygote=scenario_zygote)
         started.append(task)
         return task, events
 
