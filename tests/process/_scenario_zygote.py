@@ -171,11 +171,13 @@ def become(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     script = request["script"]
     sys.argv = [script]
-    sys.path[0] = os.path.dirname(script)
+    sys.path.insert(0, os.path.dirname(script))
     runpy.run_path(script, run_name="__main__")
 
 
 def main() -> None:
+    # This file's folder is not the script's: nothing may be imported from it, as in the child.
+    del sys.path[0]
     sock = socket.socket(fileno=int(os.environ["ZYGOTE_SOCKET"]))
     warm_up()
     become(serve(sock))

@@ -1,5 +1,9 @@
 """MCP toolsets in a real task process, killed with a real SIGTERM through the Task SDK's handler.
 
+Each task process is ``task_scenarios.py`` under ``dag.test()``, forked from the session's zygote
+(``tests/process/zygote.py``): a cold one spent 10-20 s importing and building the in-process
+execution API before its agent started.
+
 The servers are real (``mcp_server.py``, the ``mcp`` SDK's ``MCPServer``), reached through
 pydantic-ai's ``MCPToolset``: over stdio (the task's own child) or streamable HTTP (a server this
 test starts, not the task's child). The model calls the server's ``work`` tool, which blocks; the
