@@ -220,6 +220,11 @@ def our_threads() -> list[str]:
 # -- parent side ---------------------------------------------------------------------------------
 
 
+def with_root_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the repository root first on ``PYTHONPATH`` (a child imports ``tests``)."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])}
+
+
 class TaskChild:
     """A real child task process; its events arrive on a reader thread. The one task-process
     harness of the benchmarks, the stress test and the process tests (``tests/process/harness.py``).
@@ -243,8 +248,7 @@ class TaskChild:
         self.log_path = log_path
         self._log = log_path.open("ab")
         argv = [sys.executable, "-m", command] if isinstance(command, str) else list(command)
-        env = {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])}
-        self.proc = self._start(argv, env, events_env, write_fd)
+        self.proc = self._start(argv, with_root_on_path(env), events_env, write_fd)
         os.close(write_fd)
         self.pid = self.proc.pid
         self.exited_at: float | None = None

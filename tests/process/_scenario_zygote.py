@@ -16,11 +16,11 @@ A forked task process is what production runs too: the Task SDK's supervisor for
 process (``_fork_main``) from a process that imported Airflow already.
 
 Protocol: a ``SOCK_SEQPACKET`` socket on the fd in ``ZYGOTE_SOCKET``. The server sends
-``{"ready": true}``; then each request is one JSON message ``{"script", "env", "cwd"}`` with three
-fds (the events pipe's write end, the log file for stdout and stderr, stdin's read end), answered
-with ``{"pid": N}``; when a child exits the server sends ``{"exited": N, "code": C}``. ``env``
-replaces the whole environment; the events fd's number goes into ``env["ZYGOTE_EVENTS_ENV"]``'s
-variable. The server exits when the socket closes.
+``{"ready": true}``; then each request is one JSON message ``{"argv", "env", "cwd", "setsid",
+"events_env"}`` with the child's stdin, stdout and stderr fds and, if ``events_env`` names the
+variable for it, its events fd; answered with ``{"pid": N}``. When a child exits the server sends
+``{"exited": N, "code": C}``. ``env`` replaces the whole environment. The server exits when the
+socket closes.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def serve(sock: socket.socket) -> dict[str, Any]:
     signal.signal(signal.SIGCHLD, _reap)
     sock.send(json.dumps({"ready": True}).encode())
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
         if not message:
             # Skips the interpreter's final collection of everything imported (seconds under load).
             os._exit(0)
@@ -146,14 +146,16 @@ def serve(sock: socket.socket) -> dict[str, Any]:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             _SOCK = None
             sock.close()
-            events, log, stdin = fds
-            os.dup2(stdin, 0)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.close(stdin)
-            os.close(log)
-            os.set_inheritable(events, True)  # as Popen's pass_fds leaves it
-            request["events_fd"] = events
+            if request.get("setsid"):
+                os.setsid()
+            for target, fd in enumerate(fds[:3]):
+                os.dup2(fd, target)
+            for fd in set(fds[:3]):
+                if fd > 2:
+                    os.close(fd)
+            if request.get("events_env"):
+                os.set_inheritable(fds[3], True)  # as Popen's pass_fds leaves it
+                request["env"][request["events_env"]] = str(fds[3])
             return dict(request)
         for fd in fds:
             os.close(fd)
@@ -161,18 +163,15 @@ def serve(sock: socket.socket) -> dict[str, Any]:
 
 
 def become(request: dict[str, Any]) -> None:
-    """Turn this forked child into ``python SCRIPT`` with the request's environment, and run it."""
+    """Turn this forked child into ``python SCRIPT ARGS...`` with the request's environment."""
     import runpy
 
-    env = dict(request["env"])
-    env[env.pop("ZYGOTE_EVENTS_ENV")] = str(request["events_fd"])
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    script = request["script"]
-    sys.argv = [script]
-    sys.path.insert(0, os.path.dirname(script))
-    runpy.run_path(script, run_name="__main__")
+    sys.argv = list(request["argv"])
+    sys.path.insert(0, os.path.dirname(sys.argv[0]))
+    runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def main() -> None:

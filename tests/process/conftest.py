@@ -18,6 +18,7 @@ from tests.airflow_env import airflow_env, migrate
 from tests.process.harness import DAGS_FOLDER, TaskProcess
 from tests.process.trees import MODES, ChildTask, new_marker, survivors
 from tests.process.zygote import ScenarioZygote
+from tests.taskproc import with_root_on_path
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +55,7 @@ def scenario_zygote(
     airflow_home: Path, _model_server_session: ScriptedModelServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ScenarioZygote]:
     """The fork server the session's ``task_scenarios.py`` children start from (imports paid once)."""
-    env = scenario_env(airflow_home, _model_server_session.base_url)
+    env = with_root_on_path(scenario_env(airflow_home, _model_server_session.base_url))
     env["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS_FOLDER)
     zygote = ScenarioZygote(env, tmp_path_factory.mktemp("zygote") / "zygote.log")
     try:

@@ -48,4 +48,4 @@ class TaskProcess(TaskChild):
     def _start(self, argv: list[str], env: dict[str, str], events_env: str, write_fd: int) -> Any:
         if self._zygote is None:
             return super()._start(argv, env, events_env, write_fd)
-        return self._zygote.start(argv, env, events_env, write_fd, self._log)
+        return self._zygote.start(argv, env, self._log.fileno(), events=(events_env, write_fd))

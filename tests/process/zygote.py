@@ -54,10 +54,11 @@ class ForkedProcess:
 
 
 class ScenarioZygote:
-    """The fork server; ``env`` is the environment every child shares (Airflow's home, config)."""
+    """The fork server; ``env`` is the environment every child shares (Airflow's home, config):
+    a child's ``PYTHON*`` and ``AIRFLOW*`` variables must be these."""
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.env = {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])}
+        self.env = env
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = log_path.open("ab")
         self.log_path = log_path
@@ -101,22 +102,36 @@ class ScenarioZygote:
             return self._exits.get(pid)
 
     def start(
-        self, argv: list[str], env: dict[str, str], events_env: str, events_fd: int, log: IO[bytes]
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: int,
+        stderr: int | None = None,
+        *,
+        events: tuple[str, int] | None = None,
+        new_session: bool = False,
     ) -> ForkedProcess:
-        """Fork ``python SCRIPT`` (``argv``) with ``env``; its events go to ``events_fd``."""
-        assert argv[0] == sys.executable and len(argv) == 2, f"the zygote runs one script: {argv}"
+        """Fork ``python SCRIPT ARGS...`` (``argv``) with ``env``, writing to the fds ``stdout`` and
+        ``stderr`` (``stdout`` if not given); ``events``: the variable naming its events fd, and
+        that fd. ``new_session``: ``setsid()`` first, as ``Popen(start_new_session=True)``."""
+        assert argv[0] == sys.executable and len(argv) >= 2, f"the zygote runs a script: {argv}"
         differs = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         imported = sorted(
             k for k in differs if k.startswith(IMPORT_TIME) and not k.startswith(LOOKED_UP_WHEN_USED)
         )
         assert not imported, f"these would differ from what the zygote imported Airflow with: {imported}"
         stdin_r, stdin_w = os.pipe()
-        request = {"script": argv[1], "env": {**env, "ZYGOTE_EVENTS_ENV": events_env}, "cwd": str(ROOT)}
+        request = {
+            "argv": argv[1:],
+            "env": env,
+            "cwd": str(ROOT),
+            "setsid": new_session,
+            "events_env": events[0] if events else None,
+        }
+        fds = [stdin_r, stdout, stdout if stderr is None else stderr, *([events[1]] if events else [])]
         try:
             with self._lock:
-                socket.send_fds(
-                    self._sock, [json.dumps(request).encode()], [events_fd, log.fileno(), stdin_r]
-                )
+                socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
                 reply = self._replies.get(timeout=STARTUP)
         finally:
             os.close(stdin_r)
