@@ -1,4 +1,4 @@
-"""Fork server for the ``dag.test()`` task processes of the process tests (``tests/process/zygote.py``).
+"""Fork server for the tests' ``dag.test()`` children (``tests/process/zygote.py``, the parent's end).
 
 A cold ``task_scenarios.py`` child spends ~5 s (far more on a loaded CI machine) importing
 Airflow, its execution API, pydantic-ai, the model SDKs and fastmcp before ``dag.test()`` starts.
@@ -10,7 +10,8 @@ is the same ``dag.test()`` as before: the DAG is parsed from its folder, the Tas
 ``run()`` installs the real SIGTERM handler and SIGALRM path, the task talks to the in-process
 execution API and the metadata DB, and the test signals the child's own pid. Nothing of Airflow
 ran here before the fork beyond its imports (``import airflow`` configures settings and an ORM
-engine without connecting; Airflow disposes the engine in a forked child itself).
+engine without connecting; Airflow disposes the engine in a forked child itself) and building,
+not starting, the in-process execution API's app (:func:`_build_execution_api`).
 
 A forked task process is what production runs too: the Task SDK's supervisor forks each task
 process (``_fork_main``) from a process that imported Airflow already.
