@@ -78,7 +78,10 @@ ci-lane-b: $(STAMP) system-deps
 
 # The process tests lane A runs after its Airflow suites (lane B, unit + process + the 3.1 floor,
 # was the longer lane: 691 s against 490 s in one CI run). About 100 s on a quiet machine.
-# The MCP kill tests (8 task processes, ~100 s) are here too: lane B would pass 15 minutes.
+# The MCP kill tests (9 task processes) are here too: lane B would pass 15 minutes. Their task
+# processes, like every dag.test() child of tests/process, fork from a zygote that paid the
+# imports and the in-process execution API once (tests/process/zygote.py): the MCP tests took
+# 57 s instead of 121 s; these files 237 s beside lane B's unit + process tests (234 s).
 LANE_A_PROCESS := tests/process/test_subagent_kill.py tests/process/test_durable_kill.py \
                   tests/process/test_mcp_kill.py $(sort $(wildcard tests/process/test_sandbox_*.py))
 

@@ -220,6 +220,11 @@ def our_threads() -> list[str]:
 # -- parent side ---------------------------------------------------------------------------------
 
 
+def with_root_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the repository root first on ``PYTHONPATH`` (a child imports ``tests``)."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])}
+
+
 class TaskChild:
     """A real child task process; its events arrive on a reader thread. The one task-process
     harness of the benchmarks, the stress test and the process tests (``tests/process/harness.py``).
@@ -243,19 +248,7 @@ class TaskChild:
         self.log_path = log_path
         self._log = log_path.open("ab")
         argv = [sys.executable, "-m", command] if isinstance(command, str) else list(command)
-        self.proc = subprocess.Popen(
-            argv,
-            env={
-                **env,
-                events_env: str(write_fd),
-                "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-            },
-            cwd=ROOT,
-            pass_fds=(write_fd,),
-            stdin=subprocess.PIPE,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        self.proc = self._start(argv, with_root_on_path(env), events_env, write_fd)
         os.close(write_fd)
         self.pid = self.proc.pid
         self.exited_at: float | None = None
@@ -265,6 +258,19 @@ class TaskChild:
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
         self._reader.start()
+
+    def _start(self, argv: list[str], env: dict[str, str], events_env: str, write_fd: int) -> Any:
+        """Start the process (a ``Popen`` or what behaves as one: ``pid``, ``stdin``, ``poll``,
+        ``wait``) with ``write_fd`` as its events fd, named in ``events_env``."""
+        return subprocess.Popen(
+            argv,
+            env={**env, events_env: str(write_fd)},
+            cwd=ROOT,
+            pass_fds=(write_fd,),
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:

@@ -15,8 +15,10 @@ import pytest
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.toolsets.sandbox import LocalSandbox
 from tests.airflow_env import airflow_env, migrate
-from tests.process.harness import TaskProcess
+from tests.process.harness import DAGS_FOLDER, TaskProcess
 from tests.process.trees import MODES, ChildTask, new_marker, survivors
+from tests.process.zygote import ScenarioZygote
+from tests.taskproc import with_root_on_path
 
 
 @pytest.fixture(scope="session")
@@ -39,17 +41,39 @@ def model_server(_model_server_session: ScriptedModelServer) -> ScriptedModelSer
     return _model_server_session
 
 
+def scenario_env(
+    airflow_home: Path, base_url: str, overrides: dict[str, str] | None = None
+) -> dict[str, str]:
+    """A ``task_scenarios.py`` child's environment: the session's Airflow, the local model server."""
+    conn = {"conn_type": "cancellable_agents_model", "host": base_url}
+    overrides = {"AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn), **(overrides or {})}
+    return airflow_env(airflow_home, overrides, pythonpath=Path(__file__).parents[2])
+
+
+@pytest.fixture(scope="session")
+def scenario_zygote(
+    airflow_home: Path, _model_server_session: ScriptedModelServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ScenarioZygote]:
+    """The fork server the session's ``task_scenarios.py`` children start from (imports paid once)."""
+    env = with_root_on_path(scenario_env(airflow_home, _model_server_session.base_url))
+    env["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS_FOLDER)
+    zygote = ScenarioZygote(env, tmp_path_factory.mktemp("zygote") / "zygote.log")
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 @pytest.fixture
-def spawn_task(airflow_home: Path, model_server: ScriptedModelServer, tmp_path: Path) -> Iterator[object]:
+def spawn_task(
+    airflow_home: Path, model_server: ScriptedModelServer, tmp_path: Path, scenario_zygote: ScenarioZygote
+) -> Iterator[object]:
     """Start ``task_scenarios.py SCENARIO`` with a connection to the local model server."""
     started: list[TaskProcess] = []
-    conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
-    env = airflow_env(
-        airflow_home, {"AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn)}, pythonpath=Path(__file__).parents[2]
-    )
+    env = scenario_env(airflow_home, model_server.base_url)
 
     def spawn(scenario: str) -> TaskProcess:
-        task = TaskProcess(scenario, env, tmp_path)
+        task = TaskProcess(scenario, env, tmp_path, zygote=scenario_zygote)
         started.append(task)
         return task
 

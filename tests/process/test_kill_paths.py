@@ -1,6 +1,7 @@
 """Real task processes killed with real SIGTERMs through the Task SDK's own handler.
 
-Each test starts ``task_scenarios.py`` (``dag.test()`` -> Task SDK ``run()``), waits for the
+Each test starts ``task_scenarios.py`` (``dag.test()`` -> Task SDK ``run()``; forked from the
+session's zygote, ``tests/process/zygote.py``, which paid the imports once), waits for the
 moment to kill, sends SIGTERM to the task pid only, and asserts on what the task reported, on
 what the local model server saw, and on the timeline. Latencies are printed (``-s``) for the
 closing note; budgets are asserted only where they are the contract (the 5 s grace window), on

@@ -1,5 +1,9 @@
 """MCP toolsets in a real task process, killed with a real SIGTERM through the Task SDK's handler.
 
+Each task process is ``task_scenarios.py`` under ``dag.test()``, forked from the session's zygote
+(``tests/process/zygote.py``): a cold one spent 10-20 s importing and building the in-process
+execution API before its agent started.
+
 The servers are real (``mcp_server.py``, the ``mcp`` SDK's ``MCPServer``), reached through
 pydantic-ai's ``MCPToolset``: over stdio (the task's own child) or streamable HTTP (a server this
 test starts, not the task's child). The model calls the server's ``work`` tool, which blocks; the
@@ -26,9 +30,10 @@ import pytest
 
 from cancellable_agents.run.tool_calls import IDEMPOTENCY_META_KEY
 from cancellable_agents.testing.openai_server import ScriptedModelServer
-from tests.airflow_env import airflow_env
+from tests.process.conftest import scenario_env
 from tests.process.harness import TaskProcess
 from tests.process.trees import eventually, survivors
+from tests.process.zygote import ScenarioZygote
 from tests.taskproc import GRACE, SETTLE, STARTUP, unwound_ms, wait_markers_gone
 
 try:
@@ -60,22 +65,20 @@ Spawn = Callable[..., tuple[TaskProcess, Path]]
 
 @pytest.fixture
 def mcp_task(
-    airflow_home: Path, model_server: ScriptedModelServer, tmp_path: Path, marker: str
+    airflow_home: Path,
+    model_server: ScriptedModelServer,
+    tmp_path: Path,
+    marker: str,
+    scenario_zygote: ScenarioZygote,
 ) -> Iterator[Spawn]:
     """Start scenario ``mcp_*`` with its server's events file and ``marker``; SIGKILL it after."""
     started: list[TaskProcess] = []
 
     def spawn(scenario: str, url: str = "") -> tuple[TaskProcess, Path]:
         events = tmp_path / f"{scenario}.events.jsonl"
-        conn = {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
-        overrides = {
-            "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(conn),
-            "MCP_EVENTS": str(events),
-            "MCP_MARKER": marker,
-            "MCP_URL": url,
-        }
-        env = airflow_env(airflow_home, overrides, pythonpath=Path(__file__).parents[2])
-        task = TaskProcess(scenario, env, tmp_path)
+        overrides = {"MCP_EVENTS": str(events), "MCP_MARKER": marker, "MCP_URL": url}
+        env = scenario_env(airflow_home, model_server.base_url, overrides)
+        task = TaskProcess(scenario, env, tmp_path, zygote=scenario_zygote)
         started.append(task)
         return task, events
 

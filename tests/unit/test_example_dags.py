@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from cancellable_agents.core.report import RECORD_PREFIX, parse_records
 from tests.airflow_env import airflow_env as throwaway_airflow_env
 from tests.airflow_env import migrate
 from tests.airflow_versions import has_retry_policies
+from tests.process.zygote import ScenarioZygote
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_DAGS = ROOT / "example_dags"
@@ -125,20 +125,33 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
-def _run_dag(env: dict[str, str], dag_id: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, __file__, dag_id], env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-    for line in proc.stdout.splitlines():
+@pytest.fixture(scope="module")
+def zygote(airflow_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScenarioZygote]:
+    """The fork server this module's ``dag.test()`` children start from: a cold child spent
+    10-20 s importing Airflow and building the in-process execution API before its DAG ran."""
+    server = ScenarioZygote(airflow_env, tmp_path_factory.mktemp("zygote") / "zygote.log")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _run_dag(zygote: ScenarioZygote, env: dict[str, str], dag_id: str, tmp_path: Path) -> dict[str, Any]:
+    out_path, err_path = tmp_path / f"{dag_id}.out", tmp_path / f"{dag_id}.err"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        proc = zygote.start([sys.executable, __file__, dag_id], env, out.fileno(), err.fileno())
+    code = proc.wait(240)
+    stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])
-    output = f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    raise AssertionError(f"{dag_id}: no result (exit {proc.returncode})\n{output}")
+    output = f"{stdout[-6000:]}\n{stderr[-3000:]}"
+    raise AssertionError(f"{dag_id}: no result (exit {code})\n{output}")
 
 
 @pytest.mark.process
-def test_plain_llm_dag_runs(airflow_env: dict[str, str]) -> None:
-    result = _run_dag(airflow_env, "example_cancellable_llm")
+def test_plain_llm_dag_runs(airflow_env: dict[str, str], zygote: ScenarioZygote, tmp_path: Path) -> None:
+    result = _run_dag(zygote, airflow_env, "example_cancellable_llm", tmp_path)
     assert result["state"] == "success", result
     assert set(result["tis"].values()) == {"success"}, result
     assert set(result["xcom"]["triage"]) == {"severity", "summary"}  # structured output, as a dict
@@ -146,8 +159,10 @@ def test_plain_llm_dag_runs(airflow_env: dict[str, str]) -> None:
 
 
 @pytest.mark.process
-def test_sandbox_dag_runs_commands(airflow_env: dict[str, str]) -> None:
-    result = _run_dag(airflow_env, "example_cancellable_agent_sandbox")
+def test_sandbox_dag_runs_commands(
+    airflow_env: dict[str, str], zygote: ScenarioZygote, tmp_path: Path
+) -> None:
+    result = _run_dag(zygote, airflow_env, "example_cancellable_agent_sandbox", tmp_path)
     assert result["state"] == "success", result
     assert set(result["tis"].values()) == {"success"}, result
     # The test model calls every tool once: the answer holds the sandbox's real command results.
@@ -159,8 +174,10 @@ def test_sandbox_dag_runs_commands(airflow_env: dict[str, str]) -> None:
 
 
 @pytest.mark.process
-def test_subagents_dag_delegates_to_a_sub_agent_with_a_sandbox(airflow_env: dict[str, str]) -> None:
-    result = _run_dag(airflow_env, "example_cancellable_subagents")
+def test_subagents_dag_delegates_to_a_sub_agent_with_a_sandbox(
+    airflow_env: dict[str, str], zygote: ScenarioZygote, tmp_path: Path
+) -> None:
+    result = _run_dag(zygote, airflow_env, "example_cancellable_subagents", tmp_path)
     assert result["state"] == "success", result
     answer = result["xcom"]["disk_usage_report"]
     lead = answer if isinstance(answer, dict) else json.loads(answer)
@@ -171,8 +188,10 @@ def test_subagents_dag_delegates_to_a_sub_agent_with_a_sandbox(airflow_env: dict
 
 @pytest.mark.process
 @pytest.mark.skipif(not has_task_state_store(), reason="deferred tool calls are Airflow 3.3+")
-def test_deferred_dag_waits_for_the_job_and_gets_its_result(airflow_env: dict[str, str]) -> None:
-    result = _run_dag(airflow_env, "example_cancellable_deferred")
+def test_deferred_dag_waits_for_the_job_and_gets_its_result(
+    airflow_env: dict[str, str], zygote: ScenarioZygote, tmp_path: Path
+) -> None:
+    result = _run_dag(zygote, airflow_env, "example_cancellable_deferred", tmp_path)
     assert result["state"] == "success", result
     answer = result["xcom"]["table_stats"]
     tool_results = answer if isinstance(answer, dict) else json.loads(answer)
@@ -183,24 +202,22 @@ def test_deferred_dag_waits_for_the_job_and_gets_its_result(airflow_env: dict[st
 
 
 class _Child:
-    """The child process with its output lines readable without blocking."""
+    """The child process (forked by the zygote) with its output lines readable without blocking."""
 
-    def __init__(self, env: dict[str, str], *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own group, so cleanup never reaches beyond it
-        )
+    def __init__(self, zygote: ScenarioZygote, env: dict[str, str], *args: str) -> None:
+        read_fd, write_fd = os.pipe()
+        try:
+            # its own session and group, so cleanup never reaches beyond it
+            self.proc = zygote.start([sys.executable, __file__, *args], env, write_fd, new_session=True)
+        finally:
+            os.close(write_fd)
+        self._stdout = os.fdopen(read_fd, "r", errors="replace")
         self.lines: list[str] = []
         self._queue: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        for line in self._stdout:
             self.lines.append(line)
             self._queue.put(line)
 
@@ -235,11 +252,11 @@ class _Child:
 
 
 @pytest.fixture
-def child_factory() -> Iterator[Any]:
+def child_factory(zygote: ScenarioZygote) -> Iterator[Any]:
     started: list[_Child] = []
 
     def start(env: dict[str, str], *args: str) -> _Child:
-        child = _Child(env, *args)
+        child = _Child(zygote, env, *args)
         started.append(child)
         return child
 
