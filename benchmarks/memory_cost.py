@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -71,9 +72,17 @@ print(json.dumps({"added_mib": rss() - base}))
 """
 
 
-def measure(variant: str) -> float:
+def measure(variant: str, src: str | None = None) -> float:
+    """RSS added by ``variant`` in a fresh interpreter; ``src``: another tree's ``src/`` first on
+    the path (an earlier commit, to compare side by side)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, variant], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", CHILD, variant],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
     ).stdout
     return float(json.loads(out.strip().splitlines()[-1])["added_mib"])
 
@@ -81,19 +90,30 @@ def measure(variant: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--before",
+        help="another tree's src/ (e.g. `git worktree add /tmp/b OLD`: /tmp/b/src), measured interleaved",
+    )
     args = parser.parse_args()
-    added: dict[str, list[float]] = {"plain": [], "ours": [], "operator": []}
+    trees = {"now": None, **({"before": args.before} if args.before else {})}
+    added: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.reps):
-        for variant in added:
-            added[variant].append(measure(variant))
-    plain, ours, operator = (statistics.median(added[v]) for v in ("plain", "ours", "operator"))
-    print(f"| variant | RSS added over `import airflow.sdk` (median of {args.reps}) |")
-    print("|---|---|")
-    print(f"| pydantic-ai agent, `run_sync` | {plain:.1f} MiB |")
-    print(f"| the same through the provider, durable | {ours:.1f} MiB |")
-    print(f"| the provider's own (durable run) | {ours - plain:+.1f} MiB |")
-    print(f"| the same agent as an `AgentOperator` task | {operator:.1f} MiB |")
-    print(f"| the provider's own (operator task) | {operator - plain:+.1f} MiB |")
+        for variant in ("plain", "ours", "operator"):
+            for tree, src in trees.items():
+                added.setdefault((tree, variant), []).append(measure(variant, src))
+    median = {key: statistics.median(values) for key, values in added.items()}
+    print(f"RSS added over `import airflow.sdk`, median of {args.reps}, variants and trees interleaved")
+    print("| variant | " + " | ".join(trees) + " |")
+    print("|---|" + "---|" * len(trees))
+    rows = [
+        ("pydantic-ai agent, `run_sync`", lambda t: median[(t, "plain")]),
+        ("the same through the provider, durable", lambda t: median[(t, "ours")]),
+        ("the provider's own (durable run)", lambda t: median[(t, "ours")] - median[(t, "plain")]),
+        ("the same agent as an `AgentOperator` task", lambda t: median[(t, "operator")]),
+        ("the provider's own (operator task)", lambda t: median[(t, "operator")] - median[(t, "plain")]),
+    ]
+    for label, value in rows:
+        print(f"| {label} | " + " | ".join(f"{value(t):+.1f} MiB" for t in trees) + " |")
 
 
 if __name__ == "__main__":
