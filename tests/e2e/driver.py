@@ -129,7 +129,10 @@ class KillPath:
 def mark_failed(env: E2EEnv, result: PathResult) -> tuple[float, float]:
     """What the UI's *Mark as failed* sends; returns when it was sent and when it was answered."""
     clicked = time.time()
-    env.rest.json("PATCH", _ti_path(result), json={"new_state": "failed"})
+    response = env.rest.request("PATCH", _ti_path(result), json={"new_state": "failed"})
+    # A PATCH retried after a slow first answer (a loaded api-server) finds its own work done.
+    done = response.status_code == 409 and "already in failed state" in response.text
+    assert response.status_code == 200 or done, f"PATCH -> {response.status_code}: {response.text}"
     return clicked, time.time()
 
 
