@@ -52,9 +52,9 @@ typecheck: $(STAMP)
 # CI runs two lanes side by side (2 cores; an Airflow stack spends most of its time waiting on
 # its own loops, so the lanes overlap its waits with the other lane's work):
 #   lane A: the LocalExecutor end-to-end suite (with a triggerer and the pods) and the stress
-#           test on Airflow 3.3;
-#   lane B: the unit and process tests on Airflow 3.3, the supported floor (3.1 + pydantic-ai
-#           2.58), then common.ai and the 3.2 smoke;
+#           test on Airflow 3.3, then the sub-agent, durable, MCP and sandbox process tests;
+#   lane B: the other unit and process tests on Airflow 3.3, the supported floor (3.1 +
+#           pydantic-ai 2.58), then common.ai and the 3.2 smoke;
 # then, alone, the CeleryExecutor end-to-end suite. Its metadata database is PostgreSQL now (SQLite's
 # "database is locked" ended components), but nine workers and six retries importing at once still
 # starve a 2-core box beside a lane: beside other load (load average 9-10) one run passed in 108 s,
@@ -68,16 +68,19 @@ test: $(STAMP) system-deps lint typecheck
 ci-lane-a: $(STAMP) system-deps
 	$(MAKE) --no-print-directory e2e-local
 	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-30} $(MAKE) --no-print-directory stress
+	$(VENV)/bin/pytest -q -p no:cacheprovider $(LANE_A_PROCESS)
 
 ci-lane-b: $(STAMP) system-deps
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/process
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/process $(addprefix --ignore=,$(LANE_A_PROCESS))
 	$(MAKE) --no-print-directory compat-airflow AIRFLOW_COMPAT_RUN=3.1
 	$(MAKE) --no-print-directory compat-common-ai compat-airflow AIRFLOW_COMPAT_RUN=3.2
 
-# Every process test is in lane B since their task processes fork from a zygote that paid the
-# imports and the in-process execution API once (tests/process/zygote.py): lane B's unit + process
-# took 187 s for the files it had (547 s before), the rest (sub-agent, durable, MCP kill, sandbox
-# files) ~240 s, while lane A's e2e-local took 640 s on a loaded machine (ci14).
+# The process tests lane A runs after its Airflow suites. Their task processes fork from a zygote
+# that paid the imports and the in-process execution API once (tests/process/zygote.py). With all
+# process tests in lane B (ci15): lane A 466 s (e2e-local 407 s with the pods in two waves, stress
+# 59 s), lane B ~800 s (unit + process 489 s, the 3.1 floor 175 s, common.ai and the 3.2 smoke).
+LANE_A_PROCESS := tests/process/test_subagent_kill.py tests/process/test_durable_kill.py \
+                  tests/process/test_mcp_kill.py $(sort $(wildcard tests/process/test_sandbox_*.py))
 
 # The process suite and the pod e2e while one busy loop per core takes the machine, as another
 # lane and its Airflow would (tests/busy.py): what CI's two lanes do to each other, made certain.
