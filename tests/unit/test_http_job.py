@@ -25,13 +25,10 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, DurableOptions, defer_to
-from cancellable_agents.airflow.adapter import has_trigger_on_kill
 from cancellable_agents.airflow.deferral import RESUME_METHOD
 from cancellable_agents.airflow.http_job import HttpJobFailed, HttpJobTrigger
 from cancellable_agents.airflow.triggers import import_callable
-from tests.unit.test_deferral import TI
-
-needs_3_3 = pytest.mark.skipif(not has_trigger_on_kill(), reason="deferral needs Airflow 3.3+")
+from tests.unit.test_deferral import TI, _fire, needs_3_3
 
 
 class JobService:
@@ -120,7 +117,7 @@ def test_the_trigger_waits_while_the_job_runs_and_fires_with_its_result(service:
 def test_a_failed_job_ends_the_wait_with_its_state(service: JobService) -> None:
     service.jobs["j2"] = {"state": "failed", "reason": "out of memory"}
     with pytest.raises(HttpJobFailed, match=r"reports the job failed.*out of memory"):
-        asyncio.run(_first_event(_rebuilt(service.trigger("j2"))))
+        _fire(_rebuilt(service.trigger("j2")))
 
 
 def test_a_users_stop_asks_the_job_service_to_cancel_the_job(service: JobService) -> None:
@@ -164,6 +161,6 @@ def test_a_deferred_call_gets_the_job_services_result(service: JobService, tmp_p
     with pytest.raises(TaskDeferred) as deferred:
         operator().execute(context)
     service.jobs["orders"] = {"state": "done", "result": {"rows": 12}}
-    event = asyncio.run(_first_event(deferred.value.trigger))
+    event = _fire(deferred.value.trigger)
     assert operator().resume_execution(RESUME_METHOD, {"event": event}, context) == "rows: 12"
     assert len(requests) == 2

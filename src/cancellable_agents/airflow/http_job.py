@@ -68,11 +68,10 @@ def cancel(
             "no cancel_url for the job at %s: it keeps running after the task was stopped", status_url
         )
         return
-    request = urllib.request.Request(
-        cancel_url, method=cancel_method.upper(), data=b"" if cancel_method.upper() != "DELETE" else None
-    )
+    method = cancel_method.upper()
+    request = urllib.request.Request(cancel_url, method=method, data=None if method == "DELETE" else b"")
     with urllib.request.urlopen(request, timeout=request_timeout) as response:
-        log.info("asked %s %s to stop the job: HTTP %s", cancel_method.upper(), cancel_url, response.status)
+        log.info("asked %s %s to stop the job: HTTP %s", method, cancel_url, response.status)
 
 
 class HttpJobTrigger(PollTrigger):
