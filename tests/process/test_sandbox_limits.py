@@ -17,13 +17,13 @@ from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox
+from cancellable_agents.toolsets.sandbox.limits import CPU_KILL_GRACE, MiB
 from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
     PLACEMENT_FAILED,
     CgroupSupport,
     cgroup_support,
 )
-from cancellable_agents.toolsets.sandbox.local.boundary.limits import CPU_KILL_GRACE, MiB
 from cancellable_agents.toolsets.sandbox.toolset import _for_model
 from tests.process.trees import BOUNDARY_MODES, eventually, survivors
 

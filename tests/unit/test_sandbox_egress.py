@@ -17,13 +17,13 @@ import pytest
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox
-from cancellable_agents.toolsets.sandbox.local.boundary import egress_proxy
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import (
+from cancellable_agents.toolsets.sandbox.egress_policy import (
     DEFAULT_PORTS,
     EgressPolicy,
     HostRule,
     canonical_host,
 )
+from cancellable_agents.toolsets.sandbox.local.boundary import egress_proxy
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
     LOG_BURST,
     TIMELINE_LIMIT,

@@ -3,6 +3,8 @@
 Three floors, each importing only the ones below it:
 
 - here, any backend: :mod:`.protocol` (the :class:`Sandbox` protocol, its result and errors),
+  the policies any backend may honour (:mod:`.egress_policy`: :class:`EgressPolicy`, the hosts a
+  command may reach; :mod:`.limits`: :class:`Limits`),
   :mod:`.attach` (:func:`attach_sandbox`, the one way a backend is tied to a task's scope, with
   the one guard against a start racing a cancel), :mod:`.toolset` (:class:`SandboxTools`, the
   agent's tools on any backend, a pydantic-ai toolset) and :mod:`.description`
@@ -11,9 +13,8 @@ Three floors, each importing only the ones below it:
   command's tree (``command``), how it is spawned (``spawn``), the isolation mode (``isolation``),
   workdirs, race-free file access (``files``) and the environment allowlist (``env``);
 - :mod:`.local.boundary`: what keeps a local command in: bubblewrap's profiles (``bwrap``), the
-  seccomp filter, the egress allowlist (``egress_policy``, ``egress_proxy``, ``egress_request``),
-  the cgroup per sandbox (``cgroups``) and :class:`Limits` with the rest of their enforcement
-  (``limits``).
+  seccomp filter, the egress allowlist's proxy (``egress_proxy``, ``egress_request``), the cgroup
+  per sandbox (``cgroups``) and the rest of the limits' enforcement (``quotas``).
 
 See ``docs/content/sandbox.md`` for what a sandboxed command can and cannot do in each mode.
 This package imports no Airflow, and its names load on first use: a DAG file that describes a
@@ -30,10 +31,10 @@ if TYPE_CHECKING:  # ``X as X``: explicit re-exports, for type checkers and lint
     from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment as SandboxAttachment
     from cancellable_agents.toolsets.sandbox.attach import attach_sandbox as attach_sandbox
     from cancellable_agents.toolsets.sandbox.description import SandboxToolset as SandboxToolset
+    from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy as EgressPolicy
+    from cancellable_agents.toolsets.sandbox.limits import Limits as Limits
     from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BwrapSupport as BwrapSupport
     from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support as bwrap_support
-    from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy as EgressPolicy
-    from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits as Limits
     from cancellable_agents.toolsets.sandbox.local.env import is_sensitive as is_sensitive
     from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment as scrubbed_environment
     from cancellable_agents.toolsets.sandbox.local.sandbox import COMMAND_TAG as COMMAND_TAG
@@ -63,8 +64,8 @@ _EXPORTS = {
     "SandboxPathError": "cancellable_agents.toolsets.sandbox.protocol",
     "SandboxUnavailable": "cancellable_agents.toolsets.sandbox.protocol",
     "ScopedSandbox": "cancellable_agents.toolsets.sandbox.protocol",
-    "EgressPolicy": "cancellable_agents.toolsets.sandbox.local.boundary.egress_policy",
-    "Limits": "cancellable_agents.toolsets.sandbox.local.boundary.limits",
+    "EgressPolicy": "cancellable_agents.toolsets.sandbox.egress_policy",
+    "Limits": "cancellable_agents.toolsets.sandbox.limits",
     "is_sensitive": "cancellable_agents.toolsets.sandbox.local.env",
     "scrubbed_environment": "cancellable_agents.toolsets.sandbox.local.env",
     "SandboxAttachment": "cancellable_agents.toolsets.sandbox.attach",

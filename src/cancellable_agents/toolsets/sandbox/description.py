@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.toolsets.description import ToolsetDescription
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 
 if TYPE_CHECKING:
-    from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits
+    from cancellable_agents.toolsets.sandbox.limits import Limits
     from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
     from cancellable_agents.toolsets.sandbox.protocol import Sandbox
 

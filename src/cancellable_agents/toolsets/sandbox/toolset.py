@@ -20,8 +20,8 @@ from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.run.tool_calls import current_tool_call
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
-from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.limits import Limits
 from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
 from cancellable_agents.toolsets.sandbox.local.sandbox import DEFAULT_OUTPUT_LIMIT, LocalSandbox
 from cancellable_agents.toolsets.sandbox.protocol import (

@@ -43,8 +43,8 @@ from typing import Literal
 
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support, unavailable_message
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
 from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import SocketRule, seccomp_filter
 from cancellable_agents.toolsets.sandbox.protocol import SandboxUnavailable

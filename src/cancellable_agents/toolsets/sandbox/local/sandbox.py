@@ -45,6 +45,8 @@ from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.procs.owner import owner_tag
 from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.limits import Limits
 from cancellable_agents.toolsets.sandbox.local.boundary import landlock
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import (
     BoundaryProfile,
@@ -55,15 +57,13 @@ from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import (
     sandbox_uid,
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import SandboxCgroup
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
     EGRESS_SOCKET,
     EgressProxy,
     forwarder_argv,
     proxy_env,
 )
-from cancellable_agents.toolsets.sandbox.local.boundary.limits import (
-    Limits,
+from cancellable_agents.toolsets.sandbox.local.boundary.quotas import (
     limits_prefix,
     mount_workdir,
     prlimit_path,

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from cancellable_agents.procs.owner import OWNER_TAG, owner_gone, owner_tag
-from cancellable_agents.toolsets.sandbox.local.boundary.limits import unmount_workdir
+from cancellable_agents.toolsets.sandbox.local.boundary.quotas import unmount_workdir
 
 __all__ = [
     "WORKDIR_PREFIX",

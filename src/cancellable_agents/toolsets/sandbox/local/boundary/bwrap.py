@@ -7,7 +7,7 @@ Two profiles in namespace mode:
     :data:`HIDDEN_ETC`), the interpreter's installation, ``/dev``, a fresh ``/proc``, a private
     size-capped ``/tmp``, the paths the author listed and the workdir (read-write). New PID, IPC,
     UTS and (unless ``network=True``) network namespaces, no new privileges, no capabilities,
-    and the :class:`~cancellable_agents.toolsets.sandbox.local.boundary.limits.Limits` (memory
+    and the :class:`~cancellable_agents.toolsets.sandbox.limits.Limits` (memory
     and processes in the sandbox's cgroup where it has one, the rest set with ``prlimit`` just
     before the command runs). Not root: a
     non-root worker gets its own user namespace; a root worker cannot (a user namespace made by
@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.procs.proc import IS_LINUX
-from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits, limits_prefix, prlimit_path
+from cancellable_agents.toolsets.sandbox.limits import Limits
+from cancellable_agents.toolsets.sandbox.local.boundary.quotas import limits_prefix, prlimit_path
 
 __all__ = ["HIDDEN_ETC", "SYSTEM_DIRS", "BwrapSupport", "bwrap_support", "interpreter_paths", "sandbox_uid"]
 

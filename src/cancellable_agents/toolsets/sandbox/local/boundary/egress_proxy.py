@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import (
+from cancellable_agents.toolsets.sandbox.egress_policy import (
     EgressDenial,
     EgressPolicy,
     IPAddress,

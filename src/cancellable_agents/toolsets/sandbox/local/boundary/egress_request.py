@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import IPAddress, canonical_host
+from cancellable_agents.toolsets.sandbox.egress_policy import IPAddress, canonical_host
 
 __all__ = ["REQUEST_LINE_LIMIT", "BadRequest", "ProxyRequest", "parse_head"]
 

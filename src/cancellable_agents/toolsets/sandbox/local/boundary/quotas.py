@@ -1,4 +1,5 @@
-"""A sandbox's resource limits: :class:`Limits`, and what enforces them outside the cgroup.
+"""How the local backend enforces a sandbox's
+:class:`~cancellable_agents.toolsets.sandbox.limits.Limits` outside its cgroup.
 
 Each limit binds the command and everything it starts, not the task. Three enforcers share them:
 
@@ -29,81 +30,32 @@ import functools
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
-from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.once import Once
+from cancellable_agents.toolsets.sandbox.limits import CPU_KILL_GRACE, Limits
 
-__all__ = [
-    "CPU_KILL_GRACE",
-    "GiB",
-    "Limits",
-    "MiB",
-    "limits_prefix",
-    "mount_workdir",
-    "prlimit_path",
-    "unmount_workdir",
-]
+__all__ = ["limits_prefix", "mount_workdir", "prlimit_args", "prlimit_path", "unmount_workdir"]
 
 log = logging.getLogger(__name__)
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
-
-#: CPU seconds between ``Limits.cpu_seconds`` (SIGXCPU, once a second) and the SIGKILL.
-CPU_KILL_GRACE = 2
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits of a sandbox's commands (``None``: unlimited); they bind the command and
-    everything it starts, not the task.
-
-    ``memory_bytes`` and ``max_processes`` are totals for the whole sandbox (all its commands,
-    their ``/tmp``, bubblewrap's two processes per command) where the worker can create a
-    cgroup per sandbox (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.cgroups`); the kernel's OOM
-    killer ends a process of a sandbox at its memory total (SIGKILL), a fork past the count fails
-    (``EAGAIN``). Elsewhere (logged once) they bind each process: address space
-    (``RLIMIT_AS``; a runtime reserving much more than it uses, the JVM or Go, needs more) and
-    ``RLIMIT_NPROC`` (per sandbox on a root worker, its own uid; per command otherwise).
-    ``cpu_seconds`` is CPU time per process: SIGXCPU at it (a command may catch it to wrap up),
-    SIGKILL :data:`CPU_KILL_GRACE` CPU seconds later. ``file_size_bytes`` caps each file
-    (SIGXFSZ), ``workdir_bytes`` the workdir's total (a tmpfs, on a workdir the sandbox created,
-    where the worker is root; see :func:`mount_workdir`),
-    ``tmp_bytes`` the private ``/tmp`` (a tmpfs per command): writes past them fail with
-    ``ENOSPC``. Output is capped separately (``output_limit``).
-    """
-
-    max_processes: int | None = 256
-    memory_bytes: int | None = 4 * GiB
-    cpu_seconds: int | None = 600
-    file_size_bytes: int | None = 1 * GiB
-    open_files: int | None = 1024
-    tmp_bytes: int | None = 512 * MiB
-    workdir_bytes: int | None = 1 * GiB
-
-    def __post_init__(self) -> None:
-        for name, value in self.__dict__.items():
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ConfigurationError(f"Limits.{name} must be a positive int or None, got {value!r}")
-
-    def prlimit_args(self) -> list[str]:
-        """``prlimit`` options: soft = hard (the command cannot raise them), except the CPU time,
-        whose soft limit sends SIGXCPU and whose hard limit, a grace later, SIGKILL."""
-        pairs = (
-            ("nproc", self.max_processes),
-            ("as", self.memory_bytes),
-            ("fsize", self.file_size_bytes),
-            ("nofile", self.open_files),
-        )
-        args = [f"--{name}={value}:{value}" for name, value in pairs if value is not None]
-        if self.cpu_seconds is not None:
-            args.append(f"--cpu={self.cpu_seconds}:{self.cpu_seconds + CPU_KILL_GRACE}")
-        return args
-
 
 # -- per process: prlimit ----------------------------------------------------------------------
+
+
+def prlimit_args(limits: Limits) -> list[str]:
+    """``prlimit`` options: soft = hard (the command cannot raise them), except the CPU time,
+    whose soft limit sends SIGXCPU and whose hard limit, a grace later, SIGKILL."""
+    pairs = (
+        ("nproc", limits.max_processes),
+        ("as", limits.memory_bytes),
+        ("fsize", limits.file_size_bytes),
+        ("nofile", limits.open_files),
+    )
+    args = [f"--{name}={value}:{value}" for name, value in pairs if value is not None]
+    if limits.cpu_seconds is not None:
+        args.append(f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + CPU_KILL_GRACE}")
+    return args
 
 
 @functools.cache
@@ -114,7 +66,7 @@ def prlimit_path() -> str | None:
 
 def limits_prefix(prlimit: str | None, limits: Limits) -> list[str]:
     """``prlimit --...= --`` before the command, or nothing without prlimit (logged)."""
-    args = limits.prlimit_args()
+    args = prlimit_args(limits)
     if not args:
         return []
     if prlimit is None:
