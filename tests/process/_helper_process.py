@@ -37,9 +37,16 @@ class _Helper:
         op, req = msg["op"], msg["req"]
         if op == "start":
             command_id = uuid.uuid4().hex[:12]
-            self.procs[command_id] = subprocess.Popen(
-                msg["argv"], stdout=subprocess.PIPE, text=True, start_new_session=True
+            proc = subprocess.Popen(
+                msg["argv"],
+                stdin=subprocess.PIPE,  # never the helper's own stdin: that is its request pipe
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                env={**os.environ, **msg.get("env", {})},
             )
+            _feed(proc, msg.get("stdin") or "")
+            self.procs[command_id] = proc
             time.sleep(self.reply_delay)  # the command runs; the task has no id for it yet
             self.announced.append(command_id)
             self.reply(req, id=command_id)
@@ -73,6 +80,16 @@ class _Helper:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(grace)
                 return
+
+
+def _feed(proc: subprocess.Popen[str], text: str) -> None:
+    """Write the command's stdin and close it; ``communicate`` then has no stdin to handle (the
+    tests' inputs are small: a pipe's buffer holds them)."""
+    assert proc.stdin is not None
+    with contextlib.suppress(OSError):
+        proc.stdin.write(text)
+        proc.stdin.close()
+    proc.stdin = None
 
 
 def _serve(stdin: IO[str], reply_delay: float) -> None:

@@ -19,17 +19,22 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cancellable_agents.toolsets.sandbox import CommandResult, SandboxClosed
+from cancellable_agents.toolsets.sandbox import CommandResult, SandboxCapabilities, SandboxClosed
 
 HELPER = Path(__file__).with_name("_helper_process.py")
 
 
 class HelperSandbox:
-    """The task side: implements the :class:`Sandbox` protocol over the helper's pipe."""
+    """The task side: implements the :class:`Sandbox` protocol over the helper's pipe.
+
+    It declares no capability beyond the protocol but its interpreter: the attachment records its
+    kills (one per command, no pid) and stops each command it started on a kill."""
+
+    capabilities = SandboxCapabilities(python=sys.executable)
 
     def __init__(self, reply_delay: float = 0.0) -> None:
         self.helper = subprocess.Popen(
@@ -45,6 +50,7 @@ class HelperSandbox:
         self._closed = False
         self._gone = False  # guarded by _lock: the helper's stdout closed, no reply comes any more
         self.started: list[str] = []
+        self.argvs: list[list[str]] = []  # what each start was given to run, as it was given
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -75,10 +81,19 @@ class HelperSandbox:
             return self._replies.pop(req)
 
     def start(
-        self, command: str | Sequence[str], *, timeout: float | None = None, stdin: str | bytes | None = None
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        command_id = str(self._call("start", argv=argv, timeout_s=timeout)["id"])
+        self.argvs.append(list(command) if not isinstance(command, str) else [command])
+        text = stdin.decode() if isinstance(stdin, bytes) else stdin
+        command_id = str(
+            self._call("start", argv=argv, timeout_s=timeout, stdin=text, env=dict(env or {}))["id"]
+        )
         self.started.append(command_id)
         return command_id
 

@@ -25,6 +25,7 @@ from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.run.runner import run_agent_in_scope
+from cancellable_agents.run.tool_calls import IDEMPOTENCY_KEY_ENV, RunIdentity
 from cancellable_agents.toolsets.sandbox import (
     CommandResult,
     Sandbox,
@@ -207,6 +208,46 @@ def test_sandbox_toolset_takes_any_backend_and_a_kill_stops_its_command(marker: 
     assert isinstance(outcome[0], TaskCancelled)
     assert sleepers(marker) == []
     assert [k.command_id for k in scope.killed] == backend.started
+    assert backend.helper.wait(5) == 0, "a kill destroys every attached backend, one passed in too"
+
+
+def _python_then_done(code: str) -> FunctionModel:
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        returns = [p for m in messages for p in getattr(m, "parts", []) if isinstance(p, ToolReturnPart)]
+        if returns:
+            return ModelResponse(parts=[TextPart(str(returns[0].content["stdout"]))])
+        return ModelResponse(parts=[ToolCallPart("run_python", {"code": code})])
+
+    return FunctionModel(model)
+
+
+def test_a_backend_passed_in_outlives_a_run_that_ends_without_a_kill() -> None:
+    """Ownership without a kill: the caller made the backend, the caller destroys it. The toolset
+    lets go of its attachment when the run ends; the backend still runs commands after it."""
+    backend = HelperSandbox()
+    try:
+        agent = Agent(_python_then_done("print('ran')"), toolsets=[SandboxToolset(backend)])
+        assert run_agent_in_scope(TaskCancellation("task"), agent, "go").output == "ran\n"
+        assert backend.helper.poll() is None, "the toolset destroyed a backend that was not its own"
+        after = backend.wait(backend.start(["echo", "still mine"]), timeout=10)
+        assert (after.exit_code, after.stdout) == (0, "still mine\n")
+    finally:
+        backend.destroy()
+
+
+def test_the_tool_calls_key_reaches_a_command_as_env_without_a_shell() -> None:
+    """``run_python`` hands the backend the argv ``[python, "-"]`` and the call's key as ``env=``:
+    no ``/bin/sh -c 'export ...'`` around it, so an image with no shell runs it too."""
+    backend = HelperSandbox()
+    try:
+        code = f"import os; print(os.environ['{IDEMPOTENCY_KEY_ENV}'])"
+        agent = Agent(_python_then_done(code), toolsets=[SandboxToolset(backend)])
+        identity = RunIdentity(("dag", "task", "run", 1), "0", 1)
+        output = run_agent_in_scope(TaskCancellation("task"), agent, "go", identity=identity).output
+        assert len(output.strip()) == 32, output
+        assert backend.argvs == [[sys.executable, "-"]], "the command was wrapped"
+    finally:
+        backend.destroy()
 
 
 STALLED_WAIT_TASK = '''
@@ -215,16 +256,18 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 from pydantic_ai.models.function import FunctionModel
 from cancellable_agents.run.runner import run_agent_in_scope
+from cancellable_agents.run.tool_calls import IDEMPOTENCY_KEY_ENV, RunIdentity
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
-from cancellable_agents.toolsets.sandbox import SandboxToolset
+from cancellable_agents.toolsets.sandbox import SandboxCapabilities, SandboxToolset
 
 class StalledWait:
     """A backend whose wait never answers, not even once the command was stopped."""
+    capabilities = SandboxCapabilities()
     def __init__(self):
         self.waiting = threading.Event()
-    def start(self, command, *, timeout=None, stdin=None):
+    def start(self, command, *, timeout=None, stdin=None, env=None):
         return "c1"
     def wait(self, command_id, timeout=None):
         self.waiting.set()

@@ -99,9 +99,10 @@ def test_a_described_toolset_makes_its_sandbox_in_the_workdir_with_the_env_it_na
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_command_gets_its_tool_calls_idempotency_key_in_its_environment(mode: str) -> None:
-    """``run_shell`` and ``run_python`` export the key of the call that runs them (the backend's
-    environment allowlist is not widened: the variable rides in the command); the key is the
-    one the run derives for that call."""
+    """``run_shell`` and ``run_python`` give the command the key of the call that runs them (as
+    the command's ``env=``: the sandbox's environment allowlist is not widened, and no shell
+    wraps the command, so ``$0`` is the command's own shell); the key is the one the run derives
+    for that call."""
     seen: list[Any] = []
     calls = [
         ToolCallPart("run_shell", {"command": f"echo ${IDEMPOTENCY_KEY_ENV}; echo $0"}, "call_0"),

@@ -11,20 +11,29 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import (
     CommandResult,
+    Limits,
     LocalSandbox,
     Sandbox,
+    SandboxCapabilities,
     SandboxClosed,
     SandboxFiles,
     SandboxPathError,
+    SandboxTools,
+    SandboxToolset,
+    attach_sandbox,
     scrubbed_environment,
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
 from cancellable_agents.toolsets.sandbox.local.files import LIST_LIMIT, WorkdirFiles, shown_name
+from cancellable_agents.toolsets.sandbox.protocol import command_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,3 +214,76 @@ def test_without_any_boundary_auto_refuses_naming_what_is_missing_and_the_fixes(
 def test_command_result_ok_means_exit_0_and_not_stopped() -> None:
     assert CommandResult("c", 0, "", "").ok
     assert not CommandResult("c", 0, "", "", stopped=True).ok
+
+
+# -- the seam: what a backend passed in cannot take, what a backend must be -----------------
+
+
+class _Remote:
+    """A backend the toolset is handed (its commands never run here: only its arguments matter)."""
+
+    capabilities = SandboxCapabilities()
+
+    def start(self, command: Any, *, timeout: Any = None, stdin: Any = None, env: Any = None) -> str:
+        raise AssertionError("not started in these tests")
+
+    def wait(self, command_id: str, timeout: float | None = None) -> CommandResult:
+        raise AssertionError("not waited in these tests")
+
+    def stop(self, command_id: str) -> None: ...
+
+    def stop_all(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
+@pytest.mark.parametrize("make", [SandboxToolset, SandboxTools], ids=["description", "toolset"])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"isolation": "namespace"},
+        {"profile": "host"},
+        {"network": True},
+        {"network": ["pypi.org"]},
+        {"limits": Limits(max_processes=8)},
+        {"output_limit": 1000},
+        {"workdir": "/tmp"},
+        {"env": {"A": "1"}},
+    ],
+    ids=lambda option: next(iter(option)),
+)
+def test_local_options_with_a_backend_passed_in_are_refused_naming_the_fix(
+    make: Any, option: dict[str, Any]
+) -> None:
+    """Each would configure the LocalSandbox the toolset makes without ``sandbox=``; ignored with a
+    backend of the caller's, it would be a boundary the DAG author believes in and does not get."""
+    name = next(iter(option))
+    with pytest.raises(ConfigurationError, match=rf"cannot apply {name}=.*Fix: set them on the backend"):
+        make(_Remote(), **option)
+
+
+def test_options_that_apply_to_any_backend_are_taken_with_one() -> None:
+    toolset = SandboxTools(_Remote(), command_timeout=5, id="remote", isolation="auto", network=False)
+    assert toolset.command_timeout == 5 and toolset.id == "remote"
+
+
+def test_what_is_no_sandbox_backend_is_refused_naming_what_is_missing() -> None:
+    class Old:  # a backend of before capabilities= and env= were declared
+        def start(self, command: Any, *, timeout: Any = None, stdin: Any = None) -> str:
+            return "c1"
+
+    with pytest.raises(
+        ConfigurationError, match=r"missing: capabilities, wait, stop, stop_all, destroy.*Fix:"
+    ):
+        SandboxToolset(Old())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="not a Sandbox backend"):
+        attach_sandbox(Old(), TaskCancellation("t"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("env", "wrong"),
+    [({"": "x"}, "names must be non-empty"), ({"A=B": "x"}, "without '='"), ({"A": 1}, "must be a string")],
+)
+def test_a_commands_env_is_checked_naming_the_fix(env: dict[str, Any], wrong: str) -> None:
+    with pytest.raises(ConfigurationError, match=wrong):
+        command_env(env)

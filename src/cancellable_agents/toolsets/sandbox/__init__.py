@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # ``X as X``: explicit re-exports, for type checkers and lint
     from cancellable_agents.toolsets.sandbox.local.sandbox import LocalSandbox as LocalSandbox
     from cancellable_agents.toolsets.sandbox.protocol import CommandResult as CommandResult
     from cancellable_agents.toolsets.sandbox.protocol import Sandbox as Sandbox
+    from cancellable_agents.toolsets.sandbox.protocol import SandboxCapabilities as SandboxCapabilities
     from cancellable_agents.toolsets.sandbox.protocol import SandboxClosed as SandboxClosed
     from cancellable_agents.toolsets.sandbox.protocol import SandboxError as SandboxError
     from cancellable_agents.toolsets.sandbox.protocol import SandboxFiles as SandboxFiles
@@ -58,6 +59,7 @@ _EXPORTS = {
     "bwrap_support": "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
     "CommandResult": "cancellable_agents.toolsets.sandbox.protocol",
     "Sandbox": "cancellable_agents.toolsets.sandbox.protocol",
+    "SandboxCapabilities": "cancellable_agents.toolsets.sandbox.protocol",
     "SandboxClosed": "cancellable_agents.toolsets.sandbox.protocol",
     "SandboxError": "cancellable_agents.toolsets.sandbox.protocol",
     "SandboxFiles": "cancellable_agents.toolsets.sandbox.protocol",

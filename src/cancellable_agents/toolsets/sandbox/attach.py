@@ -11,7 +11,9 @@ guard: it refuses after a cancel, counts itself as *starting* while the backend 
 command, and a cancel that lands during that call waits (within the budget) for the id and stops
 it. A backend whose own ``start`` must be guarded too (:class:`LocalSandbox`) starts through its
 attachment and gives the attachment its unguarded start (:class:`ScopedSandbox`). Kills are
-recorded per command id, with no assumption of a local pid.
+recorded per command id, with no assumption of a local pid, unless the backend declares it writes
+them itself (:class:`SandboxCapabilities`). Who destroys a backend, on a kill and without one, is
+stated once, in :mod:`~cancellable_agents.toolsets.sandbox.protocol`.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import Phase, ResourceHandle, TaskCancellation
-from cancellable_agents.toolsets.sandbox.protocol import CommandResult, Sandbox, ScopedSandbox
+from cancellable_agents.toolsets.sandbox.protocol import (
+    CommandResult,
+    Sandbox,
+    ScopedSandbox,
+    command_env,
+    require_sandbox,
+)
 
 __all__ = ["SandboxAttachment", "attach_sandbox"]
 
@@ -46,7 +54,11 @@ class SandboxAttachment:
         self.backend = backend
         self.scope = scope
         self.name = name
-        self._records = not getattr(backend, "records_kills", False)
+        capabilities = backend.capabilities
+        # The attachment writes the kill records unless the backend does; it keeps the ids it
+        # started (to stop each on a kill) where it records them or ``stop_all`` is not enough.
+        self._records = not capabilities.records_kills
+        self._tracks = self._records or not capabilities.stops_all_at_once
         # A backend whose own start comes here is started without it (or it would come back).
         self._launch = backend.launch if isinstance(backend, ScopedSandbox) else backend.start
         self._cond = threading.Condition()
@@ -65,16 +77,19 @@ class SandboxAttachment:
         *,
         timeout: float | None = None,
         stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str:
         """The backend's start made safe against a cancel: raises ``TaskCancelled`` if the scope
-        was cancelled before, and stops the new command (then raises) if it was cancelled during."""
+        was cancelled before, and stops the new command (then raises) if it was cancelled during.
+        ``env`` is checked (:func:`command_env`) and passed to the backend's start."""
         self.scope.raise_if_cancelled()
+        variables = command_env(env)
         text = command if isinstance(command, str) else " ".join(command)
         with self._cond:
             self._starting += 1
         try:
-            command_id = self._launch(command, timeout=timeout, stdin=stdin)
-            if self._records:
+            command_id = self._launch(command, timeout=timeout, stdin=stdin, env=variables)
+            if self._tracks:
                 with self._cond:
                     self._running[command_id] = text[:120]
             if self.scope.cancelled:
@@ -194,6 +209,7 @@ def attach_sandbox(
     after the scope was cancelled stops and destroys at once. ``detail`` goes into the
     timeline's ``sandbox_attached`` event.
     """
+    require_sandbox(backend)
     label = name or f"{type(backend).__name__}@{id(backend):x}"
     with _attached_lock:
         attachment = _attached.get(_key(backend, scope))

@@ -11,15 +11,29 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.toolsets.description import ToolsetDescription
 from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.sandbox.protocol import require_sandbox
 
 if TYPE_CHECKING:
     from cancellable_agents.toolsets.sandbox.limits import Limits
     from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
     from cancellable_agents.toolsets.sandbox.protocol import Sandbox
 
-__all__ = ["SandboxToolset"]
+__all__ = ["LOCAL_OPTIONS", "SandboxToolset", "refuse_local_options"]
+
+#: The toolset's options that configure the :class:`LocalSandbox` it makes, with their defaults:
+#: with a backend passed in (``sandbox=``) they cannot apply.
+LOCAL_OPTIONS: dict[str, object] = {
+    "isolation": "auto",
+    "profile": "boundary",
+    "network": False,
+    "limits": None,
+    "output_limit": None,
+    "workdir": None,
+    "env": None,
+}
 
 
 class SandboxToolset(ToolsetDescription):
@@ -29,8 +43,11 @@ class SandboxToolset(ToolsetDescription):
     (:class:`~cancellable_agents.toolsets.sandbox.toolset.SandboxTools`) when it runs.
     ``Agent(model, toolsets=[SandboxToolset()])`` works too.
 
-    :param sandbox: a backend of your own (any :class:`Sandbox`); it is yours and never destroyed
-        here. Default: a :class:`LocalSandbox` made on first use, destroyed on the toolset's exit.
+    :param sandbox: a backend of your own (any :class:`Sandbox`); it is yours: the toolset never
+        destroys it (a kill does, as it destroys every backend attached to the task), and the
+        options below that configure the local sandbox are refused with it (set them on your
+        backend). Default: a :class:`LocalSandbox` made on first use, destroyed on the toolset's
+        exit.
     :param isolation: the local sandbox's isolation: ``"auto"`` (default), ``"namespace"``,
         ``"landlock"`` (a boundary without namespaces, for unprivileged pods) or ``"process-group"``.
     :param profile: ``"boundary"`` (default) or ``"host"``.
@@ -61,6 +78,16 @@ class SandboxToolset(ToolsetDescription):
         workdir: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        refuse_local_options(
+            sandbox,
+            isolation=isolation,
+            profile=profile,
+            network=network,
+            limits=limits,
+            output_limit=output_limit,
+            workdir=workdir,
+            env=env,
+        )
         kwargs: dict[str, Any] = {
             "isolation": isolation,
             "profile": profile,
@@ -74,3 +101,26 @@ class SandboxToolset(ToolsetDescription):
         if output_limit is not None:
             kwargs["output_limit"] = output_limit
         super().__init__(sandbox, **kwargs)
+
+
+def refuse_local_options(sandbox: object, **given: object) -> None:
+    """With a backend passed in (``sandbox`` not ``None``), refuse every local-sandbox option that
+    is not its default (:data:`LOCAL_OPTIONS`): ignored, it would be a boundary the DAG author
+    believes in and does not get. Also refuses a ``sandbox`` that is no :class:`Sandbox`.
+    Checked at the DAG's parse (the description) and again where the toolset is made."""
+    if sandbox is None:
+        return
+    require_sandbox(sandbox)
+    network = given.get("network", False)
+    if network is not False and not isinstance(network, bool):
+        network = EgressPolicy.coerce(network)  # type: ignore[arg-type]
+    chosen = {**given, "network": network}
+    refused = [f"{name}={value!r}" for name, value in chosen.items() if value != LOCAL_OPTIONS.get(name)]
+    if refused:
+        raise ConfigurationError(
+            f"SandboxToolset(sandbox={type(sandbox).__name__}(...)) cannot apply {', '.join(refused)}: "
+            "those configure the LocalSandbox the toolset makes when no sandbox is given, and a "
+            "backend passed in keeps its own settings. Fix: set them on the backend you pass "
+            "(e.g. LocalSandbox(isolation=..., limits=..., env=...)), or drop sandbox= to let the "
+            "toolset make its own."
+        )

@@ -1,29 +1,46 @@
-"""What a sandbox backend is: the :class:`Sandbox` protocol, its result type and its errors.
+"""What a sandbox backend is: the :class:`Sandbox` protocol, its capabilities, result and errors.
 
-Any backend (the local one, a container, a remote API) implements :class:`Sandbox`; file access
-is the optional :class:`SandboxFiles`. :func:`~cancellable_agents.toolsets.sandbox.attach_sandbox`
-ties any of them to a task's scope (a backend never needs to know its scope otherwise;
-:class:`ScopedSandbox` is for one whose own ``start`` is guarded by its attachment), and
+Any backend (the local one, a container, a remote API) implements :class:`Sandbox` and declares
+what it does beyond it in one typed value, :class:`SandboxCapabilities` (who writes the kill
+records, whether ``stop_all`` stops everything at once, the interpreter ``run_python`` uses):
+nothing is read off a backend by ``getattr``. Two more optional capabilities are protocols of
+their own, checked with ``isinstance``: file access (:class:`SandboxFiles`) and a ``start`` that
+goes through the backend's own attachment (:class:`ScopedSandbox`).
+:func:`~cancellable_agents.toolsets.sandbox.attach_sandbox` ties any backend to a task's scope (a
+backend never needs to know its scope otherwise), and
 :class:`~cancellable_agents.toolsets.sandbox.SandboxToolset` gives any of them to an agent.
+``cancellable_agents.testing.sandbox_conformance`` is the contract as tests, for any backend.
+
+Ownership, stated once (the toolset, :func:`attach_sandbox` and the docs follow it):
+
+- **on a kill**, every backend attached to the task's scope is stopped (``Phase.IN_FLIGHT``) and
+  then destroyed (``Phase.TEARDOWN``), within the budget, whoever made it: the task is ending, and
+  nothing it started may outlive it;
+- **without a kill**, whoever made the backend destroys it: ``SandboxToolset`` destroys the
+  ``LocalSandbox`` it made when it is exited, and never a backend passed in with ``sandbox=``,
+  which is the caller's (an attachment's ``detach`` lets go without stopping anything).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from cancellable_agents.core.exceptions import CancellableAgentsError
+from cancellable_agents.core.exceptions import CancellableAgentsError, ConfigurationError
 
 __all__ = [
     "CommandResult",
     "Sandbox",
+    "SandboxCapabilities",
     "SandboxClosed",
     "SandboxError",
     "SandboxFiles",
     "SandboxPathError",
     "SandboxUnavailable",
     "ScopedSandbox",
+    "command_env",
+    "require_sandbox",
 ]
 
 
@@ -78,12 +95,59 @@ class CommandResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class SandboxCapabilities:
+    """What a backend does beyond the :class:`Sandbox` protocol, declared (the defaults: nothing).
+
+    Each field has one effect, and nothing else about a backend is read by name:
+
+    - ``records_kills``: the backend writes its own kill records (one
+      :class:`~cancellable_agents.core.record.KillRecord` per process, with pids, as
+      :class:`LocalSandbox` does) on the scope its attachment gave it; the attachment then writes
+      none. ``False``: the attachment writes one record per command it stopped (no pid).
+    - ``stops_all_at_once``: ``stop_all`` stops every running command concurrently, so N commands
+      cost one grace; on a kill the attachment then calls ``stop_all`` alone. ``False``: the
+      attachment first stops each command it started, each on a thread of its own, then calls
+      ``stop_all``. (An attachment that writes the records stops each command itself either way:
+      it records what it stopped.)
+    - ``python``: the program that runs Python code inside the backend (``run_python`` starts
+      ``[python, "-"]`` with the code on stdin).
+    """
+
+    records_kills: bool = False
+    stops_all_at_once: bool = False
+    python: str = "python3"
+
+
+def command_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """A command's ``env=`` checked: names and values are strings, a name is non-empty and has no
+    ``=`` or NUL (which no environment can hold). :class:`ConfigurationError` names the fix."""
+    checked: dict[str, str] = {}
+    for name, value in (env or {}).items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise ConfigurationError(
+                f"env= names must be non-empty strings without '=' or NUL, got {name!r}; "
+                "fix the variable's name"
+            )
+        if not isinstance(value, str) or "\0" in value:
+            raise ConfigurationError(
+                f"env={{{name!r}: ...}} must be a string without NUL, got {value!r}; "
+                "pass str(value) (an environment holds only strings)"
+            )
+        checked[name] = value
+    return checked
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     """What :class:`SandboxToolset` and the cancellation scope need from a sandbox backend.
 
     - ``start`` returns an id as soon as the command runs; ``wait`` blocks for its result (raises
-      ``TimeoutError`` after ``timeout``, ``KeyError`` for an unknown id).
+      ``TimeoutError`` after ``timeout``, ``KeyError`` for an unknown id). A string command is a
+      shell command line (``/bin/sh -c``); a sequence is an argv, run without a shell, so a
+      backend with no shell runs it. ``env`` is set for that command alone, on top of the
+      backend's own environment (its values win); no shell is needed to set it. After
+      ``destroy``, ``start`` raises :class:`SandboxClosed`.
     - ``stop``, ``stop_all`` and ``destroy`` must be idempotent, thread-safe and bounded in time:
       they are called from the scope's unwind thread within the task's grace budget, possibly
       while another thread is inside ``start``. ``stop_all`` stops every command whose ``start``
@@ -91,10 +155,13 @@ class Sandbox(Protocol):
     - A backend whose processes live elsewhere (a container, a remote API) cannot rely on this
       process surviving: on a SIGKILL of the task nothing here runs, so it must end orphaned
       commands itself (a TTL or a lease the backend renews while the task lives).
-    - ``records_kills = True`` (optional attribute) says the backend records its own kills on
-      the scope its attachment gave it (as :class:`LocalSandbox` does, with pids); otherwise the
-      attachment records one entry per command it stopped.
+    - ``capabilities`` declares what it does beyond this (:class:`SandboxCapabilities`; a class
+      attribute ``capabilities = SandboxCapabilities()`` declares nothing more).
+    - Who destroys it: see this module's docstring (a kill destroys every attached backend).
     """
+
+    @property
+    def capabilities(self) -> SandboxCapabilities: ...
 
     def start(
         self,
@@ -102,6 +169,7 @@ class Sandbox(Protocol):
         *,
         timeout: float | None = None,
         stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str: ...
 
     def wait(self, command_id: str, timeout: float | None = None) -> CommandResult: ...
@@ -141,4 +209,20 @@ class ScopedSandbox(Sandbox, Protocol):
         *,
         timeout: float | None = None,
         stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str: ...
+
+
+def require_sandbox(backend: object) -> None:
+    """Refuse, naming the fix, what does not implement the :class:`Sandbox` protocol (a backend
+    written before ``env=`` and ``capabilities`` were declared, say)."""
+    if isinstance(backend, Sandbox):
+        return
+    wanted = ("capabilities", "start", "wait", "stop", "stop_all", "destroy")
+    missing = [name for name in wanted if not hasattr(backend, name)]
+    raise ConfigurationError(
+        f"{type(backend).__name__} is not a Sandbox backend (missing: {', '.join(missing) or 'none'}). "
+        "Fix: implement cancellable_agents.toolsets.sandbox.Sandbox: start(command, *, timeout, "
+        "stdin, env), wait, stop, stop_all, destroy, and declare `capabilities = "
+        "SandboxCapabilities()` (the defaults declare nothing beyond the protocol)."
+    )

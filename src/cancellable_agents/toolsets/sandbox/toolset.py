@@ -1,5 +1,10 @@
 """The agent's side of a sandbox: ``run_shell``, ``run_python`` and file tools on any backend, as
-a pydantic-ai toolset (:class:`SandboxTools`; DAG files describe it with ``SandboxToolset``)."""
+a pydantic-ai toolset (:class:`SandboxTools`; DAG files describe it with ``SandboxToolset``).
+
+Generic: the local backend (:class:`LocalSandbox`, with bubblewrap, seccomp, Landlock and cgroups
+code under it) is imported only when this toolset makes one, so a task with another backend never
+loads it (``tests/unit/test_run_time_modules.py`` holds that).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic_ai import ModelRetry
 from pydantic_ai.toolsets import FunctionToolset
@@ -20,16 +25,18 @@ from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.run.tool_calls import current_tool_call
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox.description import refuse_local_options
 from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.limits import Limits
-from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
-from cancellable_agents.toolsets.sandbox.local.sandbox import DEFAULT_OUTPUT_LIMIT, LocalSandbox
 from cancellable_agents.toolsets.sandbox.protocol import (
     CommandResult,
     Sandbox,
     SandboxFiles,
     SandboxPathError,
 )
+
+if TYPE_CHECKING:
+    from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
 
 __all__ = ["SandboxTools"]
 
@@ -58,8 +65,11 @@ class SandboxTools(FunctionToolset[Any]):
 
     ``Agent(model, toolsets=[SandboxTools()])``. Without ``sandbox`` a :class:`LocalSandbox`
     (``isolation``, ``profile``, ``network``: ``True``, ``False`` or an egress allowlist,
-    ``limits``) is created on first use and destroyed when the toolset is exited; a sandbox passed
-    in belongs to the caller and is never destroyed here. Either way, every backend is attached
+    ``limits``, ``workdir``, ``env``, ``output_limit``) is created on first use and destroyed when
+    the toolset is exited. A sandbox passed in is the caller's: the toolset never destroys it, and
+    refuses those local options (``ConfigurationError``: set them on the backend instead). A kill
+    destroys any backend attached to the task's scope, this one included (the ownership rule, in
+    :mod:`~cancellable_agents.toolsets.sandbox.protocol`). Either way, every backend is attached
     to the run's :func:`current_cancellation` on first use (:func:`attach_sandbox`: the same
     attachment where it is attached to that scope already) and its commands are started through
     that attachment, so a kill stops them, one that races the kill included; the toolset lets go
@@ -80,11 +90,21 @@ class SandboxTools(FunctionToolset[Any]):
         network: bool | EgressPolicy | Sequence[str] = False,
         limits: Limits | None = None,
         command_timeout: float = 60,
-        output_limit: int = DEFAULT_OUTPUT_LIMIT,
+        output_limit: int | None = None,
         id: str | None = None,
         workdir: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        refuse_local_options(
+            sandbox,
+            isolation=isolation,
+            profile=profile,
+            network=network,
+            limits=limits,
+            output_limit=output_limit,
+            workdir=workdir,
+            env=env,
+        )
         super().__init__(id=id)
         self._workdir = workdir
         self._env = env
@@ -114,17 +134,25 @@ class SandboxTools(FunctionToolset[Any]):
     def _get_sandbox(self) -> Sandbox:
         with self._lock:
             if self._sandbox is None:
-                self._sandbox = LocalSandbox(
-                    self._workdir,
-                    env=self._env,
-                    isolation=self._isolation,
-                    profile=self._profile,
-                    network=self._network,
-                    limits=self._limits,
-                    output_limit=self.output_limit,
-                )
+                self._sandbox = self._local_sandbox()
                 self._owned = True
             return self._sandbox
+
+    def _local_sandbox(self) -> Sandbox:
+        """The toolset's own :class:`LocalSandbox`, imported only now: a task with another
+        backend never loads the local one (its boundary code is most of the sandbox package)."""
+        from cancellable_agents.toolsets.sandbox.local.sandbox import LocalSandbox
+
+        options: dict[str, Any] = {} if self.output_limit is None else {"output_limit": self.output_limit}
+        return LocalSandbox(
+            self._workdir,
+            env=self._env,
+            isolation=self._isolation,
+            profile=self._profile,
+            network=self._network,
+            limits=self._limits,
+            **options,
+        )
 
     def _attached(self, sandbox: Sandbox) -> SandboxAttachment | None:
         """The backend's attachment to the run's scope (``None`` outside a run); the one it had
@@ -168,9 +196,9 @@ class SandboxTools(FunctionToolset[Any]):
         sandbox = self._get_sandbox()
         limit = self._timeout(timeout)
         call = current_tool_call()
-        if call is not None:  # the command can dedupe its side effects by its tool call's key
-            command = _with_environment(command, call.env())
-        result = await _run_on_backend(self._attached(sandbox) or sandbox, command, limit, stdin)
+        # The command can dedupe its side effects by its tool call's key (no shell needed).
+        env = call.env() if call is not None else None
+        result = await _run_on_backend(self._attached(sandbox) or sandbox, command, limit, stdin, env)
         return _for_model(result, limit)
 
     async def run_shell(self, command: str, timeout: float | None = None) -> dict[str, Any]:
@@ -195,7 +223,7 @@ class SandboxTools(FunctionToolset[Any]):
         Returns:
             exit_code, stdout and stderr (and timed_out / truncated when that happened).
         """
-        python = getattr(self._get_sandbox(), "python", "python3")
+        python = self._get_sandbox().capabilities.python
         return await self._execute([python, "-"], timeout, stdin=code)
 
     async def read_file(self, path: str) -> str:
@@ -242,27 +270,17 @@ class SandboxTools(FunctionToolset[Any]):
             raise ModelRetry(f"{exc.strerror}: {exc.filename}") from exc
 
 
-def _with_environment(command: str | Sequence[str], env: dict[str, str]) -> list[str]:
-    """``command`` (a shell command line or an argv list) run with ``env`` exported, on any backend.
-
-    The :class:`Sandbox` protocol's ``start`` takes no environment, and a backend passes only an
-    allowlist of its own (``local/env.py``), so the variables ride in the command itself: a
-    ``/bin/sh`` that exports each ``NAME=value`` argument, then ``exec``s the command (same
-    process, same stdin, same kill). No value is spliced into shell text.
-    """
-    argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-    assignments = [f"{name}={value}" for name, value in env.items()]
-    export = 'while [ "$1" != -- ]; do export "$1"; shift; done; shift; exec "$@"'
-    return ["/bin/sh", "-c", export, "sh", *assignments, "--", *argv]
-
-
 async def _run_on_backend(
-    sandbox: Sandbox | SandboxAttachment, command: str | Sequence[str], timeout: float, stdin: str | None
+    sandbox: Sandbox | SandboxAttachment,
+    command: str | Sequence[str],
+    timeout: float,
+    stdin: str | None,
+    env: Mapping[str, str] | None,
 ) -> CommandResult:
     """Run on any backend (through its attachment, when it has one) without blocking the loop;
     stop the command on cancel."""
     command_id = await _on_daemon_thread(
-        functools.partial(sandbox.start, command, timeout=timeout, stdin=stdin)
+        functools.partial(sandbox.start, command, timeout=timeout, stdin=stdin, env=env)
     )
     try:
         return await _on_daemon_thread(functools.partial(sandbox.wait, command_id, None))

@@ -34,6 +34,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -91,7 +92,12 @@ from cancellable_agents.toolsets.sandbox.local.isolation import (
 )
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, start_process
 from cancellable_agents.toolsets.sandbox.local.workdirs import new_workdir, prepare_workdir, remove_workdir
-from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
+from cancellable_agents.toolsets.sandbox.protocol import (
+    CommandResult,
+    SandboxCapabilities,
+    SandboxClosed,
+    command_env,
+)
 
 __all__ = ["COMMAND_TAG", "DEFAULT_OUTPUT_LIMIT", "LocalSandbox"]
 
@@ -106,6 +112,9 @@ KEEP_RESULTS = 256
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
 #: The first landlock sandbox of a task process kills what SIGKILLed tasks' commands left.
 _orphans_swept = Once()
+#: The ``env=`` of the command this thread is starting: :meth:`LocalSandbox.launch` sets it
+#: around the spawn, and :attr:`LocalSandbox._explicit_env` adds it to the sandbox's own.
+_starting_env: ContextVar[Mapping[str, str] | None] = ContextVar("_starting_env", default=None)
 
 
 # -- the sandbox ----------------------------------------------------------------------------
@@ -138,9 +147,6 @@ class LocalSandbox:
     where the worker has a cgroup, else per process (no process count); see
     :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`.
     """
-
-    #: Kills are recorded here, per process (the attachment need not record per command).
-    records_kills = True
 
     def __init__(
         self,
@@ -177,7 +183,7 @@ class LocalSandbox:
         self.stop_grace = stop_grace
         self.output_limit = output_limit
         self.python = python or sys.executable or "python3"
-        self._explicit_env = dict(env or {})
+        self._env = command_env(env)
         read_only_paths, writable_paths = tuple(read_only_paths), tuple(writable_paths)
         self._commands: dict[str, CommandTree] = {}
         self._lock = threading.Lock()
@@ -302,6 +308,12 @@ class LocalSandbox:
             bindir = os.path.dirname(os.path.abspath(self.python))
             env["PATH"] = os.pathsep.join([bindir, env.get("PATH") or os.defpath])
 
+    @property
+    def capabilities(self) -> SandboxCapabilities:
+        """Kills are recorded here, per process with pids; ``stop_all`` stops every command at
+        once; ``run_python`` uses this sandbox's interpreter."""
+        return SandboxCapabilities(records_kills=True, stops_all_at_once=True, python=self.python)
+
     # -- scope ---------------------------------------------------------------------------
 
     @property
@@ -342,8 +354,10 @@ class LocalSandbox:
         *,
         timeout: float | None = None,
         stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str:
         """Start ``command`` (an argv list, or a string run by ``/bin/sh -c``); return its id.
+        ``env`` is added to this command's environment (on top of the sandbox's ``env=``; wins).
 
         Attached, through the attachment (:meth:`SandboxAttachment.start`): ``TaskCancelled`` if
         the scope was already cancelled (no command starts after a kill), and a start racing the
@@ -351,8 +365,8 @@ class LocalSandbox:
         """
         attachment = self._attached()
         if attachment is None:
-            return self.launch(command, timeout=timeout, stdin=stdin)
-        return attachment.start(command, timeout=timeout, stdin=stdin)
+            return self.launch(command, timeout=timeout, stdin=stdin, env=env)
+        return attachment.start(command, timeout=timeout, stdin=stdin, env=env)
 
     def launch(
         self,
@@ -360,9 +374,32 @@ class LocalSandbox:
         *,
         timeout: float | None = None,
         stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> str:
         """Start ``command`` unguarded: what :meth:`start` and any attachment of this sandbox
-        call (:class:`ScopedSandbox`); nothing else should. Attaches at first use, as ``start``."""
+        call (:class:`ScopedSandbox`); nothing else should. Attaches at first use, as ``start``.
+        ``env`` reaches the spawn through :data:`_starting_env` (this thread's, so concurrent
+        starts never see each other's)."""
+        token = _starting_env.set(command_env(env))
+        try:
+            return self._launch_command(command, timeout=timeout, stdin=stdin)
+        finally:
+            _starting_env.reset(token)
+
+    @property
+    def _explicit_env(self) -> dict[str, str]:
+        """What the DAG author hands the command explicitly: the sandbox's ``env=``, then the
+        ``env=`` of the command being started on this thread (which wins)."""
+        return {**self._env, **(_starting_env.get() or {})}
+
+    def _launch_command(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+    ) -> str:
+        """The spawn of :meth:`launch`, with the command's ``env=`` in :attr:`_explicit_env`."""
         self._attached()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         command_id = uuid.uuid4().hex[:12]
