@@ -215,7 +215,8 @@ def _python_then_done(code: str) -> FunctionModel:
     def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         returns = [p for m in messages for p in getattr(m, "parts", []) if isinstance(p, ToolReturnPart)]
         if returns:
-            return ModelResponse(parts=[TextPart(str(returns[0].content["stdout"]))])
+            answer: dict[str, Any] = returns[0].content
+            return ModelResponse(parts=[TextPart(str(answer["stdout"]))])
         return ModelResponse(parts=[ToolCallPart("run_python", {"code": code})])
 
     return FunctionModel(model)
