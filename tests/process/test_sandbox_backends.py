@@ -215,7 +215,7 @@ def _python_then_done(code: str) -> FunctionModel:
     def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         returns = [p for m in messages for p in getattr(m, "parts", []) if isinstance(p, ToolReturnPart)]
         if returns:
-            answer: dict[str, Any] = returns[0].content
+            answer: Any = returns[0].content
             return ModelResponse(parts=[TextPart(str(answer["stdout"]))])
         return ModelResponse(parts=[ToolCallPart("run_python", {"code": code})])
 
