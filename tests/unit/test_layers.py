@@ -19,11 +19,12 @@ PACKAGE = "cancellable_agents"
 ROOT = Path(__file__).resolve().parents[2] / "src" / PACKAGE
 
 #: The first part of a module's name under the package -> its layer. Leaf modules that import
-#: nothing of the package (the provider-info entry point, the test model server) sit at 0.
+#: nothing of the package (the provider-info entry point) sit at 0; the test kit (``testing``:
+#: the scripted model server, the sandbox conformance suite, which drives ``toolsets``) sits
+#: above what it tests, beside ``demo``, which uses it.
 LAYERS = {
     "core": 0,
     "get_provider_info": 0,
-    "testing": 0,
     "procs": 1,
     "durable": 2,
     "run": 3,
@@ -35,6 +36,7 @@ LAYERS = {
     "hooks": 6,
     "demo_dags": 7,
     "demo": 7,
+    "testing": 7,
     "__init__": 8,  # the package root exports names lazily, by string
 }
 #: Below this layer no module may import Airflow.
