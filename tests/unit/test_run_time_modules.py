@@ -4,7 +4,9 @@ A fresh interpreter runs a plain (not durable) ``AgentOperator`` task with one f
 lists the modules it loaded. The sandbox backend and its boundary (bubblewrap, Landlock, seccomp,
 cgroups, the egress proxy), sub-agents, the durable journal and its stores, deferral triggers and
 the MCP SDK load only for a task that uses them. A control child imports one of them eagerly and
-must be caught, so the check cannot pass by looking at nothing.
+must be caught, so the check cannot pass by looking at nothing. A task whose agent runs commands
+on another sandbox backend loads the generic sandbox toolset and none of the local backend
+(``LocalSandbox``, bubblewrap, seccomp, Landlock, cgroups).
 """
 
 from __future__ import annotations
@@ -52,9 +54,67 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
-def _loaded(tmp_path: Path, *extra: str) -> list[str]:
+#: A task whose agent calls ``run_shell`` once on a backend of its own: a real one, whose commands
+#: are this child's subprocesses (as a container or remote backend's would be elsewhere).
+OTHER_BACKEND_CHILD = r"""
+import json, os, subprocess, sys
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.models.function import FunctionModel
+from cancellable_agents import AgentOperator
+from cancellable_agents.toolsets.sandbox import CommandResult, SandboxCapabilities, SandboxToolset
+
+if sys.argv[1:]:
+    __import__(sys.argv[1])  # the control: one feature loaded eagerly
+
+class Subprocesses:
+    capabilities = SandboxCapabilities()
+
+    def __init__(self):
+        self.procs = {}
+
+    def start(self, command, *, timeout=None, stdin=None, env=None):
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env={**os.environ, **(env or {})}, text=True)
+        self.procs[str(proc.pid)] = proc
+        return str(proc.pid)
+
+    def wait(self, command_id, timeout=None):
+        proc = self.procs[command_id]
+        out, _ = proc.communicate(timeout=timeout)
+        return CommandResult(command_id, proc.returncode, out, "")
+
+    def stop(self, command_id):
+        self.procs[command_id].kill()
+
+    def stop_all(self):
+        for command_id in self.procs:
+            self.stop(command_id)
+
+    def destroy(self):
+        self.stop_all()
+
+def model(messages, info):
+    returns = [p for m in messages for p in m.parts if isinstance(p, ToolReturnPart)]
+    if returns:
+        return ModelResponse(parts=[TextPart(returns[0].content["stdout"])])
+    return ModelResponse(parts=[ToolCallPart("run_shell", {"command": "echo ran"})])
+
+agent = Agent(FunctionModel(model), toolsets=[SandboxToolset(Subprocesses())])
+op = AgentOperator(task_id="other_backend", prompt="go", agent=agent)
+op.pre_execute({})
+assert op.execute({}) == "ran\n"
+print(json.dumps(sorted(sys.modules)))
+"""
+
+#: The local backend and its boundary: what a task on another backend must not load.
+LOCAL_BACKEND = ("cancellable_agents.toolsets.sandbox.local", "pyseccomp", "seccomp")
+
+
+def _modules(tmp_path: Path, child: str, *extra: str) -> list[str]:
+    """The modules a fresh child running ``child`` had loaded at its end."""
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, *extra],
+        [sys.executable, "-c", child, *extra],
         env=airflow_env(tmp_path),
         capture_output=True,
         text=True,
@@ -62,7 +122,15 @@ def _loaded(tmp_path: Path, *extra: str) -> list[str]:
         check=True,
     ).stdout
     modules: list[str] = json.loads(out.strip().splitlines()[-1])
-    return [m for m in modules if any(m == u or m.startswith(u + ".") for u in UNUSED)]
+    return modules
+
+
+def _among(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == u or m.startswith(u + ".") for u in prefixes)]
+
+
+def _loaded(tmp_path: Path, *extra: str) -> list[str]:
+    return _among(_modules(tmp_path, CHILD, *extra), UNUSED)
 
 
 def test_a_plain_agent_task_loads_no_feature_it_does_not_use(tmp_path: Path) -> None:
@@ -73,3 +141,14 @@ def test_the_check_sees_a_feature_loaded_eagerly(tmp_path: Path) -> None:
     assert "cancellable_agents.toolsets.sandbox.local.sandbox" in _loaded(
         tmp_path, "cancellable_agents.toolsets.sandbox.local.sandbox"
     )
+
+
+def test_a_task_on_another_backend_loads_no_local_sandbox_code(tmp_path: Path) -> None:
+    modules = _modules(tmp_path, OTHER_BACKEND_CHILD)
+    assert "cancellable_agents.toolsets.sandbox.toolset" in modules, "the sandbox toolset was not used"
+    assert _among(modules, LOCAL_BACKEND) == []
+
+
+def test_the_check_sees_the_local_backend_loaded_eagerly_beside_another(tmp_path: Path) -> None:
+    modules = _modules(tmp_path, OTHER_BACKEND_CHILD, "cancellable_agents.toolsets.sandbox.local.sandbox")
+    assert "cancellable_agents.toolsets.sandbox.local.boundary.bwrap" in _among(modules, LOCAL_BACKEND)
