@@ -48,7 +48,7 @@ from cancellable_agents.procs.proc import become_subreaper, children_of, read_pr
 from cancellable_agents.procs.reaper import DescendantReaper
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
-from cancellable_agents.toolsets.sandbox.toolset import _for_model
+from cancellable_agents.toolsets.sandbox.sandbox_tools import _for_model
 
 #: Small limits, so the hostile commands hit them in milliseconds.
 HOSTILE_LIMITS = Limits(max_processes=32, file_size_bytes=1_500_000, tmp_bytes=4 * 1024 * 1024, cpu_seconds=5)

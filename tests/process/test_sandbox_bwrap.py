@@ -21,7 +21,7 @@ import pytest
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BoundaryProfile, boundary_argv
-from cancellable_agents.toolsets.sandbox.toolset import _for_model
+from cancellable_agents.toolsets.sandbox.sandbox_tools import _for_model
 
 pytestmark = [
     pytest.mark.process,

@@ -24,7 +24,7 @@ from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
     CgroupSupport,
     cgroup_support,
 )
-from cancellable_agents.toolsets.sandbox.toolset import _for_model
+from cancellable_agents.toolsets.sandbox.sandbox_tools import _for_model
 from tests.process.trees import BOUNDARY_MODES, eventually, survivors
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(90)]

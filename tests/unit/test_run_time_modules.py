@@ -145,7 +145,7 @@ def test_the_check_sees_a_feature_loaded_eagerly(tmp_path: Path) -> None:
 
 def test_a_task_on_another_backend_loads_no_local_sandbox_code(tmp_path: Path) -> None:
     modules = _modules(tmp_path, OTHER_BACKEND_CHILD)
-    assert "cancellable_agents.toolsets.sandbox.toolset" in modules, "the sandbox toolset was not used"
+    assert "cancellable_agents.toolsets.sandbox.sandbox_tools" in modules, "the sandbox toolset was not used"
     assert _among(modules, LOCAL_BACKEND) == []
 
 

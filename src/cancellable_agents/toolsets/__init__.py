@@ -8,5 +8,10 @@
 - :mod:`cancellable_agents.toolsets.description`: what makes ``SandboxToolset`` and
   ``SubagentToolset`` light descriptions, made into pydantic-ai toolsets when the task runs.
 
+One naming rule for every toolset a DAG file can describe: ``<Feature>Toolset`` is the light
+description a DAG file writes (no pydantic-ai import), ``<Feature>Tools`` the pydantic-ai toolset
+it becomes when the task runs; a module holding one of them is named after it
+(``sandbox/sandbox_toolset.py``, ``sandbox/sandbox_tools.py``).
+
 Submodules are imported on use, so importing this package costs nothing.
 """

@@ -6,8 +6,8 @@ Three floors, each importing only the ones below it:
   the policies any backend may honour (:mod:`.egress_policy`: :class:`EgressPolicy`, the hosts a
   command may reach; :mod:`.limits`: :class:`Limits`),
   :mod:`.attach` (:func:`attach_sandbox`, the one way a backend is tied to a task's scope, with
-  the one guard against a start racing a cancel), :mod:`.toolset` (:class:`SandboxTools`, the
-  agent's tools on any backend, a pydantic-ai toolset) and :mod:`.description`
+  the one guard against a start racing a cancel), :mod:`.sandbox_tools` (:class:`SandboxTools`,
+  the agent's tools on any backend, a pydantic-ai toolset) and :mod:`.sandbox_toolset`
   (:class:`SandboxToolset`, how a DAG file describes those tools: light, made when the task runs);
 - :mod:`.local`: the local backend, :class:`LocalSandbox`: process trees on this host, one
   command's tree (``command``), how it is spawned (``spawn``), the isolation mode (``isolation``),
@@ -30,7 +30,6 @@ from cancellable_agents.core.lazy import lazy_exports
 if TYPE_CHECKING:  # ``X as X``: explicit re-exports, for type checkers and linters alike
     from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment as SandboxAttachment
     from cancellable_agents.toolsets.sandbox.attach import attach_sandbox as attach_sandbox
-    from cancellable_agents.toolsets.sandbox.description import SandboxToolset as SandboxToolset
     from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy as EgressPolicy
     from cancellable_agents.toolsets.sandbox.limits import Limits as Limits
     from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BwrapSupport as BwrapSupport
@@ -49,7 +48,8 @@ if TYPE_CHECKING:  # ``X as X``: explicit re-exports, for type checkers and lint
     from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError as SandboxPathError
     from cancellable_agents.toolsets.sandbox.protocol import SandboxUnavailable as SandboxUnavailable
     from cancellable_agents.toolsets.sandbox.protocol import ScopedSandbox as ScopedSandbox
-    from cancellable_agents.toolsets.sandbox.toolset import SandboxTools as SandboxTools
+    from cancellable_agents.toolsets.sandbox.sandbox_tools import SandboxTools as SandboxTools
+    from cancellable_agents.toolsets.sandbox.sandbox_toolset import SandboxToolset as SandboxToolset
 
 _EXPORTS = {
     "COMMAND_TAG": "cancellable_agents.toolsets.sandbox.local.sandbox",
@@ -72,8 +72,8 @@ _EXPORTS = {
     "scrubbed_environment": "cancellable_agents.toolsets.sandbox.local.env",
     "SandboxAttachment": "cancellable_agents.toolsets.sandbox.attach",
     "attach_sandbox": "cancellable_agents.toolsets.sandbox.attach",
-    "SandboxToolset": "cancellable_agents.toolsets.sandbox.description",
-    "SandboxTools": "cancellable_agents.toolsets.sandbox.toolset",
+    "SandboxToolset": "cancellable_agents.toolsets.sandbox.sandbox_toolset",
+    "SandboxTools": "cancellable_agents.toolsets.sandbox.sandbox_tools",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,7 +25,6 @@ from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.workers import JobThread
 from cancellable_agents.run.tool_calls import current_tool_call
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
-from cancellable_agents.toolsets.sandbox.description import refuse_local_options
 from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.limits import Limits
 from cancellable_agents.toolsets.sandbox.protocol import (
@@ -34,6 +33,7 @@ from cancellable_agents.toolsets.sandbox.protocol import (
     SandboxFiles,
     SandboxPathError,
 )
+from cancellable_agents.toolsets.sandbox.sandbox_toolset import refuse_local_options
 
 if TYPE_CHECKING:
     from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
@@ -60,7 +60,7 @@ _SIGKILL_NOT_MEMORY = (
 
 class SandboxTools(FunctionToolset[Any]):
     """Shell, Python and file tools for a pydantic-ai agent, run in any :class:`Sandbox` backend:
-    the toolset a :class:`~cancellable_agents.toolsets.sandbox.description.SandboxToolset` makes
+    the toolset a :class:`~cancellable_agents.toolsets.sandbox.sandbox_toolset.SandboxToolset` makes
     when the task runs (its arguments are this class's).
 
     ``Agent(model, toolsets=[SandboxTools()])``. Without ``sandbox`` a :class:`LocalSandbox`

@@ -40,7 +40,7 @@ class SandboxToolset(ToolsetDescription):
     """Shell, Python and file tools for an agent, run in a sandbox a kill stops.
 
     ``AgentOperator(..., toolsets=[SandboxToolset()])``; the task makes the pydantic-ai toolset
-    (:class:`~cancellable_agents.toolsets.sandbox.toolset.SandboxTools`) when it runs.
+    (:class:`~cancellable_agents.toolsets.sandbox.sandbox_tools.SandboxTools`) when it runs.
     ``Agent(model, toolsets=[SandboxToolset()])`` works too.
 
     :param sandbox: a backend of your own (any :class:`Sandbox`); it is yours: the toolset never
@@ -62,7 +62,7 @@ class SandboxToolset(ToolsetDescription):
     :param env: variables added to the commands' environment (``LocalSandbox``'s ``env``).
     """
 
-    toolset_class = "cancellable_agents.toolsets.sandbox.toolset:SandboxTools"
+    toolset_class = "cancellable_agents.toolsets.sandbox.sandbox_tools:SandboxTools"
 
     def __init__(
         self,
