@@ -7,8 +7,9 @@ unless an entry lists that address or network itself, and then only on that entr
 behind IPv4-mapped, 6to4 and NAT64 forms). Every host, in a rule or a request, is read by
 :func:`canonical_host`: a spelling ``inet_aton`` takes as an IPv4 address (``127.1``,
 ``2130706433``, ``0x7f000001``, ``0177.0.0.1``) *is* that address, never a name. The proxy that
-enforces the policy is :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`.
-Imports no Airflow.
+enforces the policy is the local backend's
+:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`; the policy itself is any
+backend's (a pod backend may turn it into a NetworkPolicy). Imports no Airflow.
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cancellable_agents.core.exceptions import ConfigurationError
+
+__all__ = [
+    "DEFAULT_PORTS",
+    "EgressDenial",
+    "EgressPolicy",
+    "HostRule",
+    "IPAddress",
+    "IPNetwork",
+    "Resolver",
+    "canonical_host",
+    "special",
+]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
