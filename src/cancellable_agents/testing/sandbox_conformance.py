@@ -146,11 +146,11 @@ class SandboxConformance:
 
     def _started_in_a_task(self, backend: Sandbox) -> tuple[TaskCancellation, SandboxAttachment, str]:
         """A task's scope, the backend attached to it and one long command started through the
-        attachment, with the scope current (as a task's tools run)."""
+        attachment. The scope is not made current: a backend must reach it through its
+        attachment alone (a tool's thread may not carry the task's context)."""
         scope = TaskCancellation("conformance", budget=self.budget)
-        with scope.activate():
-            attachment = attach_sandbox(backend, scope, name="conformance")
-            return scope, attachment, attachment.start(self.long_command)
+        attachment = attach_sandbox(backend, scope, name="conformance")
+        return scope, attachment, attachment.start(self.long_command)
 
     def test_a_kill_destroys_the_backend_and_a_detach_does_not(self, backend: Sandbox) -> None:
         """Ownership: the run that let go of its attachment (it ended without a kill) leaves the
@@ -232,6 +232,7 @@ class _Result:
     """One ``wait`` running on its own thread, so a kill can land while it blocks."""
 
     def __init__(self) -> None:
+        self.waiting = threading.Event()
         self.done = threading.Event()
         self.value: CommandResult | BaseException | None = None
 
@@ -244,9 +245,12 @@ class _Result:
 
 
 def _waiting_for(backend: Sandbox, command_id: str) -> _Result:
+    """A thread blocked in ``backend.wait(command_id)``, returned once it is calling it: a remote
+    backend may refuse a ``wait`` that only begins after the kill destroyed it."""
     result = _Result()
 
     def wait() -> None:
+        result.waiting.set()
         try:
             result.value = backend.wait(command_id, timeout=WAIT)
         except BaseException as exc:
@@ -254,6 +258,7 @@ def _waiting_for(backend: Sandbox, command_id: str) -> _Result:
         result.done.set()
 
     threading.Thread(target=wait, name=f"conformance-wait-{command_id}", daemon=True).start()
+    assert result.waiting.wait(WAIT), "the waiting thread did not start"
     return result
 
 

@@ -35,7 +35,7 @@ from cancellable_agents.toolsets.sandbox.protocol import (
     require_sandbox,
 )
 
-__all__ = ["SandboxAttachment", "attach_sandbox"]
+__all__ = ["SandboxAttachment", "attach_sandbox", "attachment_of"]
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,19 @@ def _kill_record(sandbox: str, command_id: str, command: str, reason: str) -> Ki
         reason=reason,
         at=round(time.time(), 3),
     )
+
+
+def attachment_of(backend: Sandbox) -> SandboxAttachment | None:
+    """``backend``'s live attachment (the first made, if it is attached to several scopes), or
+    ``None``: where a backend that writes its own kill records
+    (:attr:`SandboxCapabilities.records_kills
+    <cancellable_agents.toolsets.sandbox.protocol.SandboxCapabilities.records_kills>`) finds the
+    scope to write them on, whoever attached it."""
+    with _attached_lock:
+        for (backend_id, _), attachment in list(_attached.items()):
+            if backend_id == id(backend) and attachment.backend is backend:
+                return attachment
+    return None
 
 
 def _key(backend: Sandbox, scope: TaskCancellation) -> tuple[int, int]:

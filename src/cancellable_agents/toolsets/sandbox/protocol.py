@@ -103,8 +103,9 @@ class SandboxCapabilities:
 
     - ``records_kills``: the backend writes its own kill records (one
       :class:`~cancellable_agents.core.record.KillRecord` per process, with pids, as
-      :class:`LocalSandbox` does) on the scope its attachment gave it; the attachment then writes
-      none. ``False``: the attachment writes one record per command it stopped (no pid).
+      :class:`LocalSandbox` does) on the scope of its attachment, whoever attached it
+      (:func:`~cancellable_agents.toolsets.sandbox.attach.attachment_of`); the attachment then
+      writes none. ``False``: the attachment writes one record per command it stopped (no pid).
     - ``stops_all_at_once``: ``stop_all`` stops every running command concurrently, so N commands
       cost one grace; on a kill the attachment then calls ``stop_all`` alone. ``False``: the
       attachment first stops each command it started, each on a thread of its own, then calls

@@ -45,7 +45,7 @@ from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.procs.owner import owner_tag
 from cancellable_agents.procs.proc import ProcKey, read_proc
-from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox, attachment_of
 from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.limits import Limits
 from cancellable_agents.toolsets.sandbox.local.boundary import landlock
@@ -318,8 +318,9 @@ class LocalSandbox:
 
     @property
     def scope(self) -> TaskCancellation | None:
-        """The scope of the sandbox's own attachment (``None`` until it has one)."""
-        attachment = self._attachment
+        """The scope its kills are recorded on: its own attachment's, else that of an attachment
+        someone else made for it (``attach_sandbox(sandbox, scope)``); ``None`` while unattached."""
+        attachment = self._attachment or attachment_of(self)
         return None if attachment is None else attachment.scope
 
     def _attached(self) -> SandboxAttachment | None:
