@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,32 @@ def test_commands_run_in_the_workdir_and_argv_is_not_shell_parsed(sandbox: Local
 
 def test_stdin_is_fed(sandbox: LocalSandbox) -> None:
     assert sandbox.run(["cat"], stdin="piped\n").stdout == "piped\n"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_commands_env_wins_for_that_command_alone_also_when_starts_race(mode: str) -> None:
+    """``env=`` of one command is added on top of the sandbox's ``env=`` for that command only;
+    commands started at once from several threads each get their own."""
+    box = LocalSandbox(isolation=mode, env={"SHARED": "box", "OVERRIDDEN": "box"})  # type: ignore[arg-type]
+    try:
+        probe = ["printenv", "SHARED", "OVERRIDDEN"]
+        assert box.run(probe, env={"OVERRIDDEN": "command"}).stdout == "box\ncommand\n"
+        assert box.run(probe).stdout == "box\nbox\n", "a command's env leaked into the next one"
+        outputs: dict[int, str] = {}
+        barrier = threading.Barrier(8)
+
+        def run(i: int) -> None:
+            barrier.wait(30)
+            outputs[i] = box.run(["printenv", "WHO"], env={"WHO": str(i)}).stdout
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(30)
+        assert outputs == {i: f"{i}\n" for i in range(8)}
+    finally:
+        box.destroy()
 
 
 # -- waiting and stopping -------------------------------------------------------------------

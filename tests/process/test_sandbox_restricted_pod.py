@@ -48,6 +48,7 @@ INSIDE = [
     "test_sandbox_command.py",
     "test_sandbox_toolset.py",
     "test_sandbox_workdirs.py",
+    "test_sandbox_conformance.py",
 ]
 #: Probe class -> the test that tries it (``test_sandbox_<file>.py``); each must pass in landlock
 #: mode inside the pod (and its process-group control where it has one).

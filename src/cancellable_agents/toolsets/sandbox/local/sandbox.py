@@ -575,10 +575,11 @@ class LocalSandbox:
         *,
         timeout: float | None = None,
         stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandResult:
         """Start ``command`` and wait for it. Interrupted (e.g. ``KeyboardInterrupt``), it stops
         the command before re-raising."""
-        command_id = self.start(command, timeout=timeout, stdin=stdin)
+        command_id = self.start(command, timeout=timeout, stdin=stdin, env=env)
         try:
             return self.wait(command_id)
         except BaseException:
@@ -591,10 +592,11 @@ class LocalSandbox:
         *,
         timeout: float | None = None,
         stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandResult:
         """Like :meth:`run` without blocking the event loop. On ``CancelledError`` the command
         is stopped (its whole tree, on a thread) before the error propagates."""
-        command_id = self.start(command, timeout=timeout, stdin=stdin)
+        command_id = self.start(command, timeout=timeout, stdin=stdin, env=env)
         try:
             return await self._result_future(self._get(command_id))
         except asyncio.CancelledError:
