@@ -2,12 +2,14 @@
 commands run as process trees on this host that a cancel really stops.
 
 - :mod:`.sandbox`: :class:`LocalSandbox`, a workdir and a command runner (the :class:`Sandbox`
-  protocol, plus ``run``, ``arun`` and the file tools);
+  protocol: set-up, start, stop, destroy);
+- :mod:`.results`: its ``wait``, ``run`` and ``arun``;
 - :mod:`.command`: one command's process tree: watched, stopped whole, reaped, recorded;
 - :mod:`.spawn`: the spawning thread and the pipes' readers;
 - :mod:`.isolation`: which isolation mode a local sandbox gets here;
 - :mod:`.workdirs`: workdirs, and those a SIGKILLed task left behind;
-- :mod:`.files`: the file tools' race-free access to the workdir (no symlink followed);
+- :mod:`.files`: the file tools' race-free access to the workdir (no symlink followed), and the
+  sandbox's file tools on it;
 - :mod:`.env`: the environment commands get (an allowlist);
 - :mod:`.boundary`: what keeps a command in (namespaces, seccomp, egress, cgroups, limits).
 """

@@ -27,10 +27,21 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError
 
-__all__ = ["LIST_LIMIT", "WorkdirFiles", "openat2_supported", "outside_error", "shown_name"]
+if TYPE_CHECKING:
+    from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BoundaryProfile
+
+__all__ = [
+    "LIST_LIMIT",
+    "WorkdirFileTools",
+    "WorkdirFiles",
+    "openat2_supported",
+    "outside_error",
+    "shown_name",
+]
 
 #: Names ``list_files`` returns at most (its bytes are capped by ``output_limit`` as well).
 LIST_LIMIT = 1000
@@ -319,3 +330,44 @@ def _read_up_to(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+class WorkdirFileTools:
+    """A sandbox's file tools on its workdir (``resolve``, ``read_file``, ``write_file``,
+    ``list_files``: the :class:`~cancellable_agents.toolsets.sandbox.protocol.SandboxFiles`
+    protocol), each through a :class:`WorkdirFiles`; mixed into ``LocalSandbox``, whose workdir,
+    output limit and boundary (the uid its commands run as) they read."""
+
+    workdir: Path
+    output_limit: int
+    _boundary: BoundaryProfile | None
+
+    def resolve(self, path: str) -> Path:
+        """``path`` (relative to the workdir, or absolute inside it) with symlinks resolved, for
+        showing; the file tools never open what this returns (a command may swap it meanwhile).
+
+        Raises :class:`SandboxPathError` if it points outside the workdir.
+        """
+        resolved = self.workdir.joinpath(*self._files().parts(path)).resolve()
+        if resolved != self.workdir and self.workdir not in resolved.parents:
+            raise outside_error(path)
+        return resolved
+
+    def _files(self) -> WorkdirFiles:
+        """The workdir's race-free file access; what it creates is handed to the sandbox's uid."""
+        owner = self._boundary.uid if self._boundary is not None else None
+        return WorkdirFiles(self.workdir, output_limit=self.output_limit, owner=owner)
+
+    def read_file(self, path: str) -> str:
+        """The file's text (undecodable bytes replaced), capped at ``output_limit`` bytes."""
+        return self._files().read_file(path)
+
+    def write_file(self, path: str, content: str) -> int:
+        """Write ``content`` (UTF-8), creating parent directories; return the bytes written."""
+        return self._files().write_file(path, content)
+
+    def list_files(self, path: str = ".") -> list[str]:
+        """Names in a directory, sorted; directories end with ``/``. Escaped and capped as
+        :meth:`WorkdirFiles.list_files
+        <cancellable_agents.toolsets.sandbox.local.files.WorkdirFiles.list_files>` says."""
+        return self._files().list_files(path)

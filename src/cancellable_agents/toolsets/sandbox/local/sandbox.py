@@ -16,16 +16,16 @@ The file tools open paths below the workdir without following symlinks, so a com
 folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.local.files`).
 
 The sandbox reaches its scope one way, as any backend: the attachment :func:`attach_sandbox` gave
-it; its commands and its egress proxy read the scope there. Its length (~630 lines, with the
-three modes' set-up and cleanup) is one class whose parts share its state (workdir, mode,
-profile, commands, attachment); what stands on its own lives beside it (the Landlock rules in
-``boundary.landlock``, spawning in ``spawn``). This module imports no Airflow.
+it; its commands and its egress proxy read the scope there. This module is the sandbox's life:
+set-up of the three modes, starting, stopping, destroying, whose parts share its state (workdir,
+mode, profile, commands, attachment). What reads that state without changing it lives beside it,
+mixed into the class: the results (``wait``, ``run``, ``arun``: :mod:`.results`) and the file
+tools (:mod:`.files`); so do the Landlock rules (``boundary.landlock``) and spawning
+(``spawn``). This module imports no Airflow.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -42,7 +42,6 @@ from typing import TypeVar
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
-from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.procs.owner import owner_tag
 from cancellable_agents.procs.proc import ProcKey, read_proc
 from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox, attachment_of
@@ -81,7 +80,7 @@ from cancellable_agents.toolsets.sandbox.local.command import (
     stop_bound,
 )
 from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment
-from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, outside_error
+from cancellable_agents.toolsets.sandbox.local.files import WorkdirFileTools
 from cancellable_agents.toolsets.sandbox.local.isolation import (
     Isolation,
     Mode,
@@ -90,10 +89,10 @@ from cancellable_agents.toolsets.sandbox.local.isolation import (
     enforceable_egress,
     warn_no_boundary,
 )
+from cancellable_agents.toolsets.sandbox.local.results import CommandResults
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, start_process
 from cancellable_agents.toolsets.sandbox.local.workdirs import new_workdir, prepare_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.protocol import (
-    CommandResult,
     SandboxCapabilities,
     SandboxClosed,
     command_env,
@@ -120,7 +119,7 @@ _starting_env: ContextVar[Mapping[str, str] | None] = ContextVar("_starting_env"
 # -- the sandbox ----------------------------------------------------------------------------
 
 
-class LocalSandbox:
+class LocalSandbox(CommandResults, WorkdirFileTools):
     """A per-task working directory and a runner whose commands a cancel really stops.
 
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
@@ -551,105 +550,6 @@ class LocalSandbox:
         if self._owns_workdir:
             remove_workdir(self.workdir)
         log.debug("sandbox %s destroyed", self.id)
-
-    # -- results -------------------------------------------------------------------------
-
-    def _get(self, command_id: str) -> CommandTree:
-        cmd = self._commands.get(command_id)
-        if cmd is None:
-            raise KeyError(f"sandbox {self.id} has no command {command_id!r}")
-        return cmd
-
-    def wait(self, command_id: str, timeout: float | None = None) -> CommandResult:
-        """Block until the command ended; raise ``TimeoutError`` (command keeps running) after
-        ``timeout`` seconds, ``KeyError`` for an unknown id."""
-        cmd = self._get(command_id)
-        if not cmd.done.wait(timeout):
-            raise TimeoutError(f"command {command_id} still running after {timeout}s")
-        assert cmd.result is not None
-        return cmd.result
-
-    def run(
-        self,
-        command: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        stdin: str | bytes | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> CommandResult:
-        """Start ``command`` and wait for it. Interrupted (e.g. ``KeyboardInterrupt``), it stops
-        the command before re-raising."""
-        command_id = self.start(command, timeout=timeout, stdin=stdin, env=env)
-        try:
-            return self.wait(command_id)
-        except BaseException:
-            self.stop(command_id)
-            raise
-
-    async def arun(
-        self,
-        command: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        stdin: str | bytes | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> CommandResult:
-        """Like :meth:`run` without blocking the event loop. On ``CancelledError`` the command
-        is stopped (its whole tree, on a thread) before the error propagates."""
-        command_id = self.start(command, timeout=timeout, stdin=stdin, env=env)
-        try:
-            return await self._result_future(self._get(command_id))
-        except asyncio.CancelledError:
-            await wait_shielded(asyncio.to_thread(self.stop, command_id), f"the stop of command {command_id}")
-            raise
-
-    @staticmethod
-    def _result_future(cmd: CommandTree) -> asyncio.Future[CommandResult]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[CommandResult] = loop.create_future()
-
-        def deliver(result: CommandResult) -> None:
-            if not future.done():
-                future.set_result(result)
-
-        def from_thread(result: CommandResult) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is already closed
-                loop.call_soon_threadsafe(deliver, result)
-
-        cmd.add_done_callback(from_thread)
-        return future
-
-    # -- files ---------------------------------------------------------------------------
-
-    def resolve(self, path: str) -> Path:
-        """``path`` (relative to the workdir, or absolute inside it) with symlinks resolved, for
-        showing; the file tools never open what this returns (a command may swap it meanwhile).
-
-        Raises :class:`SandboxPathError` if it points outside the workdir.
-        """
-        resolved = self.workdir.joinpath(*self._files().parts(path)).resolve()
-        if resolved != self.workdir and self.workdir not in resolved.parents:
-            raise outside_error(path)
-        return resolved
-
-    def _files(self) -> WorkdirFiles:
-        """The workdir's race-free file access; what it creates is handed to the sandbox's uid."""
-        owner = self._boundary.uid if self._boundary is not None else None
-        return WorkdirFiles(self.workdir, output_limit=self.output_limit, owner=owner)
-
-    def read_file(self, path: str) -> str:
-        """The file's text (undecodable bytes replaced), capped at ``output_limit`` bytes."""
-        return self._files().read_file(path)
-
-    def write_file(self, path: str, content: str) -> int:
-        """Write ``content`` (UTF-8), creating parent directories; return the bytes written."""
-        return self._files().write_file(path, content)
-
-    def list_files(self, path: str = ".") -> list[str]:
-        """Names in a directory, sorted; directories end with ``/``. Escaped and capped as
-        :meth:`WorkdirFiles.list_files
-        <cancellable_agents.toolsets.sandbox.local.files.WorkdirFiles.list_files>` says."""
-        return self._files().list_files(path)
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:
