@@ -112,7 +112,7 @@ _orphans_swept = Once()
 
 
 class LocalSandbox:
-    """A per-task working directory and a runner whose commands a cancel really stops.
+    r"""A per-task working directory and a runner whose commands a cancel really stops.
 
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
     by :meth:`destroy` only if this sandbox created it. ``env`` is passed to commands on top of
@@ -136,7 +136,14 @@ class LocalSandbox:
     enforced by the kernel's Landlock on each command (plus a private tmp, ``TMPDIR``), no
     network (``network=True``: the host's; no egress allowlist yet), limits as in namespace mode
     where the worker has a cgroup, else per process (no process count); see
-    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`.
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`. Each command runs under
+    its own init, a subreaper outside the Landlock domain, so nothing it starts outlives it
+    (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.command_init`). Commands create no
+    unix socket but connected ``socketpair``\ s: with ``unix_sockets=True`` they may, and then
+    ``connect()`` reaches **every named unix socket the worker's user can open** (Docker's,
+    D-Bus's, other tools' control sockets), since nothing hides them in this mode; opt in only for
+    commands you trust with that. (Namespace mode shows no socket of the host's: the option
+    changes nothing there.)
     """
 
     #: Kills are recorded here, per process (the attachment need not record per command).
@@ -157,6 +164,7 @@ class LocalSandbox:
         scope: TaskCancellation | None = None,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         python: str | None = None,
+        unix_sockets: bool = False,
     ) -> None:
         if stop_grace < 0:
             raise ConfigurationError(f"stop_grace must be >= 0 seconds, got {stop_grace!r}")
@@ -166,6 +174,7 @@ class LocalSandbox:
         self.profile: Profile = profile
         policy = EgressPolicy.coerce(network)
         self.network = policy is True
+        self.unix_sockets = unix_sockets
         self.egress = enforceable_egress(policy, self.mode, profile)
         self._proxy: EgressProxy | None = None
         self.limits = limits if limits is not None else Limits()
@@ -383,8 +392,15 @@ class LocalSandbox:
             with command_filter(
                 self._boundary is not None or self._landlock is not None, self._sockets()
             ) as seccomp_fd:
-                wrapped = self._wrap(argv, seccomp_fd)
-                cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, self._inherited(seccomp_fd))
+                report_fd = self._kill_report()
+                try:
+                    wrapped = self._wrap(argv, seccomp_fd, report_fd)
+                    inherited = self._inherited(seccomp_fd, report_fd)
+                    cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, inherited, report_fd)
+                except BaseException:
+                    if report_fd is not None:
+                        os.close(report_fd)
+                    raise
             self._commands[command_id] = cmd
             self._forget_old_results()
         return command_id
@@ -396,24 +412,42 @@ class LocalSandbox:
             del self._commands[command_id]
 
     def _sockets(self) -> SocketRule:
-        """Landlock mode without the host's network: no socket but unix ones (no namespace
-        confines the others)."""
-        return (
-            SocketRule.UNIX_ONLY if self._landlock is not None and not self.network else SocketRule.NAMESPACED
-        )
+        """Landlock mode: no network socket without the host's network (no namespace confines
+        one), and no named unix socket unless ``unix_sockets`` (nothing hides the worker's)."""
+        if self._landlock is None:
+            return SocketRule.NAMESPACED
+        if self.network:
+            return SocketRule.NAMESPACED if self.unix_sockets else SocketRule.NO_NAMED_UNIX
+        return SocketRule.UNIX_ONLY if self.unix_sockets else SocketRule.PAIRS_ONLY
 
-    def _inherited(self, seccomp_fd: int | None) -> tuple[int, ...]:
-        """The descriptors a command's first process inherits: its filter, the ruleset."""
-        fds = [] if seccomp_fd is None else [seccomp_fd]
+    def _kill_report(self) -> int | None:
+        """Landlock mode: the memfd a command's init reports its kills to (the command owns it)."""
+        if self._landlock is None:
+            return None
+        return os.memfd_create("cancellable-agents-kill-report", os.MFD_CLOEXEC)
+
+    def _inherited(self, seccomp_fd: int | None, report_fd: int | None = None) -> tuple[int, ...]:
+        """The descriptors a command's first process inherits: its filter, the ruleset, the
+        init's kill report."""
+        fds = [fd for fd in (seccomp_fd, report_fd) if fd is not None]
         if self._landlock is not None:
             fds.append(self._landlock.fd)
         return tuple(fds)
 
-    def _wrap(self, argv: list[str], seccomp_fd: int | None = None) -> list[str]:
+    def _wrap(
+        self, argv: list[str], seccomp_fd: int | None = None, report_fd: int | None = None
+    ) -> list[str]:
         if self._landlock is not None:
             placement = self.cgroup.placement_prefix() if self.cgroup is not None else []
             limits = limits_prefix(prlimit_path(), self._command_limits)
-            return placement + limits + landlock.helper_argv(self.python, self._landlock, seccomp_fd) + argv
+            init = landlock.init_argv(
+                self.python,
+                self._landlock,
+                seccomp_fd,
+                report_fd=-1 if report_fd is None else report_fd,
+                grace=self.stop_grace,
+            )
+            return placement + limits + init + argv
         if self.mode != "namespace":
             # Per-uid here, RLIMIT_NPROC would count every process of the worker's user.
             # (No bubblewrap probe here: its orphans would come back to a subreaper task process.)
@@ -434,6 +468,7 @@ class LocalSandbox:
         timeout: float | None,
         stdin: str | bytes | None,
         pass_fds: tuple[int, ...] = (),
+        report_fd: int | None = None,
     ) -> CommandTree:
         hits_before = self.cgroup.limit_hits() if self.cgroup is not None else None
         started = time.monotonic()
@@ -455,6 +490,7 @@ class LocalSandbox:
             stderr=BoundedReader(proc.stderr, self.output_limit, f"sandbox-{command_id}-stderr"),
             cgroup=self.cgroup,
             hits_before=hits_before,
+            report_fd=report_fd,
         )
         if stdin is not None:
             feed_stdin(proc, stdin.encode() if isinstance(stdin, str) else stdin)
