@@ -30,7 +30,7 @@ from cancellable_agents.toolsets.sandbox.local.boundary.landlock import (
     BOUNDARY_FAILED,
     LandlockRuleset,
     LandlockSupport,
-    helper_argv,
+    init_argv,
     landlock_support,
 )
 from tests.process.trees import BOUNDARY_MODES, NAMESPACE_BOUNDARY, landlock_reason, landlock_usable
@@ -161,7 +161,7 @@ def test_landlock_refuses_tcp_connect_even_without_the_seccomp_filter(listener: 
         network=False,
     )
     try:
-        argv = [*helper_argv(sys.executable, ruleset, None), sys.executable, "-I", "-c", CONNECT]
+        argv = [*init_argv(sys.executable, ruleset, None), sys.executable, "-I", "-c", CONNECT]
         port = str(listener.getsockname()[1])
         proc = subprocess.run(
             [*argv, port], capture_output=True, timeout=30, pass_fds=(ruleset.fd,), check=False
@@ -196,13 +196,17 @@ print(json.dumps(seen))
 
 
 @needs_landlock
-def test_landlock_commands_create_no_socket_but_unix_ones() -> None:
-    """Not covered by Landlock's TCP rules: the seccomp filter refuses every family but AF_UNIX."""
-    seen = _python("landlock", SOCKETS)
+@pytest.mark.parametrize("unix_sockets", [False, True])
+def test_landlock_commands_create_no_socket_but_unix_ones(unix_sockets: bool) -> None:
+    """Not covered by Landlock's TCP rules: the seccomp filter refuses every family but AF_UNIX,
+    and AF_UNIX too unless the author opted in (named sockets: test_sandbox_leftovers.py)."""
+    code, out, err = _run("landlock", [sys.executable, "-c", SOCKETS], unix_sockets=unix_sockets)
+    assert code == 0, (code, out, err)
     refused = {
         name: "PermissionError" for name in ("udp", "udp6", "tcp", "raw", "netlink", "packet", "vsock")
     }
-    assert seen == {**refused, "unix": "created", "pair-inet": "PermissionError"}, seen
+    unix = "created" if unix_sockets else "PermissionError"
+    assert json.loads(out) == {**refused, "unix": unix, "pair-inet": "PermissionError"}, out
 
 
 @needs_landlock
@@ -236,8 +240,8 @@ def test_the_task_and_the_test_cannot_be_signalled(mode: str) -> None:
 
 ABSTRACT = """
 import json, socket, sys
-client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(b"\\0" + sys.argv[1].encode())
     print(json.dumps("connected"))
 except OSError as exc:
@@ -254,6 +258,10 @@ def test_an_abstract_unix_socket_outside_the_sandbox_is_unreachable(mode: str) -
         server.bind(b"\0" + name.encode())
         server.listen(1)
         seen = _python(mode, ABSTRACT, name)
+        if mode == "landlock":
+            # socket(AF_UNIX) is refused by default; with it allowed, the scoping still holds.
+            code, out, err = _run(mode, [sys.executable, "-c", ABSTRACT, name], unix_sockets=True)
+            assert (code, json.loads(out)) == (0, "PermissionError"), (code, out, err)
     # Namespace mode: abstract names are per network namespace; landlock mode: scoped (ABI 6).
     expected = {"namespace": "ConnectionRefusedError", "landlock": "PermissionError"}
     assert seen == expected.get(mode, "connected"), seen
@@ -304,7 +312,7 @@ def test_a_helper_that_cannot_restrict_itself_never_runs_the_command(tmp_path: P
     """A ruleset descriptor that is not one: exit BOUNDARY_FAILED, the command never ran."""
     ruleset = LandlockRuleset(os.open(tmp_path, os.O_RDONLY), landlock_support())
     try:
-        argv = [*helper_argv(sys.executable, ruleset, None), "/bin/sh", "-c", f"touch {tmp_path}/ran"]
+        argv = [*init_argv(sys.executable, ruleset, None), "/bin/sh", "-c", f"touch {tmp_path}/ran"]
         proc = subprocess.run(argv, capture_output=True, timeout=30, pass_fds=(ruleset.fd,), check=False)
     finally:
         ruleset.close()

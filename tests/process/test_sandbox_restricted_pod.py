@@ -48,6 +48,7 @@ INSIDE = [
     "test_sandbox_command.py",
     "test_sandbox_toolset.py",
     "test_sandbox_workdirs.py",
+    "test_sandbox_leftovers.py",
     "test_sandbox_conformance.py",
 ]
 #: Probe class -> the test that tries it (``test_sandbox_<file>.py``); each must pass in landlock
@@ -125,9 +126,26 @@ MUST_PASS: dict[str, tuple[str, str]] = {
         "kill",
         "test_sigterm_to_the_task_pid_kills_the_sandboxed_tree",
     ),
-    "SIGKILL of the task: the next sandbox kills what is left": (
+    "SIGKILL of the task leaves nothing running": (
         "kill",
-        "test_sigkill_of_a_landlock_task_leaves_detached_processes_the_next_sandbox_kills",
+        "test_sigkill_of_a_landlock_task_leaves_nothing_running",
+    ),
+    "a detached, renamed, environment-less daemon after the command's exit": (
+        "leftovers",
+        "test_detached_renamed_daemons_without_environment_die_with_their_command",
+    ),
+    "the same daemon after destroy()": ("leftovers", "test_destroy_leaves_no_daemon_of_a_running_command"),
+    "the same daemon after a SIGKILL of the task": (
+        "leftovers",
+        "test_a_sigkill_of_the_task_leaves_no_daemon_running",
+    ),
+    "a named unix socket of the worker's user": (
+        "leftovers",
+        "test_a_named_unix_socket_of_the_worker_s_user_is_refused",
+    ),
+    "a workdir with chmod 000 folders": (
+        "leftovers",
+        "test_destroy_removes_a_workdir_with_locked_folders_and_follows_no_symlink",
     ),
 }
 

@@ -44,6 +44,7 @@ from cancellable_agents.procs.proc import (
     walk_descendants,
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import LimitHits, SandboxCgroup
+from cancellable_agents.toolsets.sandbox.local.boundary.command_init import parse_report
 from cancellable_agents.toolsets.sandbox.local.isolation import Mode
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult
@@ -125,6 +126,10 @@ class CommandTree:
     #: limits the kernel enforced while this command ran.
     cgroup: SandboxCgroup | None = None
     hits_before: LimitHits | None = None
+    #: Landlock mode: the main process is the command's init (``boundary.command_init``), which
+    #: keeps and stops the whole tree; this memfd is its report of what it signalled.
+    report_fd: int | None = None
+    report_read: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
     terminated: threading.Event = field(default_factory=threading.Event)
@@ -214,6 +219,8 @@ class CommandTree:
         for reader in (self.stdout, self.stderr):
             reader.thread.join(READER_JOIN)
         result = self._result()
+        if self.report_fd is not None:
+            os.close(self.report_fd)
         with self.lock:
             self.result = result
             callbacks = list(self.callbacks)
@@ -248,6 +255,10 @@ class CommandTree:
 
     def _kill_leftovers(self) -> None:
         """The main process ended on its own (not yet reaped): nothing it started may outlive it."""
+        if self.report_fd is not None:
+            # The init ends only once it has killed what the command left: record what it did.
+            self._record_report("leftover")
+            return
         if self.mode == "namespace":
             # The kernel empties the namespace once bwrap's init is gone; just wait for it.
             wait_gone(self.known(), KILL_WAIT)
@@ -356,6 +367,9 @@ class CommandTree:
         self.done.wait(self.stop_bound())
 
     def _signal_tree(self) -> None:
+        if self.report_fd is not None:
+            self._stop_through_init()
+            return
         tree = self._tree()
         # Youngest first, so children are signalled before their parents: in a namespace the
         # command's exit tears everything down, and each process should get its SIGTERM first.
@@ -396,6 +410,39 @@ class CommandTree:
             # SIGKILL of the emptied namespace ended it.
             torn_down = {key: int(signal.SIGKILL) for key in workers if key not in sent}
             self._record(torn_down, tree, reason=self.stop_reason or "stopped", source="namespace teardown")
+
+    def _stop_through_init(self) -> None:
+        """Landlock mode: the init stops its tree, which it alone sees whole (a daemon that left
+        its session and renamed itself is still its descendant). SIGTERM asks it to stop;
+        SIGUSR1 when the grace (perhaps cut by the scope's budget) is over, to SIGKILL now; a
+        SIGKILL of the init itself only if it did not end by then (its tree is then reparented
+        to the task process, a subreaper, and found by the descendant reaper)."""
+        self.final_signal = signal.SIGTERM
+        send_signal(self.main, signal.SIGTERM)
+        if not wait_gone([self.main], self._grace()):
+            send_signal(self.main, signal.SIGUSR1)
+            if not wait_gone([self.main], KILL_WAIT + STOP_SLACK):
+                log.warning(
+                    "sandbox %s: command %s: its init still ran %.1f s after the kill; killing it",
+                    self.owner.id,
+                    self.id,
+                    KILL_WAIT + STOP_SLACK,
+                )
+                send_signal(self.main, signal.SIGKILL)
+        self._record_report(self.stop_reason or "stopped")
+
+    def _record_report(self, reason: str) -> None:
+        """Record what the init signalled, once (the command's end and a stop may both ask)."""
+        with self.lock:
+            if self.report_fd is None or self.report_read:
+                return
+            self.report_read = True
+        size = os.fstat(self.report_fd).st_size
+        kills = parse_report(os.pread(self.report_fd, size, 0))
+        if any(kill.signal == signal.SIGKILL for kill in kills):
+            self.final_signal = signal.SIGKILL
+        sent = {ProcKey(k.pid, k.start): k.signal for k in kills}
+        self._record(sent, {ProcKey(k.pid, k.start): k.command for k in kills}, reason=reason)
 
     def _kill_everything(self, tree: dict[ProcKey, str]) -> dict[ProcKey, int]:
         # Namespace init first: its death makes the kernel SIGKILL the whole namespace at once.

@@ -19,9 +19,9 @@ The sandbox reaches its scope one way, as any backend: the attachment :func:`att
 it; its commands and its egress proxy read the scope there. This module is the sandbox's life:
 set-up of the three modes, starting, stopping, destroying, whose parts share its state (workdir,
 mode, profile, commands, attachment). What reads that state without changing it lives beside it,
-mixed into the class: the results (``wait``, ``run``, ``arun``: :mod:`.results`) and the file
-tools (:mod:`.files`); so do the Landlock rules (``boundary.landlock``) and spawning
-(``spawn``). This module imports no Airflow.
+mixed into the class: the results (``wait``, ``run``, ``arun``: :mod:`.results`), the file tools
+(:mod:`.files`) and the egress proxy's start (``boundary.egress_proxy``); so do the Landlock
+rules (``boundary.landlock``) and spawning (``spawn``). This module imports no Airflow.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
@@ -58,8 +58,8 @@ from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import (
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import SandboxCgroup
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
-    EGRESS_SOCKET,
     EgressProxy,
+    SandboxEgress,
     forwarder_argv,
     proxy_env,
 )
@@ -119,8 +119,8 @@ _starting_env: ContextVar[Mapping[str, str] | None] = ContextVar("_starting_env"
 # -- the sandbox ----------------------------------------------------------------------------
 
 
-class LocalSandbox(CommandResults, WorkdirFileTools):
-    """A per-task working directory and a runner whose commands a cancel really stops.
+class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
+    r"""A per-task working directory and a runner whose commands a cancel really stops.
 
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
     by :meth:`destroy` only if this sandbox created it. ``env`` is passed to commands on top of
@@ -144,7 +144,14 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
     enforced by the kernel's Landlock on each command (plus a private tmp, ``TMPDIR``), no
     network (``network=True``: the host's; no egress allowlist yet), limits as in namespace mode
     where the worker has a cgroup, else per process (no process count); see
-    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`.
+    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`. Each command runs under
+    its own init, a subreaper outside the Landlock domain, so nothing it starts outlives it
+    (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.command_init`). Commands create no
+    unix socket but connected ``socketpair``\ s: with ``unix_sockets=True`` they may, and then
+    ``connect()`` reaches **every named unix socket the worker's user can open** (Docker's,
+    D-Bus's, other tools' control sockets), since nothing hides them in this mode; opt in only for
+    commands you trust with that. (Namespace mode shows no socket of the host's: the option
+    changes nothing there.)
     """
 
     def __init__(
@@ -162,6 +169,7 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
         scope: TaskCancellation | None = None,
         output_limit: int = DEFAULT_OUTPUT_LIMIT,
         python: str | None = None,
+        unix_sockets: bool = False,
     ) -> None:
         if stop_grace < 0:
             raise ConfigurationError(f"stop_grace must be >= 0 seconds, got {stop_grace!r}")
@@ -171,6 +179,7 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
         self.profile: Profile = profile
         policy = EgressPolicy.coerce(network)
         self.network = policy is True
+        self.unix_sockets = unix_sockets
         self.egress = enforceable_egress(policy, self.mode, profile)
         self._proxy: EgressProxy | None = None
         self.limits = limits if limits is not None else Limits()
@@ -275,15 +284,6 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
             return {}
         support = self._landlock.support
         return {"landlock_abi": support.abi, "missing_protections": list(support.missing())}
-
-    def _egress_sockets(self) -> tuple[tuple[str, str], ...]:
-        """Start the egress proxy of a sandbox with an allowlist; its socket, shown inside."""
-        if self.egress is None:
-            return ()
-        self._proxy = EgressProxy(self.egress, name=self.id, scope_of=_scope_of(self)).start()
-        # A sandbox nobody destroyed does not leave its proxy listening.
-        weakref.finalize(self, self._proxy.close)
-        return ((self._proxy.socket_path, EGRESS_SOCKET),)
 
     def _sandbox_limits(self) -> Limits:
         """Set up the totals (the workdir's tmpfs, the cgroup) and return what is left for
@@ -420,8 +420,15 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
             with command_filter(
                 self._boundary is not None or self._landlock is not None, self._sockets()
             ) as seccomp_fd:
-                wrapped = self._wrap(argv, seccomp_fd)
-                cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, self._inherited(seccomp_fd))
+                report_fd = self._kill_report()
+                try:
+                    wrapped = self._wrap(argv, seccomp_fd, report_fd)
+                    inherited = self._inherited(seccomp_fd, report_fd)
+                    cmd = self._spawn(command_id, wrapped, env, tag, timeout, stdin, inherited, report_fd)
+                except BaseException:
+                    if report_fd is not None:
+                        os.close(report_fd)
+                    raise
             self._commands[command_id] = cmd
             self._forget_old_results()
         return command_id
@@ -433,24 +440,42 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
             del self._commands[command_id]
 
     def _sockets(self) -> SocketRule:
-        """Landlock mode without the host's network: no socket but unix ones (no namespace
-        confines the others)."""
-        return (
-            SocketRule.UNIX_ONLY if self._landlock is not None and not self.network else SocketRule.NAMESPACED
-        )
+        """Landlock mode: no network socket without the host's network (no namespace confines
+        one), and no named unix socket unless ``unix_sockets`` (nothing hides the worker's)."""
+        if self._landlock is None:
+            return SocketRule.NAMESPACED
+        if self.network:
+            return SocketRule.NAMESPACED if self.unix_sockets else SocketRule.NO_NAMED_UNIX
+        return SocketRule.UNIX_ONLY if self.unix_sockets else SocketRule.PAIRS_ONLY
 
-    def _inherited(self, seccomp_fd: int | None) -> tuple[int, ...]:
-        """The descriptors a command's first process inherits: its filter, the ruleset."""
-        fds = [] if seccomp_fd is None else [seccomp_fd]
+    def _kill_report(self) -> int | None:
+        """Landlock mode: the memfd a command's init reports its kills to (the command owns it)."""
+        if self._landlock is None:
+            return None
+        return os.memfd_create("cancellable-agents-kill-report", os.MFD_CLOEXEC)
+
+    def _inherited(self, seccomp_fd: int | None, report_fd: int | None = None) -> tuple[int, ...]:
+        """The descriptors a command's first process inherits: its filter, the ruleset, the
+        init's kill report."""
+        fds = [fd for fd in (seccomp_fd, report_fd) if fd is not None]
         if self._landlock is not None:
             fds.append(self._landlock.fd)
         return tuple(fds)
 
-    def _wrap(self, argv: list[str], seccomp_fd: int | None = None) -> list[str]:
+    def _wrap(
+        self, argv: list[str], seccomp_fd: int | None = None, report_fd: int | None = None
+    ) -> list[str]:
         if self._landlock is not None:
             placement = self.cgroup.placement_prefix() if self.cgroup is not None else []
             limits = limits_prefix(prlimit_path(), self._command_limits)
-            return placement + limits + landlock.helper_argv(self.python, self._landlock, seccomp_fd) + argv
+            init = landlock.init_argv(
+                self.python,
+                self._landlock,
+                seccomp_fd,
+                report_fd=-1 if report_fd is None else report_fd,
+                grace=self.stop_grace,
+            )
+            return placement + limits + init + argv
         if self.mode != "namespace":
             # Per-uid here, RLIMIT_NPROC would count every process of the worker's user.
             # (No bubblewrap probe here: its orphans would come back to a subreaper task process.)
@@ -471,6 +496,7 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
         timeout: float | None,
         stdin: str | bytes | None,
         pass_fds: tuple[int, ...] = (),
+        report_fd: int | None = None,
     ) -> CommandTree:
         hits_before = self.cgroup.limit_hits() if self.cgroup is not None else None
         started = time.monotonic()
@@ -492,6 +518,7 @@ class LocalSandbox(CommandResults, WorkdirFileTools):
             stderr=BoundedReader(proc.stderr, self.output_limit, f"sandbox-{command_id}-stderr"),
             cgroup=self.cgroup,
             hits_before=hits_before,
+            report_fd=report_fd,
         )
         if stdin is not None:
             feed_stdin(proc, stdin.encode() if isinstance(stdin, str) else stdin)
@@ -557,15 +584,3 @@ def _absolute(path: str | os.PathLike[str]) -> str:
     if not resolved.exists():
         raise ValueError(f"sandbox path {str(path)!r} does not exist")
     return str(resolved)
-
-
-def _scope_of(sandbox: LocalSandbox) -> Callable[[], TaskCancellation | None]:
-    """``sandbox.scope`` read at each call, weakly: the egress proxy records its refusals there,
-    and must not keep its sandbox alive (the sandbox's finalizer closes the proxy)."""
-    ref = weakref.ref(sandbox)
-
-    def scope() -> TaskCancellation | None:
-        alive = ref()
-        return None if alive is None else alive.scope
-
-    return scope

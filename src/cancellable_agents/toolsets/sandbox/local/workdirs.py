@@ -59,9 +59,86 @@ def prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]
 
 def remove_workdir(workdir: Path) -> None:
     """Remove a workdir the sandbox created, its tmpfs (if any) first: removing only the files
-    would leave the mount, and the folder under it, behind."""
+    would leave the mount, and the folder under it, behind.
+
+    A command may leave folders it cannot be removed from (``chmod 000``, a read-only folder):
+    root ignores modes, a non-root worker does not, so what is left after a first pass is made
+    traversable and writable (by descriptor, never through a symlink) and removed again."""
     unmount_workdir(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
+    if not os.path.lexists(workdir):
+        return
+    _unlock_folders(workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    if os.path.lexists(workdir):
+        log.warning("sandbox workdir %s could not be removed completely", workdir)
+
+
+def _unlock_folders(root: Path) -> None:
+    """Give the owner ``rwx`` on ``root`` and every folder below it. Each folder is opened
+    ``O_NOFOLLOW`` relative to its parent's descriptor and changed through that descriptor, so a
+    symlink planted anywhere is never followed out of the tree."""
+    try:
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        _chmod_path(root)
+        try:
+            top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return
+    pending = [top]
+    while pending:
+        fd = pending.pop()
+        try:
+            for name in _folder_names(fd):
+                child = _open_folder(fd, name)
+                if child is not None:
+                    pending.append(child)
+        finally:
+            os.close(fd)
+
+
+def _chmod_path(path: Path) -> None:
+    """``chmod u+rwx`` of the folder ``path`` itself (not a symlink's target)."""
+    try:
+        handle = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        _add_owner_rights(handle)
+    finally:
+        os.close(handle)
+
+
+def _add_owner_rights(fd: int) -> None:
+    # fchmod refuses an O_PATH descriptor; its /proc/self/fd entry names that very folder.
+    try:
+        mode = os.fstat(fd).st_mode
+        os.chmod(f"/proc/self/fd/{fd}", (mode & 0o7777) | 0o700)
+    except OSError:
+        pass
+
+
+def _folder_names(fd: int) -> list[str]:
+    try:
+        return [entry.name for entry in os.scandir(fd) if entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _open_folder(parent: int, name: str) -> int | None:
+    """The sub-folder ``name`` of ``parent``, made ``u+rwx`` and opened for reading."""
+    try:
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except OSError:
+        return None  # gone, or a symlink swapped in: not followed
+    try:
+        _add_owner_rights(handle)
+        return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    finally:
+        os.close(handle)
 
 
 def remove_orphaned_workdirs(root: str | os.PathLike[str] | None = None) -> list[Path]:

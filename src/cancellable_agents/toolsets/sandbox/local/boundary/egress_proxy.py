@@ -41,7 +41,9 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox.egress_policy import (
@@ -61,6 +63,7 @@ __all__ = [
     "FORWARDER",
     "PROXY_PORT",
     "EgressProxy",
+    "SandboxEgress",
     "forwarder_argv",
     "proxy_env",
 ]
@@ -441,3 +444,49 @@ def proxy_env() -> dict[str, str]:
     env |= {name.lower(): url for name in env}
     no_proxy = "localhost,127.0.0.1,::1"
     return env | {"NO_PROXY": no_proxy, "no_proxy": no_proxy}
+
+
+# -- the sandbox's side -------------------------------------------------------------------------
+
+
+class _Proxied(Protocol):
+    """What a sandbox's proxy reads of it: its id, its allowlist, and the scope the proxy
+    records its refusals on; the proxy it started is kept in ``_proxy``."""
+
+    id: str
+    egress: EgressPolicy | None
+    _proxy: EgressProxy | None
+
+    @property
+    def scope(self) -> TaskCancellation | None: ...
+
+
+class SandboxEgress:
+    """A sandbox's side of its egress proxy (mixed into
+    :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox`): the proxy is
+    started when the sandbox has an allowlist, its socket is shown inside the sandbox, its
+    refusals are recorded on the sandbox's scope."""
+
+    _proxy: EgressProxy | None
+
+    def _egress_sockets(self: _Proxied) -> tuple[tuple[str, str], ...]:
+        """Start the egress proxy of a sandbox with an allowlist; its socket, shown inside."""
+        if self.egress is None:
+            return ()
+        proxy = EgressProxy(self.egress, name=self.id, scope_of=_scope_of(self)).start()
+        self._proxy = proxy
+        # A sandbox nobody destroyed does not leave its proxy listening.
+        weakref.finalize(self, proxy.close)
+        return ((proxy.socket_path, EGRESS_SOCKET),)
+
+
+def _scope_of(sandbox: _Proxied) -> Callable[[], TaskCancellation | None]:
+    """``sandbox.scope`` read at each call, weakly: the egress proxy records its refusals there,
+    and must not keep its sandbox alive (the sandbox's finalizer closes the proxy)."""
+    ref = weakref.ref(sandbox)
+
+    def scope() -> TaskCancellation | None:
+        alive = ref()
+        return None if alive is None else alive.scope
+
+    return scope

@@ -17,14 +17,16 @@ restrict itself and everything it starts, for good, once it has ``no_new_privs``
   every ABI; plus the sandbox's seccomp filter.
 
 How the child applies it: the sandbox builds the ruleset once (:class:`LandlockRuleset`, a file
-descriptor) and each command starts as ``python -I -S -c HELPER RULESET_FD SECCOMP_FD TASK_PID -- argv``
-(:func:`helper_argv`): a tiny exec'd program that sets ``no_new_privs`` and the parent-death
-signal, restricts itself with the inherited ruleset, loads the seccomp program from the
-inherited memfd, closes both and ``execvp``\\ s the command (as the egress forwarder does).
-Not ``preexec_fn``: it runs Python between ``fork`` and ``exec`` in a process with many threads
-(a lock held by another thread at the fork, logging's or the import lock, deadlocks the child),
-and CPython documents it as unsafe with threads. The helper costs one interpreter start (no
-``site``) per command; if it cannot apply every rule it exits :data:`BOUNDARY_FAILED` and the
+descriptor) and each command starts under its init (:func:`init_argv`,
+:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.command_init`): a tiny exec'd program,
+a child subreaper outside the domain, that forks the command; the child sets ``no_new_privs``
+and its parent-death signal, restricts itself with the inherited ruleset, loads the seccomp
+program from the inherited memfd, closes both and ``execvp``\\ s the command. The init keeps the
+whole tree: nothing the command starts outlives it, its stop, or the task's death. Not
+``preexec_fn``: it runs Python between ``fork`` and ``exec`` in a process with many threads (a
+lock held by another thread at the fork, logging's or the import lock, deadlocks the child), and
+CPython documents it as unsafe with threads. The init costs one interpreter start (no ``site``)
+per command; if the child cannot apply every rule it exits :data:`BOUNDARY_FAILED` and the
 command never runs.
 
 On an older ABI the sandbox applies what there is and says, once and in its record, what is
@@ -45,13 +47,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from cancellable_agents.core.once import Once
+from cancellable_agents.toolsets.sandbox.local.boundary import command_init
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import HIDDEN_ETC, SYSTEM_DIRS
+from cancellable_agents.toolsets.sandbox.local.boundary.command_init import BOUNDARY_FAILED
 
 __all__ = [
     "BOUNDARY_FAILED",
     "LandlockRuleset",
     "LandlockSupport",
-    "helper_argv",
+    "init_argv",
     "landlock_support",
     "readable_paths",
     "warn_if_missing",
@@ -59,8 +63,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The exit code of a command whose Landlock or seccomp rules could not be applied (it never ran).
-BOUNDARY_FAILED = 125
 
 #: ``landlock_create_ruleset``, ``landlock_add_rule``, ``landlock_restrict_self``: the same number
 #: on every architecture (the generic syscall table), x86_64 and aarch64 included.
@@ -203,7 +205,7 @@ def _shown_beneath(root: str, hidden: tuple[str, ...]) -> Iterator[str]:
 
 
 class LandlockRuleset:
-    """A sandbox's ruleset, built once: a file descriptor each command's helper restricts
+    """A sandbox's ruleset, built once: a file descriptor each command restricts
     itself with (inherited, never modified after :meth:`build`, so concurrent starts share it).
 
     ``network``: ``True`` leaves TCP unhandled (the host's network, as ``network=True`` in
@@ -270,58 +272,15 @@ def _checked(result: int) -> int:
     return int(result)
 
 
-#: The helper each command starts as (``python -I -S -c HELPER RULESET_FD SECCOMP_FD TASK_PID -- argv``).
-#: Standard library only, no ``site``: it runs before anything of the sandbox is importable.
-HELPER = """
-import ctypes, os, signal, sys
-ruleset_fd, seccomp_fd, task = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-argv = sys.argv[5:]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-
-def fail(what):
-    sys.stderr.write(f"sandbox: cannot apply the boundary ({what}: {os.strerror(ctypes.get_errno())})\\n")
-    os._exit(BOUNDARY_FAILED)
-
-class Program(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
-if libc.prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-    fail("no_new_privs")
-if libc.prctl(1, 9, None, 0, 0) != 0:  # PR_SET_PDEATHSIG, SIGKILL: dies with the task process
-    fail("parent-death signal")
-if os.getppid() != task:
-    os._exit(BOUNDARY_FAILED)  # the task died before the signal was armed
-if libc.syscall(446, ruleset_fd, 0) != 0:  # landlock_restrict_self
-    fail("landlock_restrict_self")
-if seccomp_fd >= 0:
-    size = os.fstat(seccomp_fd).st_size
-    code = os.pread(seccomp_fd, size, 0)
-    if len(code) != size or size % 8:
-        os._exit(BOUNDARY_FAILED)
-    program = Program(size // 8, code)
-    if libc.prctl(22, 2, ctypes.byref(program), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-        fail("seccomp")
-    os.close(seccomp_fd)
-os.close(ruleset_fd)
-# Python ignores these at start, and an ignored signal stays ignored across exec: a command would
-# get EPIPE instead of dying in a closed pipe (`yes | head`), EFBIG instead of SIGXFSZ.
-signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-try:
-    os.execvp(argv[0], argv)
-except OSError as exc:
-    sys.stderr.write(f"{argv[0]}: {exc.strerror}\\n")
-    os._exit(126 if exc.errno in (13, 1) else 127)
-""".replace("BOUNDARY_FAILED", str(BOUNDARY_FAILED))
-
-
-def helper_argv(python: str, ruleset: LandlockRuleset, seccomp_fd: int | None) -> list[str]:
-    """What goes before a command's argv: the helper, with the descriptors it inherits
-    (``seccomp_fd`` ``None``: no filter; the sandbox refuses that when it needs one)."""
+def init_argv(
+    python: str, ruleset: LandlockRuleset, seccomp_fd: int | None, *, report_fd: int = -1, grace: float = 1.0
+) -> list[str]:
+    """What goes before a command's argv: its init (:mod:`.command_init`), with the descriptors
+    it inherits (``seccomp_fd`` ``None``: no filter; the sandbox refuses that when it needs one;
+    ``report_fd`` -1: no kill report) and the SIGTERM grace of a stop."""
     seccomp = -1 if seccomp_fd is None else seccomp_fd
-    return [python, "-I", "-S", "-c", HELPER, str(ruleset.fd), str(seccomp), str(os.getpid()), "--"]
+    fds = [str(ruleset.fd), str(seccomp), str(report_fd), str(os.getpid()), repr(float(grace))]
+    return [python, "-I", "-S", command_init.__file__, *fds, "--"]
 
 
 _warned = Once()

@@ -133,10 +133,22 @@ DENIED: dict[str, tuple[str, ...]] = {
 #: 32-bit program gets sockets only from the direct ``socket`` call, kernel 4.3+).
 DENIED_SOCKET_FAMILIES: dict[str, int] = {"AF_VSOCK": 40}
 AF_UNIX = 1
+#: ``socketpair`` types refused where named unix sockets are (all but ``SOCK_STREAM`` 1 and
+#: ``SOCK_SEQPACKET`` 5: a datagram pair can ``sendto`` any named datagram socket). Compared
+#: under ``SOCK_TYPE_MASK``, so ``SOCK_CLOEXEC``/``SOCK_NONBLOCK`` change nothing.
+UNCONNECTED_PAIR_TYPES: tuple[int, ...] = (2, 3, 4, 6, 10)
+SOCK_TYPE_MASK = 0xF
 
 
 class SocketRule(Enum):
-    """Which sockets a command may create."""
+    """Which sockets a command may create.
+
+    Landlock mode has no namespace to hide the worker's named unix sockets (``/tmp/*.sock``,
+    Docker's, D-Bus's), and Landlock before ABI 9 does not mediate ``connect()`` on a path: there
+    ``socket(AF_UNIX)`` is refused unless the author opts in (``unix_sockets=True``), and only
+    ``socketpair`` of a connected type (stream, seqpacket) stays, which ordinary programs need
+    (a datagram pair could still ``sendto`` a named socket).
+    """
 
     #: Every family but those in :data:`DENIED_SOCKET_FAMILIES` (a network namespace, or the
     #: host's network on purpose, decides the rest).
@@ -145,6 +157,12 @@ class SocketRule(Enum):
     #: one (Landlock mode): no TCP, UDP, raw, netlink or vsock. The comparison is on all 64 bits
     #: of the argument, so ``0x1_0000_0001`` (``AF_UNIX`` to the kernel) is refused too.
     UNIX_ONLY = "unix-only"
+    #: No ``socket()`` at all; ``socketpair(AF_UNIX)`` of a connected type only (Landlock mode,
+    #: no network, the default).
+    PAIRS_ONLY = "pairs-only"
+    #: The host's network (Landlock mode, ``network=True``) but no ``socket(AF_UNIX)``; pairs as
+    #: :attr:`PAIRS_ONLY`.
+    NO_NAMED_UNIX = "no-named-unix"
 
 
 #: ``clone`` flags that create namespaces (``CLONE_NEWNS`` .. ``CLONE_NEWNET``): a clone with any
@@ -206,9 +224,19 @@ def _compile(pyseccomp: Any, sockets: SocketRule) -> bytes:
         # too, and a plain EQ on the 64-bit register would let it through.
         low32 = pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, family)
         _deny(pyseccomp, rules, eperm, "socket", low32)
-    if sockets is SocketRule.UNIX_ONLY:
+    if sockets in (SocketRule.UNIX_ONLY, SocketRule.PAIRS_ONLY):
         for name in ("socket", "socketpair"):
             _deny(pyseccomp, rules, eperm, name, pyseccomp.Arg(0, pyseccomp.NE, AF_UNIX))
+    if sockets in (SocketRule.PAIRS_ONLY, SocketRule.NO_NAMED_UNIX):
+        _deny(pyseccomp, rules, eperm, "socket", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, AF_UNIX))
+        for kind in UNCONNECTED_PAIR_TYPES:
+            _deny(
+                pyseccomp,
+                rules,
+                eperm,
+                "socketpair",
+                pyseccomp.Arg(1, pyseccomp.MASKED_EQ, SOCK_TYPE_MASK, kind),
+            )
     # A memfd, not a pipe: a program larger than a pipe's buffer would block its own export.
     with os.fdopen(os.memfd_create("cancellable-agents-seccomp-build", os.MFD_CLOEXEC), "w+b") as buffer:
         rules.export_bpf(buffer)
