@@ -7,7 +7,8 @@ nothing is read off a backend by ``getattr``. Two more optional capabilities are
 their own, checked with ``isinstance``: file access (:class:`SandboxFiles`) and a ``start`` that
 goes through the backend's own attachment (:class:`ScopedSandbox`).
 :func:`~cancellable_agents.toolsets.sandbox.attach_sandbox` ties any backend to a task's scope (a
-backend never needs to know its scope otherwise), and
+backend never needs to know its scope otherwise; one that writes its own kill records finds it
+with :func:`~cancellable_agents.toolsets.sandbox.attach.attachment_of`), and
 :class:`~cancellable_agents.toolsets.sandbox.SandboxToolset` gives any of them to an agent.
 ``cancellable_agents.testing.sandbox_conformance`` is the contract as tests, for any backend.
 
