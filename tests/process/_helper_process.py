@@ -26,6 +26,7 @@ class _Helper:
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.announced: list[str] = []  # ids whose start was answered: what stop_all stops
         self.stopped: set[str] = set()
+        self.timed_out: set[str] = set()
         self.out_lock = threading.Lock()
 
     def reply(self, req: str, **fields: Any) -> None:
@@ -47,6 +48,10 @@ class _Helper:
             )
             _feed(proc, msg.get("stdin") or "")
             self.procs[command_id] = proc
+            if msg.get("timeout_s") is not None:  # the backend enforces a command's timeout
+                timer = threading.Timer(msg["timeout_s"], self._time_out, args=(command_id,))
+                timer.daemon = True
+                timer.start()
             time.sleep(self.reply_delay)  # the command runs; the task has no id for it yet
             self.announced.append(command_id)
             self.reply(req, id=command_id)
@@ -67,7 +72,13 @@ class _Helper:
         except subprocess.TimeoutExpired:
             self.reply(req, timeout=True)
             return
-        self.reply(req, exit_code=proc.returncode, stdout=out, stopped=command_id in self.stopped)
+        stopped, timed_out = command_id in self.stopped, command_id in self.timed_out
+        self.reply(req, exit_code=proc.returncode, stdout=out, stopped=stopped, timed_out=timed_out)
+
+    def _time_out(self, command_id: str) -> None:
+        if self.procs[command_id].poll() is None:
+            self.timed_out.add(command_id)
+            self._stop(command_id)
 
     def _stop(self, command_id: str) -> None:
         proc = self.procs.get(command_id)

@@ -101,7 +101,14 @@ class HelperSandbox:
         reply = self._call("wait", timeout=(timeout or 3600) + 5, id=command_id, wait_s=timeout)
         if reply.get("timeout"):
             raise TimeoutError(command_id)
-        return CommandResult(command_id, reply["exit_code"], reply["stdout"], "", stopped=reply["stopped"])
+        return CommandResult(
+            command_id,
+            reply["exit_code"],
+            reply["stdout"],
+            "",
+            stopped=reply["stopped"],
+            timed_out=reply["timed_out"],
+        )
 
     def stop(self, command_id: str) -> None:
         with contextlib.suppress(SandboxClosed):

@@ -18,9 +18,10 @@ Every backend the factory makes is destroyed after its test. The tests hold what
 from a backend on a kill and otherwise: ``stop``, ``stop_all`` and ``destroy`` idempotent; a kill
 (the scope's cancel) reaching a running command, within the budget, and recorded on the scope;
 no command started after a kill or after ``destroy``; ownership (an attachment let go of leaves
-the backend to its maker, a kill destroys it); ``env=`` reaching the command without a shell;
-concurrent starts and stops. They use the protocol only (no pid, no local file), so a remote
-backend runs them as they are. Commands are ``sh`` lines and ``printenv``: override
+the backend to its maker, a kill destroys it); ``env=`` reaching the command without a shell,
+``stdin`` reaching it, its ``timeout`` enforced by the backend; concurrent starts and stops.
+They use the protocol only (no pid, no local file), so a remote backend runs them as they are.
+Commands are ``sh`` lines, ``cat`` and ``printenv``: override
 :attr:`SandboxConformance.long_command` for an image without ``sleep``.
 
 Needs pytest (this module is only imported by tests). Imports no Airflow.
@@ -96,6 +97,16 @@ class SandboxConformance:
         result = backend.wait(backend.start("echo out; exit 3", timeout=WAIT), timeout=WAIT)
         assert (result.exit_code, result.stdout) == (3, "out\n")
         assert not result.ok and not result.stopped and not result.timed_out
+
+    def test_stdin_reaches_the_command(self, backend: Sandbox) -> None:
+        """``run_python`` hands its code over on stdin."""
+        result = backend.wait(backend.start(["cat"], stdin="piped\n"), timeout=WAIT)
+        assert (result.exit_code, result.stdout) == (0, "piped\n")
+
+    def test_a_command_past_its_timeout_is_stopped_and_says_so(self, backend: Sandbox) -> None:
+        """The backend enforces ``timeout`` itself: the toolset waits for the result with none."""
+        result = backend.wait(backend.start(self.long_command, timeout=0.5), timeout=WAIT)
+        assert result.timed_out and result.stopped and not result.ok, result
 
     def test_env_reaches_the_command_without_a_shell(self, backend: Sandbox) -> None:
         """An argv with ``env=``: no shell is needed to set a variable (an image may have none)."""

@@ -148,7 +148,9 @@ class Sandbox(Protocol):
       ``TimeoutError`` after ``timeout``, ``KeyError`` for an unknown id). A string command is a
       shell command line (``/bin/sh -c``); a sequence is an argv, run without a shell, so a
       backend with no shell runs it. ``env`` is set for that command alone, on top of the
-      backend's own environment (its values win); no shell is needed to set it. After
+      backend's own environment (its values win); no shell is needed to set it. ``stdin`` is fed
+      to the command (then closed). ``timeout`` is enforced by the backend: past it the command
+      is stopped and its result has ``timed_out=True`` (and ``stopped=True``). After
       ``destroy``, ``start`` raises :class:`SandboxClosed`.
     - ``stop``, ``stop_all`` and ``destroy`` must be idempotent, thread-safe and bounded in time:
       they are called from the scope's unwind thread within the task's grace budget, possibly
