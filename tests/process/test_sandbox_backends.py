@@ -29,6 +29,7 @@ from cancellable_agents.run.tool_calls import IDEMPOTENCY_KEY_ENV, RunIdentity
 from cancellable_agents.toolsets.sandbox import (
     CommandResult,
     Sandbox,
+    SandboxCapabilities,
     SandboxClosed,
     SandboxToolset,
     attach_sandbox,
@@ -308,3 +309,43 @@ def test_a_backend_wait_that_never_answers_does_not_keep_the_task_process_alive(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+class DeclaringSandbox(HelperSandbox):
+    """The helper backend declaring the capabilities under test, and telling which ids the
+    attachment stopped one by one."""
+
+    def __init__(self, capabilities: SandboxCapabilities) -> None:
+        super().__init__()
+        self.capabilities = capabilities  # type: ignore[misc]  # per instance, for the test
+        self.stopped_one_by_one: list[str] = []
+
+    def stop(self, command_id: str) -> None:
+        self.stopped_one_by_one.append(command_id)
+        super().stop(command_id)
+
+
+@pytest.mark.parametrize(
+    ("records_kills", "stops_all_at_once", "one_by_one", "recorded"),
+    [
+        (False, False, True, True),
+        (True, False, True, False),
+        (False, True, True, True),  # the attachment records what it stops, so it stops each
+        (True, True, False, False),
+    ],
+)
+def test_each_declared_capability_has_its_one_effect_on_a_kill(
+    marker: str, records_kills: bool, stops_all_at_once: bool, one_by_one: bool, recorded: bool
+) -> None:
+    """``records_kills``: who writes the kill records; ``stops_all_at_once``: whether the attachment
+    may leave stopping to ``stop_all``. Either way the kill stops the command."""
+    scope = TaskCancellation("task", budget=4.0)
+    backend = DeclaringSandbox(SandboxCapabilities(records_kills, stops_all_at_once))
+    attachment = attach_sandbox(backend, scope, name="helper")
+    command_id = attachment.start(f"sleep {marker}")
+    eventually(lambda: sleepers(marker))
+    scope.cancel(CancelCause.USER)
+    assert scope.wait_released(5)
+    assert sleepers(marker) == []
+    assert (backend.stopped_one_by_one == [command_id]) is one_by_one, backend.stopped_one_by_one
+    assert ([k.command_id for k in scope.killed] == [command_id]) is recorded, scope.killed
