@@ -90,6 +90,7 @@ from cancellable_agents.toolsets.sandbox.local.isolation import (
     warn_no_boundary,
 )
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, start_process
+from cancellable_agents.toolsets.sandbox.local.totals import LimitBreach, TotalsWatcher
 from cancellable_agents.toolsets.sandbox.local.workdirs import new_workdir, prepare_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult, SandboxClosed
 
@@ -202,6 +203,7 @@ class LocalSandbox:
         self._command_limits = replace(self.limits, max_processes=None)
         if self.mode == "landlock":
             self._landlock_boundary(read_only_paths, writable_paths)
+        self._totals = self._totals_watcher()
         log.info(
             "LocalSandbox %s: isolation=%s, workdir=%s%s", self.id, self.mode, self.workdir, self._described()
         )
@@ -253,6 +255,50 @@ class LocalSandbox:
             support, readable=shown, writable=rw, network=self.network
         )
         weakref.finalize(self, self._landlock.close)
+
+    def _totals_watcher(self) -> TotalsWatcher:
+        """The sandbox's totals the kernel does not keep (no cgroup, no tmpfs), counted over its
+        commands' trees (:mod:`~cancellable_agents.toolsets.sandbox.local.totals`); boundary
+        modes only (process-group mode cannot see a detached process as its command's)."""
+        counted = self.cgroup is None and (self._boundary is not None or self._landlock is not None)
+        folders: dict[str, tuple[Path, int]] = {}
+        if self._boundary is not None or self._landlock is not None:
+            bound = self.limits.workdir_bytes
+            if bound is not None and self._owns_workdir and not os.path.ismount(self.workdir):
+                folders["workdir_bytes"] = (self.workdir, bound)
+            if self.limits.tmp_bytes is not None and self._tmp is not None and not os.path.ismount(self._tmp):
+                folders["tmp_bytes"] = (self._tmp, self.limits.tmp_bytes)
+        return TotalsWatcher(
+            max_processes=self.limits.max_processes if counted else None,
+            memory_bytes=self.limits.memory_bytes if counted else None,
+            folders=folders,
+            roots=self._running_roots,
+            on_breach=self._kill_at_limit,
+        )
+
+    def _running_roots(self) -> list[int]:
+        with self._lock:
+            return [
+                c.popen.pid for c in self._commands.values() if c.stop_reason is None and not c.done.is_set()
+            ]
+
+    def _kill_at_limit(self, breach: LimitBreach) -> None:
+        """A total past its limit: SIGKILL every running command (each names the limit)."""
+        with self._lock:
+            running = [c for c in self._commands.values() if c.stop_reason is None and not c.done.is_set()]
+        if not running:
+            return
+        log.warning(
+            "sandbox %s: %s; killing its %d running command(s)", self.id, breach.describe(), len(running)
+        )
+        workers = [
+            threading.Thread(target=cmd.kill_at_limit, args=(breach,), name=f"limit-{cmd.id}", daemon=True)
+            for cmd in running
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(stop_bound(0.0))
 
     def _private_tmp(self) -> Path:
         """The sandbox's tmp (``TMPDIR``): named as a workdir, so the next sandbox removes it
@@ -403,6 +449,7 @@ class LocalSandbox:
                     raise
             self._commands[command_id] = cmd
             self._forget_old_results()
+        self._totals.ensure_started()
         return command_id
 
     def _forget_old_results(self) -> None:
@@ -535,6 +582,7 @@ class LocalSandbox:
             if self._destroyed:
                 return
             self._destroyed = True
+        self._totals.close()
         self.stop_all()
         if self._proxy is not None:
             self._proxy.close()
