@@ -181,8 +181,22 @@ def cycles(root: Path) -> list[list[str]]:
     return groups
 
 
+def shared_file_names(root: Path) -> dict[str, list[str]]:
+    """File names more than one module under ``root`` has (``__init__.py`` aside), with those
+    modules: one name, one idea, so a name read in a traceback or an import says which room."""
+    by_name: dict[str, list[str]] = {}
+    for name, path in modules(root).items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(name)
+    return {file_name: names for file_name, names in by_name.items() if len(names) > 1}
+
+
 def test_the_package_keeps_its_layers() -> None:
     assert violations(ROOT) == []
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    assert shared_file_names(ROOT) == {}
 
 
 def test_every_room_has_a_layer() -> None:
@@ -245,6 +259,13 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 )
 def test_the_checker_catches(tmp_path: Path, files: dict[str, str], expected: str) -> None:
     assert violations(_tree(tmp_path, files)) == [expected]
+
+
+def test_the_checker_catches_a_shared_file_name(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"core/record.py": "", "durable/record.py": "", "durable/__init__.py": ""})
+    assert shared_file_names(root) == {
+        "record.py": ["cancellable_agents.core.record", "cancellable_agents.durable.record"]
+    }
 
 
 def test_type_checking_imports_are_no_cycle_but_still_respect_layers(tmp_path: Path) -> None:

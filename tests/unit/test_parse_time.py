@@ -37,10 +37,10 @@ HEAVY = (
 #: model hook.
 RUN_TIME_ONLY = (
     "cancellable_agents.core.scope",
-    "cancellable_agents.core.report",
+    "cancellable_agents.airflow.kill_record.document",
     "cancellable_agents.procs",
     "cancellable_agents.run",
-    "cancellable_agents.airflow.kill_log",
+    "cancellable_agents.airflow.kill_record.task_log",
     "cancellable_agents.airflow.metrics",
     "cancellable_agents.airflow.supervisor",
     "cancellable_agents.airflow.server_stop",

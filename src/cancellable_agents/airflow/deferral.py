@@ -3,7 +3,7 @@ with an Airflow trigger; the durable run stops at that step (its record holds th
 pending call), the task defers (no worker slot, no process), and when the trigger fires the task
 resumes and the run continues from the record with the trigger's event as the call's result.
 
-The Airflow side of :mod:`cancellable_agents.durable.deferral`, on the path approvals take
+The Airflow side of :mod:`cancellable_agents.durable.deferred_calls`, on the path approvals take
 (:mod:`cancellable_agents.airflow.approval`): the execute guard turns the paused run into
 ``TaskDeferred`` here instead of ``TaskAwaitingInput`` there. The task defers to one
 :class:`~cancellable_agents.airflow.triggers.DeferredCallsTrigger` that waits for every call of
@@ -22,7 +22,7 @@ from cancellable_agents.core.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
     from cancellable_agents.airflow.task_try import TaskTry
-    from cancellable_agents.durable.approval import ApprovalRequest, Decision
+    from cancellable_agents.durable.pauses import ApprovalRequest, Decision
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def defer_to(trigger: Any, *, timeout: timedelta | float | None = None, on_timeo
     keyword arguments. Raises :class:`ConfigurationError` naming the fix where any of that is
     missing.
     """
-    from cancellable_agents.durable.deferral import ON_TIMEOUT, Wait, check_journaled, defer_call
+    from cancellable_agents.durable.deferred_calls import ON_TIMEOUT, Wait, check_journaled, defer_call
 
     if on_timeout not in ON_TIMEOUT:
         raise ConfigurationError(f"defer_to(on_timeout={on_timeout!r}): must be one of {ON_TIMEOUT}")
@@ -90,7 +90,7 @@ def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
     from airflow.sdk.exceptions import TaskDeferred
 
     from cancellable_agents.airflow.triggers import DeferredCallsTrigger
-    from cancellable_agents.durable.deferral import Wait
+    from cancellable_agents.durable.deferred_calls import Wait
 
     waits = {c.tool_call_id: Wait.from_dict(c.wait) for c in request.calls if c.wait is not None}
     calls = [
@@ -132,7 +132,7 @@ def answers_from_event(event: Any) -> tuple[str, dict[str, Decision]]:
     """The run key and the deferred calls' results from the :class:`DeferredCallsTrigger` event
     Airflow hands the resumed task. Raises :class:`ConfigurationError` for a result that is not
     JSON (the record keeps it, the model reads it)."""
-    from cancellable_agents.durable.deferral import results_as_decisions
+    from cancellable_agents.durable.deferred_calls import results_as_decisions
 
     if not isinstance(event, dict) or not isinstance(event.get("results"), dict):
         raise ConfigurationError(f"resumed after a deferral without the trigger's results: {event!r}")

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.config import deployment_setting
-from cancellable_agents.core.report import KillReport, unwound_ms
+from cancellable_agents.airflow.kill_record.document import KillReport, unwound_ms
 from cancellable_agents.core.usage import USAGE_FIELDS, usage_counts
 
 if TYPE_CHECKING:

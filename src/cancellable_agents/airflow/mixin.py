@@ -124,7 +124,7 @@ class CancellableAgentMixin:
             self.durable = options
         _check_settings(self)
         if self.owns_durable and self.durable:
-            from cancellable_agents.airflow.durable import check_durable
+            from cancellable_agents.airflow.durable_task import check_durable
 
             check_durable(self)
         if cancellation_retry_policy:
@@ -210,16 +210,16 @@ class CancellableAgentMixin:
         """``durable=True``: this run's continuity record (:mod:`cancellable_agents.durable`)."""
         if not (self.owns_durable and self.durable):
             return None
-        from cancellable_agents.airflow.durable import journal_for
+        from cancellable_agents.airflow.durable_task import journal_for
 
         return journal_for(self, task_try)
 
     def resume_after_approval(self, context: Any, request: dict[str, Any], event: dict[str, Any]) -> Any:
         """Airflow calls this instead of ``execute`` once the reviewer answered (or the wait timed
         out): ``execute`` runs again, and the run that stopped continues from its record with
-        the answer (``durable.approval``); runs before it in ``execute`` start afresh."""
+        the answer (``durable.pauses``); runs before it in ``execute`` start afresh."""
         from cancellable_agents.airflow.approval import decisions_from_event
-        from cancellable_agents.durable.approval import ApprovalRequest
+        from cancellable_agents.durable.pauses import ApprovalRequest
 
         paused = ApprovalRequest.from_dict(request)
         self.task_try(context).answers = (paused.run_key, decisions_from_event(event, paused))
@@ -293,13 +293,13 @@ class CancellableAgentMixin:
         """The :class:`TaskCancelled` to raise for this killed task (cause, transcript, usage,
         timeline), with the kill record logged first (once per task instance). For subclasses
         whose own waits notice the kill (``raise self.cancelled_error("killed while ...")``)."""
-        from cancellable_agents.airflow.kill_log import cancelled_error
+        from cancellable_agents.airflow.kill_record.task_log import cancelled_error
 
         return cancelled_error(self.task_try(), getattr(self, "retry_policy", None), message)
 
     def _log_record(self, exc: TaskCancelled | None = None) -> None:
         """Once per task instance, after the unwind: the kill record into the task log."""
-        from cancellable_agents.airflow.kill_log import log_kill_record
+        from cancellable_agents.airflow.kill_record.task_log import log_kill_record
 
         log_kill_record(self.task_try(), getattr(self, "retry_policy", None), exc)
 

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.core.report import RECORD_PREFIX
 from cancellable_agents.core.scope import Outcome, TaskCancellation
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from cancellable_agents.airflow.supervisor import SupervisorWatch
     from cancellable_agents.core.causes import CauseVerdict
     from cancellable_agents.core.scope import TaskCancellation
-    from cancellable_agents.durable.approval import Decision
+    from cancellable_agents.durable.pauses import Decision
     from cancellable_agents.procs.reaper import DescendantReaper
     from cancellable_agents.run.tool_calls import RunIdentity
 

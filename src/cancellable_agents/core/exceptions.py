@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.core.causes import CancelCause, UserAction
-from cancellable_agents.core.record import KillRecord, TimelineEvent
+from cancellable_agents.core.timeline import KillRecord, TimelineEvent
 
 if TYPE_CHECKING:
     from pydantic_ai.messages import ModelMessage

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction, bounded
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
-from cancellable_agents.core.record import KillRecord, TimelineEvent
+from cancellable_agents.core.timeline import KillRecord, TimelineEvent
 from cancellable_agents.core.unwind import (
     DEFAULT_BUDGET,
     Cleanup,

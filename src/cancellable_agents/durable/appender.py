@@ -7,7 +7,7 @@ one write unconfirmed), and the ownership check that notices a newer try took ov
 the journal because two threads meet here and nowhere else: the run's thread (the one that
 drives the agent) calls every public method; :meth:`Appender._store` and
 :meth:`Appender._still_owner` run on the writer's thread. Each field says which thread writes
-it. The record's layout and its checks: :mod:`cancellable_agents.durable.record`.
+it. The record's layout and its checks: :mod:`cancellable_agents.durable.record_format`.
 
 Fencing needs no read before a write: each try writes only keys of its own, and a newer try
 reads an older one only up to the count frozen in its head's ``base``. The ownership check only
@@ -26,9 +26,9 @@ from typing import Any
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable.reasons import RecordingOff
-from cancellable_agents.durable.record import FORMAT, LoadedRecord, chain, segment_key, segment_try
+from cancellable_agents.durable.record_format import FORMAT, LoadedRecord, chain, segment_key, segment_try
 from cancellable_agents.durable.stores import ListableStore, Store
-from cancellable_agents.durable.usage import TryUsage
+from cancellable_agents.durable.try_usage import TryUsage
 from cancellable_agents.durable.writer import StoreWriter
 
 log = logging.getLogger(__name__)

@@ -72,7 +72,7 @@ def workspace_lost_on_retry(toolsets: Iterable[Any]) -> bool:
 def walk_toolsets(toolsets: Iterable[Any]) -> Iterator[Any]:
     """Every toolset of ``toolsets`` and, depth first, those it wraps or combines.
 
-    A light description (:mod:`cancellable_agents.toolsets.description`) is a leaf: its toolset
+    A light description (:mod:`cancellable_agents.toolsets.toolset_description`) is a leaf: its toolset
     is made when the task runs, and asking it for its parts would make it here, at parse time.
     """
     for toolset in toolsets:

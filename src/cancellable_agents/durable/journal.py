@@ -12,7 +12,7 @@ whether this try continues an earlier one (pure: a plan, applied here);
 :mod:`~cancellable_agents.durable.appender` chains, stores and fences the entries (the writer
 thread lives there, and the thread rules with it); :mod:`~cancellable_agents.durable.steps`
 decides which messages go into which entry, and when; :mod:`~cancellable_agents.durable.run_arguments`
-rewrites the run's arguments to resume; :mod:`~cancellable_agents.durable.record` is the format.
+rewrites the run's arguments to resume; :mod:`~cancellable_agents.durable.record_format` is the format.
 This module holds what spans them: the order of one try's life, its usage, and the facts the
 kill record and the metrics read. Airflow-free: the store is anything with
 ``get``/``set``/``delete`` of JSON values.
@@ -31,18 +31,18 @@ from typing import Any
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import run_arguments
 from cancellable_agents.durable.appender import OWNER_CHECK_S, Appender
-from cancellable_agents.durable.approval import (
+from cancellable_agents.durable.capability import JournalCapability
+from cancellable_agents.durable.deferred_calls import journaled_run
+from cancellable_agents.durable.fingerprint import fingerprint
+from cancellable_agents.durable.pauses import (
     ApprovalNotPossible,
     ApprovalRequest,
     AwaitingApproval,
     Decision,
     request_of,
 )
-from cancellable_agents.durable.capability import JournalCapability
-from cancellable_agents.durable.deferral import journaled_run
-from cancellable_agents.durable.fingerprint import fingerprint
 from cancellable_agents.durable.reasons import FreshStart, RecordingOff
-from cancellable_agents.durable.record import (
+from cancellable_agents.durable.record_format import (
     AWAITING,
     KEY_PREFIX,
     LoadedRecord,
@@ -54,7 +54,7 @@ from cancellable_agents.durable.resume import ResumeInfo, active_resume
 from cancellable_agents.durable.resume_plan import Resume, StartFresh, announce, plan_resume
 from cancellable_agents.durable.steps import StepRecorder
 from cancellable_agents.durable.stores import Store
-from cancellable_agents.durable.usage import TryUsage, minus_usage, total_usage
+from cancellable_agents.durable.try_usage import TryUsage, minus_usage, total_usage
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Journal:
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
         only stops its wasted work sooner than Airflow's heartbeat does.
     :param answers: a reviewer's decisions, by tool call id, for the approval the record is
-        stopped at (see :mod:`cancellable_agents.durable.approval`): this execution continues
+        stopped at (see :mod:`cancellable_agents.durable.pauses`): this execution continues
         the same try after its pause (its own segment is read too) and the answer is recorded
         before the run goes on. A record stopped at an approval with no answers, here or in
         the record, raises :class:`AwaitingApproval` again from :meth:`attach`, with no request.

@@ -18,12 +18,12 @@ from typing import Any
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.durable.approval import ApprovalRequest, Decision
-from cancellable_agents.durable.deferral import Wait
+from cancellable_agents.durable.deferred_calls import Wait
+from cancellable_agents.durable.pauses import ApprovalRequest, Decision
 from cancellable_agents.durable.reasons import FreshStart
-from cancellable_agents.durable.record import AWAITING, LoadedRecord, RecordProblem
+from cancellable_agents.durable.record_format import AWAITING, LoadedRecord, RecordProblem
 from cancellable_agents.durable.resume import ResumeInfo
-from cancellable_agents.durable.usage import TryUsage
+from cancellable_agents.durable.try_usage import TryUsage
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart, Tool
 from pydantic_core import to_jsonable_python
 
 from cancellable_agents.durable.appender import Appender
-from cancellable_agents.durable.record import dump_message
+from cancellable_agents.durable.record_format import dump_message
 
 
 class StepRecorder:

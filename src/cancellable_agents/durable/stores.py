@@ -16,7 +16,7 @@ until ``[state_store] clear_on_success`` or ``default_retention_days`` removes t
 the completed run's end entry tells every later try to start fresh).
 
 Airflow-free: a ``durable_path=`` given as a string becomes an ``ObjectStoragePath`` in
-:mod:`cancellable_agents.airflow.durable`, before it reaches :class:`PathStore`.
+:mod:`cancellable_agents.airflow.durable_task`, before it reaches :class:`PathStore`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 from cancellable_agents.airflow.approval import check_approvals
 from cancellable_agents.operators.llm import LLMOperator
-from cancellable_agents.toolsets.description import built
+from cancellable_agents.toolsets.toolset_description import built
 
 
 class AgentOperator(LLMOperator):

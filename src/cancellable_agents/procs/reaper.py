@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cancellable_agents.core.record import KillRecord
+from cancellable_agents.core.timeline import KillRecord
 from cancellable_agents.procs.proc import (
     IS_LINUX,
     ProcInfo,

@@ -49,8 +49,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import Phase, TaskCancellation, current_cancellation
+from cancellable_agents.core.timeline import KillRecord
 from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,

@@ -25,7 +25,7 @@ from pydantic_ai.exceptions import RunCancelled, RunTimedOut
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
-from cancellable_agents.durable.approval import AwaitingApproval
+from cancellable_agents.durable.pauses import AwaitingApproval
 from cancellable_agents.run.tool_calls import RunIdentity, run_identity
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def run_agent_in_scope(
     ``journal`` (``durable=True``, opened by the caller): attached before the run, appended to
     after each step, and ended here as the run ends (see :func:`_run_journaled`). A journaled
     run whose model calls a tool that requires approval stops there and raises
-    :class:`~cancellable_agents.durable.approval.AwaitingApproval` instead of returning.
+    :class:`~cancellable_agents.durable.pauses.AwaitingApproval` instead of returning.
     ``on_cancelled``: called with the :class:`TaskCancelled` before it is raised (an operator
     logs its kill record there), before the journal's end is written. ``identity``: who the run
     is (task instance, run key, try), from which its tool calls' idempotency keys derive

@@ -5,7 +5,7 @@
 - :mod:`cancellable_agents.toolsets.delegation`: ``SubagentToolset`` and ``Subagent``, delegation
   to sub-agents as a DAG file describes it; :mod:`cancellable_agents.toolsets.subagents` runs
   them (``SubagentTools``), each under a child scope that the task's cancel reaches first.
-- :mod:`cancellable_agents.toolsets.description`: what makes ``SandboxToolset`` and
+- :mod:`cancellable_agents.toolsets.toolset_description`: what makes ``SandboxToolset`` and
   ``SubagentToolset`` light descriptions, made into pydantic-ai toolsets when the task runs.
 
 Submodules are imported on use, so importing this package costs nothing.

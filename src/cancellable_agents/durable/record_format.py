@@ -38,11 +38,11 @@ from pydantic_ai.messages import (
     ToolCallPart,
 )
 
-from cancellable_agents.durable.approval import ApprovalRequest, Decision
 from cancellable_agents.durable.fingerprint import canonical
+from cancellable_agents.durable.pauses import ApprovalRequest, Decision
 from cancellable_agents.durable.reasons import FreshStart
 from cancellable_agents.durable.stores import Store
-from cancellable_agents.durable.usage import TryUsage
+from cancellable_agents.durable.try_usage import TryUsage
 
 #: Bumped when the layout changes; a record of another format is not used (fresh start, one
 #: warning). Format 1 (one header key ``<p>``, one entry per message) is refused that way.

@@ -2,11 +2,11 @@
 trigger, the run stops at that step, and a later execution continues with the trigger's event as
 the call's result.
 
-The run side of the path :mod:`cancellable_agents.durable.approval` already takes for approvals:
+The run side of the path :mod:`cancellable_agents.durable.pauses` already takes for approvals:
 a tool raises pydantic-ai's ``CallDeferred`` carrying a :class:`Wait` (what to wait on, as JSON)
 in its metadata; the run ends with ``DeferredToolRequests``; the record holds the pending calls
 with their waits; the outside work's results come back as
-:meth:`~cancellable_agents.durable.approval.Decision.returned` decisions, which the record keeps
+:meth:`~cancellable_agents.durable.pauses.Decision.returned` decisions, which the record keeps
 and the continuing run gets as ``DeferredToolResults``. Airflow-free: a :class:`Wait` names a
 trigger by class path and JSON keyword arguments; what runs it is the Airflow side's
 (:mod:`cancellable_agents.airflow.deferral`).
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.approval import WAIT_KEY, Decision
+from cancellable_agents.durable.pauses import WAIT_KEY, Decision
 
 #: What a deferred call's timeout does: the model is told (and the run goes on), or the task ends
 #: as ``timeout``.

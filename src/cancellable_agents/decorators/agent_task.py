@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 
-from cancellable_agents.decorators.llm import PromptFromCallable
+from cancellable_agents.decorators.llm_task import PromptFromCallable
 from cancellable_agents.operators.agent import AgentOperator
 
 
