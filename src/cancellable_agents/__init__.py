@@ -1,40 +1,8 @@
 """Run pydantic-ai LLM calls and agents as Airflow tasks, and stop them correctly.
 
-Where each idea lives. Layers, lowest first: each imports only its own and those below it
-(lazy imports included), and nothing below ``airflow/`` imports Airflow;
-``tests/unit/test_layers.py`` holds the code to it.
-
-- ``core/``: the cancellation model. ``scope`` (``TaskCancellation``: cancel, children, settle),
-  ``unwind`` (phased release within the budget), ``causes`` (``CancelCause``, ``UserAction`` and
-  their words), ``timeline`` (timeline events, ``KillRecord``), ``exceptions``
-  (``TaskCancelled``, built only by ``TaskCancellation.cancelled_error``), ``shield`` (the one
-  wait that outlasts a cancel, within the budget), ``usage`` (the one usage shape), ``workers``
-  (the one job-thread utility).
-- ``procs/``: ``/proc`` and signals, the descendant reaper.
-- ``durable/``: the continuity record (``durable=True``): ``record_format`` (format, hash chain,
-  checks), ``fingerprint``, ``try_usage``, ``reasons``, ``resume`` (what a resumed run tells its
-  tools), ``capability`` (the pydantic-ai hook), ``stores``, ``journal`` (the policy).
-- ``run/``: the pydantic-ai binding: ``tracker`` (in-flight tools, tool threads, model requests,
-  the tool call in progress), ``tool_calls`` (idempotency keys: ``ToolCall``; light) and
-  ``runner`` (an agent run under a scope: in-flight work stopped before teardown; a durable
-  run's journal attached, stepped and ended in one place).
-- ``toolsets/``: ``sandbox/`` (the protocol, ``attach_sandbox`` and the toolset, for any
-  backend; ``local/``, the local backend: one command's process tree, isolation modes, workdirs,
-  race-free file access, environment allowlist; ``local/boundary/``: bubblewrap profiles,
-  seccomp filter, egress allowlist, cgroups, limits) and ``subagents``.
-- ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
-  shim), ``task_try`` (``TaskTry``: one try's scope, task instance, reaper, supervisor watch,
-  approval and durable runs, as one typed object), ``mixin`` (``CancellableAgentMixin``: the
-  operator surface and ``on_kill``, a thin Airflow face over the try), ``guard`` (``execute``
-  ends as ``TaskCancelled`` after a kill), ``kill_record/`` (the record: written once,
-  rendered, parsed, with what Airflow logs after it), ``retry``
-  (``CancellationAwareRetryPolicy``), ``supervisor`` (a lost supervisor is a kill),
-  ``server_stop`` (the cause read from the supervisor's own log line, no round trip),
-  ``durable_task`` (the store and try of a task), ``metrics`` (Stats, the kill's span, opt-in
-  GenAI spans).
-- ``operators/``, ``decorators/``, ``hooks/``: what DAG authors use; ``common_ai``: common.ai's
-  operators with these semantics (optional extra). ``testing/``: the scripted OpenAI-compatible
-  model server (leaf: imports nothing of the package).
+Where each idea lives: ``docs/content/architecture.md`` (the layers and what each owns, every
+module, the data flow of a kill, the thread model, the records' formats, the sandbox modes);
+``tests/unit/test_layers.py`` holds the code to its layers and its module map.
 
 The package imports lazily: the names below are loaded on first use. Type checkers see them
 through the ``TYPE_CHECKING`` imports, which mirror ``_EXPORTS`` (``tests/unit/test_provider.py``

@@ -45,6 +45,12 @@ def test_an_old_path_warns_once_and_gives_the_new_modules_objects(old: str) -> N
     ]
 
 
+def test_the_deprecation_policy_lists_each_renamed_path() -> None:
+    policy = (SRC.parents[1] / "docs" / "content" / "versioning.md").read_text()
+    for old, new in cancellable_agents._RENAMED_MODULES.items():
+        assert f"| `{old}` | `{new}` | 0.2.0 | 0.3.0 |" in policy
+
+
 def test_the_warning_is_a_deprecation_warning() -> None:
     assert issubclass(CancellableAgentsDeprecationWarning, DeprecationWarning)
 
