@@ -358,3 +358,38 @@ def test_the_license_ships_with_the_package() -> None:
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+#: The documented import paths (docs/content/versioning.md, "The public API") beside the modules
+#: the package root exports from.
+DOCUMENTED_MODULES = (
+    "cancellable_agents.operators.llm",
+    "cancellable_agents.operators.agent",
+    "cancellable_agents.decorators.llm_task",
+    "cancellable_agents.decorators.agent_task",
+    "cancellable_agents.hooks.model",
+    "cancellable_agents.common_ai",
+    "cancellable_agents.toolsets.sandbox",
+    "cancellable_agents.durable",
+    "cancellable_agents.testing.openai_server",
+    "cancellable_agents.testing.jobs",
+    "cancellable_agents.airflow.kill_record.document",
+)
+
+
+def test_every_public_module_says_what_it_exports() -> None:
+    import importlib
+
+    import cancellable_agents
+
+    exported_from: dict[str, set[str]] = {}
+    for name, module in cancellable_agents._EXPORTS.items():
+        exported_from.setdefault(module, set()).add(name)
+    for module_name in sorted({*exported_from, *DOCUMENTED_MODULES}):
+        if module_name == "cancellable_agents.common_ai" and not common_ai_installed():
+            continue
+        module = importlib.import_module(module_name)
+        declared = getattr(module, "__all__", None)
+        assert declared is not None, f"{module_name} has no __all__"
+        assert [name for name in declared if not hasattr(module, name)] == [], module_name
+        assert exported_from.get(module_name, set()) <= set(declared), module_name

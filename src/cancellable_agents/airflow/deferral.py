@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from cancellable_agents.airflow.task_try import TaskTry
     from cancellable_agents.durable.pauses import ApprovalRequest, Decision
 
+__all__ = ["defer_to"]
+
 log = logging.getLogger(__name__)
 
 #: The operator method Airflow calls when the trigger fired (``TaskDeferred.method_name``).

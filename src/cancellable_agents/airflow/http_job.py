@@ -19,6 +19,8 @@ from typing import Any
 
 from cancellable_agents.airflow.triggers import PollTrigger
 
+__all__ = ["HttpJobFailed", "HttpJobTrigger"]
+
 log = logging.getLogger(__name__)
 
 DONE_STATES = ("done", "succeeded", "success", "completed", "finished")

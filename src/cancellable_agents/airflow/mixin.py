@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from cancellable_agents.core.exceptions import TaskCancelled
     from cancellable_agents.core.scope import TaskCancellation
 
+__all__ = ["CancellableAgentMixin"]
+
 log = logging.getLogger(__name__)
 
 

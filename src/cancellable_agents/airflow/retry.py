@@ -18,6 +18,8 @@ from cancellable_agents.airflow.adapter import is_execution_timeout
 from cancellable_agents.airflow.task_try import cancellation_of
 from cancellable_agents.core.causes import CancelCause, UserAction
 
+__all__ = ["CancellationAwareRetryPolicy"]
+
 try:
     from airflow.sdk.definitions.retry_policy import RetryAction, RetryDecision, RetryPolicy
 except ImportError as exc:  # pragma: no cover - exercised only on Airflow < 3.3

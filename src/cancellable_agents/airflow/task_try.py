@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from cancellable_agents.procs.reaper import DescendantReaper
     from cancellable_agents.run.tool_calls import RunIdentity
 
+__all__ = ["TaskTry", "cancellation_of"]
+
 log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the task log has always named
 
 #: The operator's ``__dict__`` key holding its :class:`TaskTry`.

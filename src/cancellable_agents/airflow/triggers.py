@@ -25,6 +25,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+__all__ = ["DeferredCallsTrigger", "PollTrigger"]
+
 log = logging.getLogger(__name__)
 
 

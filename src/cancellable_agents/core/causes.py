@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+__all__ = ["CancelCause", "CauseVerdict", "UserAction"]
+
 log = logging.getLogger(__name__)
 
 

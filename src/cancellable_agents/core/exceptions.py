@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from pydantic_ai.messages import ModelMessage
     from pydantic_ai.usage import RunUsage
 
+__all__ = ["CancellableAgentsError", "ConfigurationError", "TaskCancelled"]
+
 
 class TaskCancelled(Exception):
     """The task's run was cancelled (killed, timed out, or its parent stopped).

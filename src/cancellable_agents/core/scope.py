@@ -50,6 +50,8 @@ from cancellable_agents.core.unwind import (
     release_together,
 )
 
+__all__ = ["Outcome", "ResourceHandle", "TaskCancellation", "current_cancellation"]
+
 log = logging.getLogger(__name__)
 
 

@@ -10,6 +10,8 @@ from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_d
 from cancellable_agents.decorators.llm_task import PromptFromCallable
 from cancellable_agents.operators.agent import AgentOperator
 
+__all__ = ["agent_task"]
+
 
 class _AgentDecoratedOperator(PromptFromCallable, AgentOperator):
     """Runs the decorated function to get the prompt, then behaves as :class:`AgentOperator`."""

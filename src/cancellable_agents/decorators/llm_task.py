@@ -12,6 +12,8 @@ from airflow.sdk.definitions.context import Context, context_merge
 from cancellable_agents.airflow.adapter import determine_kwargs
 from cancellable_agents.operators.llm import LLMOperator
 
+__all__ = ["llm_task"]
+
 
 class PromptFromCallable(DecoratedOperator):
     """The TaskFlow part of ``@task.llm`` / ``@task.agent``: the function's return value is the

@@ -17,6 +17,8 @@ from airflow.sdk.bases.hook import BaseHook
 
 from cancellable_agents.core.exceptions import ConfigurationError
 
+__all__ = ["ModelHook"]
+
 #: Sent to OpenAI-compatible local servers that want *some* key but check none.
 _LOCAL_SERVER_KEY = "not-needed-for-local-servers"
 #: The form's *Test* button waits this long for the model's answer (the API server waits on it).

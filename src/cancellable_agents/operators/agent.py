@@ -10,6 +10,8 @@ from cancellable_agents.airflow.approval import check_approvals
 from cancellable_agents.operators.llm import LLMOperator
 from cancellable_agents.toolsets.toolset_description import built
 
+__all__ = ["AgentOperator"]
+
 
 class AgentOperator(LLMOperator):
     """Run an agent: a model plus tools (functions), toolsets (e.g. a sandbox) and ``deps``.

@@ -13,6 +13,8 @@ from cancellable_agents.durable.options import DurableOptions
 if TYPE_CHECKING:
     from airflow.sdk.definitions.context import Context
 
+__all__ = ["LLMOperator"]
+
 
 class LLMOperator(CancellableAgentMixin, BaseOperator):
     """Send ``prompt`` to a model and return its output (pydantic models as dicts, for XCom).

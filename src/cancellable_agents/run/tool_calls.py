@@ -46,6 +46,15 @@ from dataclasses import dataclass, replace
 
 from cancellable_agents.durable.fingerprint import canonical
 
+__all__ = [
+    "IDEMPOTENCY_HEADER",
+    "IDEMPOTENCY_KEY_ENV",
+    "IDEMPOTENCY_META_KEY",
+    "ToolCall",
+    "current_tool_call",
+    "idempotency_headers",
+]
+
 #: The environment variable a sandbox command gets the key of its tool call in.
 IDEMPOTENCY_KEY_ENV = "CANCELLABLE_AGENTS_IDEMPOTENCY_KEY"
 #: The HTTP header :func:`idempotency_headers` sets (the name Stripe and the IETF draft use).

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+__all__ = ["acancel", "cancel", "finish", "last_polled", "start", "state_of", "status"]
+
 
 def _path(root: str, job: str) -> Path:
     return Path(root) / f"{job}.json"

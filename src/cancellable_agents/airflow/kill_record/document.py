@@ -20,6 +20,20 @@ from typing import Any
 
 from cancellable_agents.core.causes import CancelCause, UserAction
 
+__all__ = [
+    "RECORD_PREFIX",
+    "SUMMARY_PREFIX",
+    "ExpectedLine",
+    "KillReport",
+    "RetryOutlook",
+    "hide_unwind_chain",
+    "parse_record",
+    "parse_records",
+    "render_record",
+    "summary_line",
+    "unwound_ms",
+]
+
 log = logging.getLogger(__name__)
 
 #: Prefix of the structured record in the log; what follows it is one JSON object (parsers:
