@@ -2,7 +2,7 @@
 AWAITING_INPUT with a Required Actions form, holding no worker slot and no process; the answer
 (or the wait's timeout) resumes the task, which continues the run from its record.
 
-The Airflow side of :mod:`cancellable_agents.durable.pauses`. Airflow hands the resumed task
+The Airflow side of [`cancellable_agents.durable.pauses`][]. Airflow hands the resumed task
 the form's answer as ``next_kwargs["event"]`` (``chosen_options``, ``params_input``,
 ``responded_by_user``, ``timedout``; or ``error`` when the wait timed out with no default), the
 same payload as the standard provider's ``HITLOperator.execute_complete`` gets.

@@ -2,7 +2,7 @@
 returned, and the scope's one outcome is settled there.
 
 Wrapped around every ``execute`` of an operator with the mixin (its own, or one inherited from a
-plain operator) by :meth:`CancellableAgentMixin.__init_subclass__`.
+plain operator) by `CancellableAgentMixin.__init_subclass__`.
 """
 
 from __future__ import annotations

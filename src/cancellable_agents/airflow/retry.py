@@ -6,7 +6,7 @@ cancellation this policy decides from the recorded cause alone and never consult
 for every other error it defers to ``inner`` (any Airflow ``RetryPolicy``).
 
 Needs Airflow 3.3+ (``airflow.sdk.definitions.retry_policy``); on older Airflow the operators
-still raise :class:`TaskCancelled` and log the cause, and importing this module says so.
+still raise [`TaskCancelled`][] and log the cause, and importing this module says so.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the new path and the version that removes the old one.
 
 No module is left behind at an old path (a file there would be a second name for one idea, and
 would show in every listing of the package). Instead the package root registers the renames
-with :func:`renamed_modules`, and a finder at the end of ``sys.meta_path`` answers only for
+with [`renamed_modules`][], and a finder at the end of ``sys.meta_path`` answers only for
 those names, after every real module was looked for: the old name is a module that hands out the
 new module's objects (the same objects), imported once, so the warning comes once per process.
 The versioning and deprecation policy is in ``docs/content/versioning.md``.

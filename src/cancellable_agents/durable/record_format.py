@@ -158,7 +158,7 @@ def load_record(
     store: Store, key: str, try_number: int, fp: str, *, own: bool = False
 ) -> LoadedRecord | None:
     """The record under ``key`` as try ``try_number`` finds it, checked; ``None`` if there is none
-    (or its run completed). Raises :class:`RecordProblem`.
+    (or its run completed). Raises [`RecordProblem`][].
 
     Reads back from the try before this one to the first that wrote anything; a first try reads
     nothing (no earlier try can have written). ``own``: start at this try's own segment (an

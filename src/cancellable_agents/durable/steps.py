@@ -28,7 +28,7 @@ from cancellable_agents.durable.record_format import dump_message
 class StepRecorder:
     """Appends each completed step of one run, and replays the calls an earlier try returned.
 
-    Driven by :class:`~cancellable_agents.durable.capability.JournalCapability`; the journal
+    Driven by [`JournalCapability`][cancellable_agents.durable.capability.JournalCapability]; the journal
     reads what is still unwritten when the run ends. A failed append turns the record off.
     """
 

@@ -46,7 +46,7 @@ class ModelHook(BaseHook):
         self.model_id = model
 
     def get_model(self) -> Any:
-        """Return a pydantic-ai ``Model`` (raises :class:`ConfigurationError` naming the fix)."""
+        """Return a pydantic-ai ``Model`` (raises [`ConfigurationError`][] naming the fix)."""
         base_url, api_key, conn_model = self._connection_fields()
         model_id = (self.model_id or conn_model or "").strip()
         if not model_id:

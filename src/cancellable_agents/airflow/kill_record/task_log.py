@@ -1,5 +1,5 @@
 """What a killed task writes at the end of its log, once, after the unwind: one human line, the
-structured record (:mod:`~cancellable_agents.airflow.kill_record.document` renders it), its
+structured record ([`document`][cancellable_agents.airflow.kill_record.document] renders it), its
 metrics; then the task process exits promptly."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the ta
 
 
 def cancelled_error(task_try: TaskTry, retry_policy: Any, message: str) -> TaskCancelled:
-    """The :class:`TaskCancelled` to raise for a killed try, with its kill record logged first."""
+    """The [`TaskCancelled`][] to raise for a killed try, with its kill record logged first."""
     exc = task_try.scope.cancelled_error(message)
     log_kill_record(task_try, retry_policy, exc)
     return exc
