@@ -11,8 +11,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cancellable_agents.toolsets.description import ToolsetDescription
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_policy import EgressPolicy
+from cancellable_agents.toolsets.toolset_description import ToolsetDescription
 
 if TYPE_CHECKING:
     from cancellable_agents.toolsets.sandbox.local.boundary.limits import Limits

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.core.timeline import KillRecord
 from cancellable_agents.procs.owner import owner_gone
 from cancellable_agents.procs.proc import (
     ProcKey,
