@@ -55,7 +55,7 @@ from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
 from tests.e2e.postgres import PostgresCluster
 from tests.e2e.postgres import missing_reason as postgres_missing
 
-from cancellable_agents.core.report import parse_record
+from cancellable_agents.airflow.kill_record.document import parse_record
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 DAGS_FOLDER = Path(__file__).with_name("fleet_dags")

@@ -1,39 +1,8 @@
 """Run pydantic-ai LLM calls and agents as Airflow tasks, and stop them correctly.
 
-Where each idea lives. Layers, lowest first: each imports only its own and those below it
-(lazy imports included), and nothing below ``airflow/`` imports Airflow;
-``tests/unit/test_layers.py`` holds the code to it.
-
-- ``core/``: the cancellation model. ``scope`` (``TaskCancellation``: cancel, children, settle),
-  ``unwind`` (phased release within the budget), ``causes`` (``CancelCause``, ``UserAction`` and
-  their words), ``record`` (timeline events, ``KillRecord``), ``report`` (what a killed task logs;
-  the one record parser), ``exceptions`` (``TaskCancelled``, built only by
-  ``TaskCancellation.cancelled_error``), ``shield`` (the one wait that outlasts a cancel, within
-  the budget), ``usage`` (the one usage shape), ``workers`` (the one job-thread utility).
-- ``procs/``: ``/proc`` and signals, the descendant reaper.
-- ``durable/``: the continuity record (``durable=True``): ``record`` (format, hash chain, checks),
-  ``fingerprint``, ``usage`` (per try), ``reasons``, ``resume`` (what a resumed run tells its
-  tools), ``capability`` (the pydantic-ai hook), ``stores``, ``journal`` (the policy).
-- ``run/``: the pydantic-ai binding: ``tracker`` (in-flight tools, tool threads, model requests,
-  the tool call in progress), ``tool_calls`` (idempotency keys: ``ToolCall``; light) and
-  ``runner`` (an agent run under a scope: in-flight work stopped before teardown; a durable
-  run's journal attached, stepped and ended in one place).
-- ``toolsets/``: ``sandbox/`` (the protocol, ``attach_sandbox`` and the toolset, for any
-  backend; ``local/``, the local backend: one command's process tree, isolation modes, workdirs,
-  race-free file access, environment allowlist; ``local/boundary/``: bubblewrap profiles,
-  seccomp filter, egress allowlist, cgroups, limits) and ``subagents``.
-- ``airflow/``: the only place that knows Airflow: ``adapter`` (every Airflow fact and version
-  shim), ``task_try`` (``TaskTry``: one try's scope, task instance, reaper, supervisor watch,
-  approval and durable runs, as one typed object), ``mixin`` (``CancellableAgentMixin``: the
-  operator surface and ``on_kill``, a thin Airflow face over the try), ``guard`` (``execute``
-  ends as ``TaskCancelled`` after a kill), ``kill_log`` (the record, written once), ``retry``
-  (``CancellationAwareRetryPolicy``), ``supervisor`` (a lost supervisor is a kill),
-  ``server_stop`` (the cause read from the supervisor's own log line, no round trip),
-  ``durable`` (the store and try of a task), ``kill_report`` (what Airflow logs after our
-  record), ``metrics`` (Stats, the kill's span, opt-in GenAI spans).
-- ``operators/``, ``decorators/``, ``hooks/``: what DAG authors use; ``common_ai``: common.ai's
-  operators with these semantics (optional extra). ``testing/``: the scripted OpenAI-compatible
-  model server (leaf: imports nothing of the package).
+Where each idea lives: ``docs/content/architecture.md`` (the layers and what each owns, every
+module, the data flow of a kill, the thread model, the records' formats, the sandbox modes);
+``tests/unit/test_layers.py`` holds the code to its layers and its module map.
 
 The package imports lazily: the names below are loaded on first use. Type checkers see them
 through the ``TYPE_CHECKING`` imports, which mirror ``_EXPORTS`` (``tests/unit/test_provider.py``
@@ -45,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cancellable_agents.core.lazy import lazy_exports
+from cancellable_agents.core.renamed import renamed_modules
 
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and linters alike
     from cancellable_agents.airflow.deferral import defer_to as defer_to
@@ -58,11 +28,11 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and li
     from cancellable_agents.core.exceptions import CancellableAgentsError as CancellableAgentsError
     from cancellable_agents.core.exceptions import ConfigurationError as ConfigurationError
     from cancellable_agents.core.exceptions import TaskCancelled as TaskCancelled
-    from cancellable_agents.core.record import KillRecord as KillRecord
-    from cancellable_agents.core.record import TimelineEvent as TimelineEvent
     from cancellable_agents.core.scope import Outcome as Outcome
     from cancellable_agents.core.scope import TaskCancellation as TaskCancellation
     from cancellable_agents.core.scope import current_cancellation as current_cancellation
+    from cancellable_agents.core.timeline import KillRecord as KillRecord
+    from cancellable_agents.core.timeline import TimelineEvent as TimelineEvent
     from cancellable_agents.core.unwind import Phase as Phase
     from cancellable_agents.durable.options import DurableOptions as DurableOptions
     from cancellable_agents.operators.agent import AgentOperator as AgentOperator
@@ -87,8 +57,8 @@ _EXPORTS = {
     "UserAction": "cancellable_agents.core.causes",
     "Phase": "cancellable_agents.core.unwind",
     "Outcome": "cancellable_agents.core.scope",
-    "KillRecord": "cancellable_agents.core.record",
-    "TimelineEvent": "cancellable_agents.core.record",
+    "KillRecord": "cancellable_agents.core.timeline",
+    "TimelineEvent": "cancellable_agents.core.timeline",
     "CancellableAgentsError": "cancellable_agents.core.exceptions",
     "ConfigurationError": "cancellable_agents.core.exceptions",
     "TaskCancelled": "cancellable_agents.core.exceptions",
@@ -117,3 +87,18 @@ __all__ = sorted(_EXPORTS)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+#: Public modules renamed in 0.2.0 (old path -> new): the old path warns once, until 0.3.0.
+_RENAMED_MODULES = {
+    "cancellable_agents.core.record": "cancellable_agents.core.timeline",
+    "cancellable_agents.core.report": "cancellable_agents.airflow.kill_record.document",
+    "cancellable_agents.decorators.llm": "cancellable_agents.decorators.llm_task",
+    "cancellable_agents.decorators.agent": "cancellable_agents.decorators.agent_task",
+    "cancellable_agents.toolsets.sandbox.description": "cancellable_agents.toolsets.sandbox.sandbox_toolset",
+    "cancellable_agents.toolsets.sandbox.toolset": "cancellable_agents.toolsets.sandbox.sandbox_tools",
+    "cancellable_agents.toolsets.sandbox.local.boundary.egress_policy": (
+        "cancellable_agents.toolsets.sandbox.egress_policy"
+    ),
+    "cancellable_agents.toolsets.sandbox.local.boundary.limits": "cancellable_agents.toolsets.sandbox.limits",
+}
+renamed_modules(_RENAMED_MODULES, removed_in="0.3.0")

@@ -4,8 +4,9 @@
 fallback connections and a cross-try usage budget; its own kill handling (a token cancelled from
 ``on_kill``) loses a kill that lands before the run, lets a killed task succeed, leaves sync tools
 and the processes tools started running, and hands a kill to a model-backed retry policy. The
-classes here are common.ai's operators with :class:`~cancellable_agents.CancellableAgentMixin`
-in front: same constructor arguments, so switching is an import change::
+classes here are common.ai's operators with
+[`CancellableAgentMixin`][cancellable_agents.airflow.mixin.CancellableAgentMixin] in front: same constructor
+arguments, so switching is an import change::
 
     from cancellable_agents.common_ai import AgentOperator, LLMOperator
 
@@ -13,7 +14,7 @@ Every agent run common.ai makes goes through ``self.run_agent_sync`` (the first 
 retry's replay, a HITL regeneration, the usage-budget tracking around them), and the mixin's
 ``run_agent_sync`` has the same signature, so each one runs in the task's scope. The one blocking
 wait that is not a run, the HITL review poll, waits on the scope instead of ``time.sleep``, so a
-kill ends it at once. :func:`cancellable` does the same for any other common.ai operator class.
+kill ends it at once. [`cancellable`][] does the same for any other common.ai operator class.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class _PollingTaskInstance:
 class CommonAIKillSemantics(CancellableAgentMixin):
     """The mixin plus what common.ai's operators need beyond ``run_agent_sync``.
 
-    Put it first in the bases, before the common.ai operator class (as :func:`cancellable` does).
+    Put it first in the bases, before the common.ai operator class (as [`cancellable`][] does).
     ``on_kill`` is the mixin's; it still calls common.ai's ``on_kill``, which finds no token
     (common.ai's ``run_agent_sync`` is never used) and returns. ``durable=`` stays common.ai's
     (its journal), so switching keeps the constructor's meaning.
@@ -85,7 +86,7 @@ class CommonAIKillSemantics(CancellableAgentMixin):
         return super()._complete_run(context, result, **kwargs)  # type: ignore[misc]
 
     def _poll_loop(self, *, ti: Any, **kwargs: Any) -> Any:
-        """common.ai's HITL review wait, ended by a kill (see :class:`_PollingTaskInstance`)."""
+        """common.ai's HITL review wait, ended by a kill (see `_PollingTaskInstance`)."""
         interval = float(getattr(self, "hitl_poll_interval", 10.0))
         proxy = _PollingTaskInstance(self, ti, interval)
         self.hitl_poll_interval = 0.0

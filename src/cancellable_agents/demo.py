@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from cancellable_agents.core.report import parse_records
+from cancellable_agents.airflow.kill_record.document import parse_records
 from cancellable_agents.demo_dags import kill_me_demo
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 

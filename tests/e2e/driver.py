@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cancellable_agents.core.report import parse_record
+from cancellable_agents.airflow.kill_record.document import parse_record
 from cancellable_agents.testing.openai_server import RequestRecord
 from tests.e2e.airflow_stack import tail, wait_until
 from tests.e2e.procs import ancestors, cmdline, is_alive, marked_processes

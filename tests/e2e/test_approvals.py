@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.core.report import unwound_ms
+from cancellable_agents.airflow.kill_record.document import unwound_ms
 from tests.e2e.airflow_stack import ADMIN_USER, wait_until
 from tests.e2e.browser import Chromium, Page, ui_cookie
 from tests.e2e.conftest import E2EEnv

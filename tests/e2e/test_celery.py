@@ -32,13 +32,13 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_record
 from cancellable_agents.airflow.supervisor import (
     SUPERVISOR_LOST,
     TaskIdentity,
     fallback_record_path,
     records_root,
 )
-from cancellable_agents.core.report import RECORD_PREFIX, parse_record
 from tests.e2e.airflow_stack import Component
 from tests.e2e.celery_stack import REDIS_SERVER, CeleryStack, kill_tree, worker_of
 from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags, e2e_world, stopped_after
@@ -324,7 +324,7 @@ def test_execution_timeout_on_celery(celery_e2e: E2EEnv, outcomes: dict[str, Pat
 
 #: The task process's own exit, from the Task SDK's last log line to the process gone. It takes
 #: milliseconds; the failure it guards against, the interpreter's final garbage collection over
-#: what Airflow and pydantic-ai loaded, took 1.5-5 s (``kill_log._exit_promptly``).
+#: what Airflow and pydantic-ai loaded, took 1.5-5 s (``kill_record.task_log._exit_promptly``).
 EXIT_MS = 1000.0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from cancellable_agents.airflow.config import OPTIONS
-from cancellable_agents.core.report import RetryOutlook, unwound_ms
+from cancellable_agents.airflow.kill_record.document import RetryOutlook, unwound_ms
 from tests.e2e.conftest import E2E_DAG_IDS, E2EEnv, KilledRuns
 from tests.e2e.dags.kill_paths import EXECUTION_TIMEOUT_S
 from tests.e2e.driver import E2E_TEST_TIMEOUT, TASK_ID, PathResult, explained

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.core.report import RECORD_PREFIX, SUMMARY_PREFIX, parse_record
+from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, SUMMARY_PREFIX, parse_record
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.conftest import E2EEnv, KilledRuns
 from tests.e2e.driver import E2E_TEST_TIMEOUT, PathResult, diagnostics, fetch_log

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.core.report import parse_records
+from cancellable_agents.airflow.kill_record.document import parse_records
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.taskproc import SETTLE, STARTUP, unwound_ms
 

@@ -18,6 +18,7 @@ from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox
 from cancellable_agents.toolsets.sandbox.limits import CPU_KILL_GRACE, MiB
+from cancellable_agents.toolsets.sandbox.local import provision
 from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
     PLACEMENT_FAILED,
@@ -129,15 +130,65 @@ def test_a_command_past_the_sandbox_memory_reads_out_of_memory_and_a_cpu_kill_do
     assert "not out of memory" in _for_model(spin, 30)["killed_by"]
 
 
-def test_without_a_cgroup_the_memory_limit_binds_each_process_only(
+def test_without_a_cgroup_six_processes_cannot_together_hold_more_than_the_sandbox_memory(
     boxes: Boxes, without_cgroups: None
 ) -> None:
-    """The control: per-process address space (what there was before) lets all six hold."""
-    box = _box(boxes, Limits(memory_bytes=256 * MiB))
+    """No cgroup (an unprivileged pod): the sandbox counts its tree's memory itself and SIGKILLs
+    its commands past the total, naming the limit; the control, a total above what they hold,
+    lets all six hold (each stays under the per-process address-space limit)."""
+    scope = TaskCancellation(budget=5.0)
+    box = _box(boxes, Limits(memory_bytes=256 * MiB), scope=scope)
     assert box.cgroup is None
     result = box.run(["python", "-c", SIX_HOLDERS], timeout=60)
-    assert int(result.stdout) == 6
-    assert result.memory_limit_kills is None and result.process_limit_hits is None, "nothing to count"
+    assert result.stopped and result.limit_exceeded == "memory_bytes", result
+    assert result.stdout == "", "the command finished: nothing stopped the six"
+    assert "memory_bytes limit was exceeded" in _for_model(result, 60)["stopped"]
+    assert any(k.reason.startswith("limit memory_bytes") for k in scope.killed), scope.killed
+    control = _box(boxes, Limits(memory_bytes=2048 * MiB)).run(["python", "-c", SIX_HOLDERS], timeout=60)
+    assert int(control.stdout) == 6 and control.limit_exceeded is None, control
+
+
+#: Starts up to 400 sleeps as fast as it can, then waits for them.
+STORM = (
+    "import subprocess\nkids = [subprocess.Popen(['sleep', '{m}']) for _ in range(400)]\n"
+    "print(len(kids))\n[k.wait() for k in kids]"
+)
+
+
+def test_without_a_cgroup_a_fork_storm_is_killed_at_the_sandbox_process_limit(
+    boxes: Boxes, without_cgroups: None, marker: str
+) -> None:
+    scope = TaskCancellation(budget=5.0)
+    box = _box(boxes, Limits(max_processes=32), scope=scope)
+    result = box.run(["python", "-c", STORM.format(m=marker)], timeout=60)
+    assert result.stdout == "", "all 400 started: the limit did not stop the storm"
+    assert survivors(marker) == []
+    if "Resource temporarily unavailable" in result.stderr:
+        # Namespace mode runs commands as a uid of their own (root worker) or in a user namespace
+        # of their own (non-root): RLIMIT_NPROC is then the sandbox's count, and the kernel
+        # refuses the fork first. Landlock mode shares the worker's uid: only the count holds.
+        assert boxes.mode == "namespace", result
+        return
+    assert result.stopped and result.limit_exceeded == "max_processes", result
+    killed = [k for k in scope.killed if k.command_id == result.command_id]
+    assert killed and all(k.reason.startswith("limit max_processes") for k in killed), killed
+
+
+@pytest.mark.parametrize("limit", ["workdir_bytes", "tmp_bytes"])
+def test_without_a_tmpfs_a_disk_fill_is_killed_at_the_sandbox_size(
+    boxes: Boxes, limit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that cannot mount (not root): the workdir's and the private tmp's sizes are
+    measured; past them the command is killed, and the limit named."""
+    if limit == "tmp_bytes" and boxes.mode == "namespace":
+        pytest.skip("namespace mode's /tmp is bubblewrap's tmpfs of tmp_bytes: the kernel bounds it")
+    monkeypatch.setattr(provision, "mount_workdir", lambda folder, size: False)  # where a sandbox mounts
+    box = _box(boxes, Limits(**{limit: 16 * MiB}))
+    folder = "." if limit == "workdir_bytes" else "$TMPDIR"
+    fill = f"for i in $(seq 64); do head -c 1048576 /dev/zero > {folder}/f$i; done; sleep 60"
+    result = box.run(fill, timeout=60)
+    assert result.stopped and result.limit_exceeded == limit, result
+    assert not result.timed_out
 
 
 @needs_cgroup

@@ -102,9 +102,17 @@ MUST_PASS: dict[str, tuple[str, str]] = {
         "local",
         "test_commands_do_not_see_airflow_secrets_unless_passed_explicitly",
     ),
-    "memory limit (per process here)": (
+    "memory limit for the whole sandbox (counted, no cgroup)": (
         "limits",
-        "test_without_a_cgroup_the_memory_limit_binds_each_process_only",
+        "test_without_a_cgroup_six_processes_cannot_together_hold_more_than_the_sandbox_memory",
+    ),
+    "a fork storm past the sandbox's process count": (
+        "limits",
+        "test_without_a_cgroup_a_fork_storm_is_killed_at_the_sandbox_process_limit",
+    ),
+    "a disk fill past the workdir's and the tmp's size": (
+        "limits",
+        "test_without_a_tmpfs_a_disk_fill_is_killed_at_the_sandbox_size",
     ),
     "CPU limit": (
         "limits",

@@ -1,6 +1,7 @@
 """The documentation builds with warnings as errors, and what it shows DAG authors is real.
 
 ``mkdocs build --strict`` fails on broken links, missing anchors and pages left out of the nav;
+with mkdocstrings it also fails on a docstring's cross-reference to nothing (the API reference);
 the other tests catch what MkDocs cannot: Python snippets that do not parse, README links to
 pages that do not exist, and public names the API summary forgets.
 """
@@ -41,6 +42,9 @@ def test_docs_build_strict(tmp_path: Path) -> None:
     built = {p.relative_to(site).as_posix() for p in site.rglob("index.html")}
     for page in ("index.html", "kill-paths/index.html", "retries/index.html", "sandbox/index.html"):
         assert page in built, f"{page} missing from the built site: {sorted(built)}"
+    # The API reference is rendered from the docstrings, not an empty page.
+    api = (site / "api" / "core" / "index.html").read_text()
+    assert 'id="cancellable_agents.core.scope.TaskCancellation"' in api
 
 
 def _markdown_files() -> list[Path]:
@@ -64,6 +68,14 @@ def test_readme_links_exist() -> None:
     assert targets, "the README should link into the docs"
     missing = [t for t in targets if not (ROOT / t).exists()]
     assert not missing, f"README links to missing files: {missing}"
+
+
+def test_api_reference_links_every_public_name() -> None:
+    """The API reference's first page links each name ``cancellable_agents`` exports to its
+    rendered docstring (the strict build checks that each link lands)."""
+    index = (PAGES / "api" / "index.md").read_text()
+    unlinked = [name for name in cancellable_agents.__all__ if f"[`{name}`][" not in index]
+    assert not unlinked, f"api/index.md does not link: {unlinked}"
 
 
 def test_api_summary_names_every_public_name() -> None:

@@ -1,4 +1,5 @@
-"""The package's layers, as DESIGN.md §2 draws them, checked from the source (AST, no import).
+"""The package's layers and module map, as ``docs/content/architecture.md`` draws them ("Layers",
+"What the layer test enforces", "Module map"), checked from the source (AST, no import).
 
 Lowest first; a module imports only its own layer and those below it, lazy imports (inside a
 function) included, because a lazy import is still an arrow: it only hides it from the reader.
@@ -17,6 +18,7 @@ import pytest
 
 PACKAGE = "cancellable_agents"
 ROOT = Path(__file__).resolve().parents[2] / "src" / PACKAGE
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "content" / "architecture.md"
 
 #: The first part of a module's name under the package -> its layer. Leaf modules that import
 #: nothing of the package (the provider-info entry point) sit at 0; the test kit (``testing``:
@@ -183,13 +185,45 @@ def cycles(root: Path) -> list[list[str]]:
     return groups
 
 
+def shared_file_names(root: Path) -> dict[str, list[str]]:
+    """File names more than one module under ``root`` has (``__init__.py`` aside), with those
+    modules: one name, one idea, so a name read in a traceback or an import says which room."""
+    by_name: dict[str, list[str]] = {}
+    for name, path in modules(root).items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(name)
+    return {file_name: names for file_name, names in by_name.items() if len(names) > 1}
+
+
 def test_the_package_keeps_its_layers() -> None:
     assert violations(ROOT) == []
 
 
+def test_no_two_modules_share_a_file_name() -> None:
+    assert shared_file_names(ROOT) == {}
+
+
+def unmapped(root: Path, document: str) -> list[str]:
+    """Modules under ``root`` whose path (``core/scope.py``) the document never names (``__init__.py``
+    aside: a package is named by its modules)."""
+    paths = (path.relative_to(root).as_posix() for path in modules(root).values())
+    return [path for path in paths if not path.endswith("__init__.py") and f"`{path}`" not in document]
+
+
+def test_the_architecture_document_maps_every_module() -> None:
+    missing = unmapped(ROOT, ARCHITECTURE.read_text())
+    assert missing == [], f"name each in docs/content/architecture.md's module map: {missing}"
+
+
+def test_the_map_check_finds_a_module_the_document_leaves_out(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"core/scope.py": "", "core/unwind.py": ""})
+    assert unmapped(root, "- `core/scope.py`: the scope") == ["core/unwind.py"]
+
+
 def test_every_room_has_a_layer() -> None:
     rooms = {name.split(".")[1] for name in modules(ROOT) if "." in name}
-    assert rooms <= set(LAYERS), f"give {sorted(rooms - set(LAYERS))} a layer in LAYERS (and DESIGN.md §2)"
+    missing = sorted(rooms - set(LAYERS))
+    assert not missing, f"give {missing} a layer in LAYERS (and in docs/content/architecture.md)"
 
 
 # -- the checker catches what it must (each arrow below was once in the code) ----------------
@@ -247,6 +281,13 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 )
 def test_the_checker_catches(tmp_path: Path, files: dict[str, str], expected: str) -> None:
     assert violations(_tree(tmp_path, files)) == [expected]
+
+
+def test_the_checker_catches_a_shared_file_name(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"core/record.py": "", "durable/record.py": "", "durable/__init__.py": ""})
+    assert shared_file_names(root) == {
+        "record.py": ["cancellable_agents.core.record", "cancellable_agents.durable.record"]
+    }
 
 
 def test_type_checking_imports_are_no_cycle_but_still_respect_layers(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ from pydantic_ai import Agent
 from pydantic_ai.models.test import TestModel
 
 from cancellable_agents import AgentOperator, CancellableAgentMixin, LLMOperator, TaskCancelled
+from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX
 from cancellable_agents.airflow.task_try import try_of
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.core.report import RECORD_PREFIX
 from cancellable_agents.core.scope import Outcome
 from tests.airflow_versions import airflow_task_timeout, requires_retry_policies
 

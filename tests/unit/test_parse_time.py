@@ -1,7 +1,8 @@
 """What a DAG file using the operators costs the dag-processor: nothing heavy loads at parse time.
 
 The dag-processor imports a file's ``airflow.*`` imports once in its parent and forks a child per
-parse; everything else is imported again in every child (DESIGN.md §4d). A fresh interpreter here
+parse; everything else is imported again in every child (docs/content/architecture.md,
+"Import cost"). A fresh interpreter here
 does the same: it pre-imports what Airflow's ``iter_airflow_imports`` finds in the file, then runs
 the file and lists the heavy modules the run added. ``make bench-parse`` measures the CPU.
 
@@ -37,10 +38,10 @@ HEAVY = (
 #: model hook.
 RUN_TIME_ONLY = (
     "cancellable_agents.core.scope",
-    "cancellable_agents.core.report",
+    "cancellable_agents.airflow.kill_record.document",
     "cancellable_agents.procs",
     "cancellable_agents.run",
-    "cancellable_agents.airflow.kill_log",
+    "cancellable_agents.airflow.kill_record.task_log",
     "cancellable_agents.airflow.metrics",
     "cancellable_agents.airflow.supervisor",
     "cancellable_agents.airflow.server_stop",

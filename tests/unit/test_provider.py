@@ -23,6 +23,7 @@ from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.airflow_versions import AIRFLOW_VERSION, has_retry_policies, major_minor
 
 ROOT = Path(__file__).parents[2]
+PACKAGE_NAME = "airflow-provider-cancellable-agents"
 
 
 def test_provider_info_is_provider_yaml() -> None:
@@ -293,7 +294,7 @@ def test_the_package_is_typed_and_its_lazy_exports_are_visible_to_type_checkers(
 
 def test_the_providers_errors_have_one_base_and_a_kill_is_not_one() -> None:
     from cancellable_agents import CancellableAgentsError, ConfigurationError, TaskCancelled
-    from cancellable_agents.durable.approval import ApprovalNotPossible
+    from cancellable_agents.durable.pauses import ApprovalNotPossible
     from cancellable_agents.toolsets.sandbox import SandboxClosed, SandboxError, SandboxUnavailable
 
     for error in (ConfigurationError, SandboxError, SandboxUnavailable, SandboxClosed, ApprovalNotPossible):
@@ -303,3 +304,92 @@ def test_the_providers_errors_have_one_base_and_a_kill_is_not_one() -> None:
         from cancellable_agents.toolsets.sandbox import LocalSandbox
 
         LocalSandbox(isolation="sideways")  # type: ignore[arg-type]
+
+
+#: The rooms that may import Airflow (tests/unit/test_layers.py), so the only ones that can define
+#: a trigger (an Airflow ``BaseTrigger``); ``common_ai`` needs its optional extra and defines none.
+TRIGGER_ROOMS = ("airflow", "operators", "decorators", "hooks")
+
+
+def _trigger_classes() -> set[type]:
+    """Every trigger class the package defines, found by importing the rooms that may hold one."""
+    import importlib
+    import pkgutil
+
+    from airflow.triggers.base import BaseTrigger
+
+    for room in TRIGGER_ROOMS:
+        package = importlib.import_module(f"cancellable_agents.{room}")
+        for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            importlib.import_module(module.name)
+    found: set[type] = set()
+    todo: list[type] = [BaseTrigger]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.startswith("cancellable_agents."):
+                found.add(sub)
+    return found
+
+
+def test_provider_yaml_declares_every_trigger_the_package_ships() -> None:
+    declared = {
+        module for entry in get_provider_info().get("triggers", ()) for module in entry["python-modules"]
+    }
+    shipped = _trigger_classes()
+    assert {"PollTrigger", "DeferredCallsTrigger", "HttpJobTrigger"} <= {cls.__name__ for cls in shipped}
+    assert {cls.__module__ for cls in shipped} == declared
+
+
+def test_airflow_lists_the_declared_triggers() -> None:
+    from airflow.providers_manager import ProvidersManager
+
+    ours = {t.trigger_class_name for t in ProvidersManager().trigger if t.package_name == PACKAGE_NAME}
+    assert ours == {"cancellable_agents.airflow.triggers", "cancellable_agents.airflow.http_job"}
+
+
+def test_the_license_ships_with_the_package() -> None:
+    """pyproject names the license file (PEP 639), so the wheel and the sdist carry it."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+#: The documented import paths (docs/content/versioning.md, "The public API") beside the modules
+#: the package root exports from.
+DOCUMENTED_MODULES = (
+    "cancellable_agents.operators.llm",
+    "cancellable_agents.operators.agent",
+    "cancellable_agents.decorators.llm_task",
+    "cancellable_agents.decorators.agent_task",
+    "cancellable_agents.hooks.model",
+    "cancellable_agents.common_ai",
+    "cancellable_agents.toolsets.sandbox",
+    "cancellable_agents.durable",
+    "cancellable_agents.testing.openai_server",
+    "cancellable_agents.testing.jobs",
+    "cancellable_agents.airflow.kill_record.document",
+)
+
+
+def test_every_public_module_says_what_it_exports() -> None:
+    import importlib
+
+    import cancellable_agents
+
+    exported_from: dict[str, set[str]] = {}
+    for name, module in cancellable_agents._EXPORTS.items():
+        exported_from.setdefault(module, set()).add(name)
+    for module_name in sorted({*exported_from, *DOCUMENTED_MODULES}):
+        if module_name == "cancellable_agents.common_ai" and not common_ai_installed():
+            continue
+        module = importlib.import_module(module_name)
+        declared = getattr(module, "__all__", None)
+        assert declared is not None, f"{module_name} has no __all__"
+        assert [name for name in declared if not hasattr(module, name)] == [], module_name
+        assert exported_from.get(module_name, set()) <= set(declared), module_name

@@ -11,8 +11,8 @@ import pytest
 import time_machine
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
-from cancellable_agents.core.record import TimelineEvent
 from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
+from cancellable_agents.core.timeline import TimelineEvent
 from cancellable_agents.core.unwind import Phase
 
 

@@ -2,7 +2,7 @@
 AWAITING_INPUT with a Required Actions form, holding no worker slot and no process; the answer
 (or the wait's timeout) resumes the task, which continues the run from its record.
 
-The Airflow side of :mod:`cancellable_agents.durable.approval`. Airflow hands the resumed task
+The Airflow side of [`cancellable_agents.durable.pauses`][]. Airflow hands the resumed task
 the form's answer as ``next_kwargs["event"]`` (``chosen_options``, ``params_input``,
 ``responded_by_user``, ``timedout``; or ``error`` when the wait timed out with no default), the
 same payload as the standard provider's ``HITLOperator.execute_complete`` gets.
@@ -18,7 +18,7 @@ from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable.fingerprint import tools_requiring_approval
 
 if TYPE_CHECKING:  # checked at parse time; the requests and decisions exist when a task runs
-    from cancellable_agents.durable.approval import ApprovalRequest, Decision
+    from cancellable_agents.durable.pauses import ApprovalRequest, Decision
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def decisions_from_event(event: dict[str, Any], request: ApprovalRequest) -> dic
 
         names = [c.tool_name for c in request.calls]
         raise AirflowFailException(f"no answer to the approval of {names} in time: {event['error']}")
-    from cancellable_agents.durable.approval import Decision
+    from cancellable_agents.durable.pauses import Decision
 
     params = event.get("params_input") or {}
     if APPROVE in (event.get("chosen_options") or ()):

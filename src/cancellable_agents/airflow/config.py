@@ -3,7 +3,7 @@
 Declared in ``provider.yaml`` (``config:``, with description, type, default and example, so
 ``airflow config list`` shows them) and read through Airflow's ``conf``
 (``AIRFLOW__CANCELLABLE_AGENTS__CANCELLATION_BUDGET=3`` and the like). An operator argument left
-``None`` takes the deployment's value; one given wins. :data:`OPTIONS` is the typed table the code
+``None`` takes the deployment's value; one given wins. `OPTIONS` is the typed table the code
 reads; a unit test holds it and ``provider.yaml`` to each other.
 """
 

@@ -1,13 +1,13 @@
-"""Deferred tool calls on Airflow 3.3+: a tool starts outside work and calls :func:`defer_to`
+"""Deferred tool calls on Airflow 3.3+: a tool starts outside work and calls [`defer_to`][]
 with an Airflow trigger; the durable run stops at that step (its record holds the step and the
 pending call), the task defers (no worker slot, no process), and when the trigger fires the task
 resumes and the run continues from the record with the trigger's event as the call's result.
 
-The Airflow side of :mod:`cancellable_agents.durable.deferral`, on the path approvals take
-(:mod:`cancellable_agents.airflow.approval`): the execute guard turns the paused run into
+The Airflow side of [`cancellable_agents.durable.deferred_calls`][], on the path approvals take
+([`cancellable_agents.airflow.approval`][]): the execute guard turns the paused run into
 ``TaskDeferred`` here instead of ``TaskAwaitingInput`` there. The task defers to one
-:class:`~cancellable_agents.airflow.triggers.DeferredCallsTrigger` that waits for every call of
-the step; Airflow hands its event to :meth:`CancellableAgentMixin.resume_after_deferral`.
+[`DeferredCallsTrigger`][cancellable_agents.airflow.triggers.DeferredCallsTrigger] that waits
+for every call of the step; Airflow hands its event to [`CancellableAgentMixin.resume_after_deferral`][].
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from cancellable_agents.core.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
     from cancellable_agents.airflow.task_try import TaskTry
-    from cancellable_agents.durable.approval import ApprovalRequest, Decision
+    from cancellable_agents.durable.pauses import ApprovalRequest, Decision
+
+__all__ = ["defer_to"]
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,12 @@ def defer_to(trigger: Any, *, timeout: timedelta | float | None = None, on_timeo
     trigger's ``on_kill`` stops the work, and ``on_timeout`` says what follows: ``"tell"`` (the
     model is told the call timed out: its result is ``{"error": "... did not finish within its
     timeout ..."}``, and the run goes on) or ``"fail"`` (the task ends as ``timeout``, the work of
-    every call of the step stopped; :class:`TaskCancelled` names the wait). Needs
+    every call of the step stopped; [`TaskCancelled`][] names the wait). Needs
     ``durable=True`` and Airflow 3.3+; the trigger must serialize to an importable class and JSON
-    keyword arguments. Raises :class:`ConfigurationError` naming the fix where any of that is
+    keyword arguments. Raises [`ConfigurationError`][] naming the fix where any of that is
     missing.
     """
-    from cancellable_agents.durable.deferral import ON_TIMEOUT, Wait, check_journaled, defer_call
+    from cancellable_agents.durable.deferred_calls import ON_TIMEOUT, Wait, check_journaled, defer_call
 
     if on_timeout not in ON_TIMEOUT:
         raise ConfigurationError(f"defer_to(on_timeout={on_timeout!r}): must be one of {ON_TIMEOUT}")
@@ -90,7 +92,7 @@ def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
     from airflow.sdk.exceptions import TaskDeferred
 
     from cancellable_agents.airflow.triggers import DeferredCallsTrigger
-    from cancellable_agents.durable.deferral import Wait
+    from cancellable_agents.durable.deferred_calls import Wait
 
     waits = {c.tool_call_id: Wait.from_dict(c.wait) for c in request.calls if c.wait is not None}
     calls = [
@@ -129,10 +131,11 @@ def _backstop(waits: list[Any]) -> timedelta | None:
 
 
 def answers_from_event(event: Any) -> tuple[str, dict[str, Decision]]:
-    """The run key and the deferred calls' results from the :class:`DeferredCallsTrigger` event
-    Airflow hands the resumed task. Raises :class:`ConfigurationError` for a result that is not
+    """The run key and the deferred calls' results from the
+    [`DeferredCallsTrigger`][cancellable_agents.airflow.triggers.DeferredCallsTrigger] event
+    Airflow hands the resumed task. Raises [`ConfigurationError`][] for a result that is not
     JSON (the record keeps it, the model reads it)."""
-    from cancellable_agents.durable.deferral import results_as_decisions
+    from cancellable_agents.durable.deferred_calls import results_as_decisions
 
     if not isinstance(event, dict) or not isinstance(event.get("results"), dict):
         raise ConfigurationError(f"resumed after a deferral without the trigger's results: {event!r}")
@@ -144,7 +147,7 @@ def answers_from_event(event: Any) -> tuple[str, dict[str, Decision]]:
 def end_if_timed_out(task_try: TaskTry, event: dict[str, Any]) -> str | None:
     """If a call whose ``on_timeout`` is ``"fail"`` timed out: cancel the try's scope as
     ``TIMEOUT`` naming the wait (nothing runs: the run is not continued), and return the message
-    the :class:`TaskCancelled` carries."""
+    the [`TaskCancelled`][] carries."""
     failed = event.get("failed")
     if not failed:
         return None

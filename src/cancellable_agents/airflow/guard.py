@@ -2,7 +2,7 @@
 returned, and the scope's one outcome is settled there.
 
 Wrapped around every ``execute`` of an operator with the mixin (its own, or one inherited from a
-plain operator) by :meth:`CancellableAgentMixin.__init_subclass__`.
+plain operator) by `CancellableAgentMixin.__init_subclass__`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def guard_execute(execute: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(execute)
     def guarded(self: GuardedOperator, context: Any) -> Any:
+        from cancellable_agents.airflow.kill_record.document import hide_unwind_chain
         from cancellable_agents.core.exceptions import TaskCancelled
-        from cancellable_agents.core.report import hide_unwind_chain
 
         task_try = self.task_try(context)
         if task_try.in_execute:
@@ -64,7 +64,7 @@ def _run_guarded(operator: GuardedOperator, execute: Callable[..., Any], context
     from cancellable_agents.airflow.deferral import deferral_for
     from cancellable_agents.core.exceptions import TaskCancelled
     from cancellable_agents.core.scope import Outcome
-    from cancellable_agents.durable.approval import AwaitingApproval
+    from cancellable_agents.durable.pauses import AwaitingApproval
 
     task_try = operator.task_try(context)
     scope = task_try.scope

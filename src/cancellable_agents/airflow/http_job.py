@@ -1,11 +1,11 @@
-"""Outside work behind an HTTP status URL: :class:`HttpJobTrigger` polls it until the job is done
+"""Outside work behind an HTTP status URL: [`HttpJobTrigger`][] polls it until the job is done
 and, when a user stops the deferred task, asks the job's cancel URL to stop it.
 
 The common shape of a job service (a batch inference API, a Spark/dbt/CI service's REST API):
 ``GET status_url`` answers JSON with a state field; a done state carries the result; a failed
 state ends the wait with an error. Stdlib HTTP on a thread of the triggerer (no client library
 to install there). For auth, signing or another protocol, write a status callable around your
-own client and pass it to :class:`~cancellable_agents.airflow.triggers.PollTrigger`: a trigger's
+own client and pass it to [`PollTrigger`][cancellable_agents.airflow.triggers.PollTrigger]: a trigger's
 keyword arguments are stored in Airflow's database, so no secret belongs in them.
 """
 
@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from cancellable_agents.airflow.triggers import PollTrigger
+
+__all__ = ["HttpJobFailed", "HttpJobTrigger"]
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,9 @@ def status(
     request_timeout: float = 30.0,
     **_: Any,
 ) -> Any:
-    """The :class:`PollTrigger` status of the job at ``status_url``: ``None`` while it runs; once
+    """The [`PollTrigger`][] status of the job at ``status_url``: ``None`` while it runs; once
     its ``state_field`` is a ``done`` state, its ``result_field`` (the whole body if ``None`` or
-    absent). Raises :class:`HttpJobFailed` for a ``failed`` state; an HTTP or network error raises
+    absent). Raises [`HttpJobFailed`][] for a ``failed`` state; an HTTP or network error raises
     too (the wait ends: a status URL that fails is not retried behind the task's back)."""
     with urllib.request.urlopen(status_url, timeout=request_timeout) as response:
         body = json.loads(response.read() or b"null")
@@ -75,13 +77,13 @@ def cancel(
 
 
 class HttpJobTrigger(PollTrigger):
-    """Wait for the job behind ``status_url`` (see :func:`status`); a user's *Mark failed* or
-    *Clear* of the deferred task sends ``cancel_method`` to ``cancel_url`` (see :func:`cancel`).
+    """Wait for the job behind ``status_url`` (see [`status`][]); a user's *Mark failed* or
+    *Clear* of the deferred task sends ``cancel_method`` to ``cancel_url`` (see [`cancel`][]).
 
     :param status_url: ``GET`` answers JSON with ``state_field``.
     :param cancel_url: where to ask the job to stop; ``None``: the job is not stopped.
     :param done: states that mean the job finished; its ``result_field`` is the call's result.
-    :param failed: states that mean it failed; the wait ends with :class:`HttpJobFailed`.
+    :param failed: states that mean it failed; the wait ends with [`HttpJobFailed`][].
     :param interval: seconds between polls.
     """
 

@@ -1,7 +1,7 @@
 """Kills, unwinds, resumes and usage as Airflow metrics (``Stats``) and one OpenTelemetry span.
 
 Everything here runs in the task process once a try's end is known: after the kill record is
-logged (:func:`emit_kill`) or after a run completed (:func:`emit_run_completed`). It reads only
+logged ([`emit_kill`][]) or after a run completed ([`emit_run_completed`][]). It reads only
 facts the record already holds, so it cannot change what the record says, and it cannot delay
 or break the unwind: every backend call is wrapped, a failure costs one warning per process,
 and statsd is UDP (a dead receiver costs a ``sendto``; measured in ``benchmarks/metrics_cost.py``).
@@ -9,7 +9,7 @@ and statsd is UDP (a dead receiver costs a ``sendto``; measured in ``benchmarks/
 The backend is whatever Airflow's config chose (``[metrics] statsd_on``, Datadog, ``otel_on``)
 through Airflow's own ``Stats``; the span goes to the tracer provider Airflow's
 ``[traces] otel_on`` installed, under the task's span. pydantic-ai's own GenAI spans (agent run,
-model requests, tool calls) are opt-in: :func:`genai_spans_capability`. Names, tags and units:
+model requests, tool calls) are opt-in: [`genai_spans_capability`][]. Names, tags and units:
 ``docs/content/metrics.md``.
 """
 
@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.config import deployment_setting
-from cancellable_agents.core.report import KillReport, unwound_ms
+from cancellable_agents.airflow.kill_record.document import KillReport, unwound_ms
 from cancellable_agents.core.usage import USAGE_FIELDS, usage_counts
 
 if TYPE_CHECKING:

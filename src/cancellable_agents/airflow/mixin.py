@@ -5,7 +5,7 @@ handler on the main thread, which is the thread blocked inside the agent run, an
 nothing itself: unless ``execute`` stops on its own, a user stop is SIGKILLed at 5 s and an
 evicted task runs to completion and ends SUCCESS. So ``on_kill`` only hands the cancel to a
 helper thread and returns; the run unwinds on the main thread and ``execute`` raises
-:class:`TaskCancelled`.
+[`TaskCancelled`][].
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from cancellable_agents.core.exceptions import TaskCancelled
     from cancellable_agents.core.scope import TaskCancellation
 
+__all__ = ["CancellableAgentMixin"]
+
 log = logging.getLogger(__name__)
 
 
@@ -48,12 +50,12 @@ _warned_old_keywords: set[str] = set()
 
 
 class CancellableAgentMixin:
-    """Give any operator a per-task-instance :class:`TaskCancellation` and a correct ``on_kill``.
+    """Give any operator a per-task-instance [`TaskCancellation`][] and a correct ``on_kill``.
 
     - the scope exists before any work (``pre_execute``; lazily on first use otherwise), so a
       kill that arrives before the run starts is remembered and the run refuses to start;
     - ``on_kill`` is idempotent, never raises and returns within milliseconds;
-    - once killed, ``execute`` raises :class:`TaskCancelled` even if a result arrived;
+    - once killed, ``execute`` raises [`TaskCancelled`][] even if a result arrived;
     - a kill after ``execute`` returned is a logged no-op;
     - with ``execution_timeout``, runs get their own deadline ``timeout_margin`` seconds
       earlier, so they end as ``TIMEOUT`` with everything unwound before Airflow's SIGALRM.
@@ -65,9 +67,10 @@ class CancellableAgentMixin:
     :param reap_descendants: terminate processes the task started outside a sandbox (subprocess,
         MCP stdio servers) when it is killed (Linux; default ``True``).
     :param cancellation_retry_policy: wrap ``retry_policy`` in
-        :class:`~cancellable_agents.airflow.retry.CancellationAwareRetryPolicy` (Airflow 3.3+), so kills
-        are decided by cause and never sent to a retry classifier. Default ``True``.
-    :param durable: ``True`` or :class:`~cancellable_agents.DurableOptions`: keep a continuity
+        [`CancellationAwareRetryPolicy`][cancellable_agents.airflow.retry.CancellationAwareRetryPolicy]
+        (Airflow 3.3+), so kills are decided by cause and never sent to a retry classifier. Default ``True``.
+    :param durable: ``True`` or [`DurableOptions`][cancellable_agents.durable.options.DurableOptions]: keep a
+    continuity
         record while runs go, so the next try of a killed task resumes where it stopped
         (docs/content/durable.md). Transcripts may hold sensitive data: off by default.
     :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for this task's runs (agent run,
@@ -124,7 +127,7 @@ class CancellableAgentMixin:
             self.durable = options
         _check_settings(self)
         if self.owns_durable and self.durable:
-            from cancellable_agents.airflow.durable import check_durable
+            from cancellable_agents.airflow.durable_task import check_durable
 
             check_durable(self)
         if cancellation_retry_policy:
@@ -150,7 +153,7 @@ class CancellableAgentMixin:
         return self.task_try().scope
 
     def task_try(self, context: Any = None) -> TaskTry:
-        """This try's state (:class:`~cancellable_agents.airflow.task_try.TaskTry`), made on first
+        """This try's state ([`TaskTry`][cancellable_agents.airflow.task_try.TaskTry]), made on first
         use; ``context`` tells it who the task instance is. A kill that came before it was made
         cancels it now, once the cause can be asked for."""
         task_try, killed_before = try_for(self, self.cancellation_budget, context)
@@ -179,7 +182,7 @@ class CancellableAgentMixin:
         """Run ``agent.run_sync(user_prompt, **run_kwargs)`` under this task's scope.
 
         Same signature as common.ai's ``CancellableAgentRunMixin.run_agent_sync``. Raises
-        :class:`TaskCancelled` (with cause, transcript, usage and timeline) when the task is
+        [`TaskCancelled`][] (with cause, transcript, usage and timeline) when the task is
         killed or its execution timeout is near.
         """
         from cancellable_agents.airflow.metrics import emit_run_completed, genai_spans_capability
@@ -207,19 +210,19 @@ class CancellableAgentMixin:
         return result
 
     def _journal(self, task_try: TaskTry) -> Any:
-        """``durable=True``: this run's continuity record (:mod:`cancellable_agents.durable`)."""
+        """``durable=True``: this run's continuity record ([`cancellable_agents.durable`][])."""
         if not (self.owns_durable and self.durable):
             return None
-        from cancellable_agents.airflow.durable import journal_for
+        from cancellable_agents.airflow.durable_task import journal_for
 
         return journal_for(self, task_try)
 
     def resume_after_approval(self, context: Any, request: dict[str, Any], event: dict[str, Any]) -> Any:
         """Airflow calls this instead of ``execute`` once the reviewer answered (or the wait timed
         out): ``execute`` runs again, and the run that stopped continues from its record with
-        the answer (``durable.approval``); runs before it in ``execute`` start afresh."""
+        the answer (``durable.pauses``); runs before it in ``execute`` start afresh."""
         from cancellable_agents.airflow.approval import decisions_from_event
-        from cancellable_agents.durable.approval import ApprovalRequest
+        from cancellable_agents.durable.pauses import ApprovalRequest
 
         paused = ApprovalRequest.from_dict(request)
         self.task_try(context).answers = (paused.run_key, decisions_from_event(event, paused))
@@ -230,7 +233,7 @@ class CancellableAgentMixin:
         ``execute`` runs again, and the run that stopped continues from its record with the
         trigger's event as the deferred calls' results (``airflow.deferral``); or, when a call
         whose ``on_timeout`` is ``"fail"`` timed out, the task ends as ``timeout`` (raises
-        :class:`TaskCancelled`). Reads nothing but ``event``: ``dag.test()`` hands a resumed task
+        [`TaskCancelled`][]). Reads nothing but ``event``: ``dag.test()`` hands a resumed task
         the event alone."""
         from cancellable_agents.airflow.deferral import answers_from_event, end_if_timed_out, note_wait
 
@@ -290,16 +293,16 @@ class CancellableAgentMixin:
     # -- the record ----------------------------------------------------------------------
 
     def cancelled_error(self, message: str) -> TaskCancelled:
-        """The :class:`TaskCancelled` to raise for this killed task (cause, transcript, usage,
+        """The [`TaskCancelled`][] to raise for this killed task (cause, transcript, usage,
         timeline), with the kill record logged first (once per task instance). For subclasses
         whose own waits notice the kill (``raise self.cancelled_error("killed while ...")``)."""
-        from cancellable_agents.airflow.kill_log import cancelled_error
+        from cancellable_agents.airflow.kill_record.task_log import cancelled_error
 
         return cancelled_error(self.task_try(), getattr(self, "retry_policy", None), message)
 
     def _log_record(self, exc: TaskCancelled | None = None) -> None:
         """Once per task instance, after the unwind: the kill record into the task log."""
-        from cancellable_agents.airflow.kill_log import log_kill_record
+        from cancellable_agents.airflow.kill_record.task_log import log_kill_record
 
         log_kill_record(self.task_try(), getattr(self, "retry_policy", None), exc)
 

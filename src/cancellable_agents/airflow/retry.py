@@ -6,7 +6,7 @@ cancellation this policy decides from the recorded cause alone and never consult
 for every other error it defers to ``inner`` (any Airflow ``RetryPolicy``).
 
 Needs Airflow 3.3+ (``airflow.sdk.definitions.retry_policy``); on older Airflow the operators
-still raise :class:`TaskCancelled` and log the cause, and importing this module says so.
+still raise [`TaskCancelled`][] and log the cause, and importing this module says so.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from cancellable_agents.airflow.adapter import is_execution_timeout
 from cancellable_agents.airflow.task_try import cancellation_of
 from cancellable_agents.core.causes import CancelCause, UserAction
+
+__all__ = ["CancellationAwareRetryPolicy"]
 
 try:
     from airflow.sdk.definitions.retry_policy import RetryAction, RetryDecision, RetryPolicy

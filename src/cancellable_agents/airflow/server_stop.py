@@ -3,7 +3,7 @@
 A user's *Mark failed* / *Mark success* / *Clear* reaches a task only through its supervisor's
 heartbeat: the API server answers 409 (``not_running`` with the ``current_state``) or 404/410
 (``not_found``: the try was cleared and archived), and the Task SDK supervisor then logs
-:data:`SERVER_STOP_EVENT` with that answer's ``detail`` to the try's log file (structlog's JSON
+`SERVER_STOP_EVENT` with that answer's ``detail`` to the try's log file (structlog's JSON
 lines, written and flushed) and only *then* sends SIGTERM (Airflow 3.1-3.3,
 ``ActivitySubprocess._send_heartbeat_if_needed``). So when our SIGTERM handler runs, the cause
 is already on the local disk, in a file the task process has open (inherited from the
@@ -16,9 +16,9 @@ No such line in the try's log means the SIGTERM came another way while the serve
 this try: the supervisor forwarding a worker shutdown, or giving up on a server it cannot reach
 (too many failed heartbeats). That is what the server's ``running`` says today (``eviction``), so
 it is decided locally too, but only where the installed supervisor is known to log that line
-(its source is checked once, :func:`supervisor_logs_server_stops`): a later Airflow that words it
+(its source is checked once, [`supervisor_logs_server_stops`][]): a later Airflow that words it
 otherwise makes us ask the server, never misread a user's stop as an eviction. Without a log file
-to read, or for ``running_elsewhere`` (another host/pid holds the try), :func:`server_stop_verdict`
+to read, or for ``running_elsewhere`` (another host/pid holds the try), [`server_stop_verdict`][]
 returns ``None`` and the caller asks the server as before.
 """
 
@@ -51,9 +51,9 @@ def server_stop_verdict(
     only the server can tell.
 
     :param log_files: where to look; by default this try's log file(s) found among the open
-        files of this process and of its supervisor (:func:`open_task_logs`).
+        files of this process and of its supervisor ([`open_task_logs`][]).
     :param absence_decides: whether a log without a refused heartbeat means ``eviction``; by
-        default where the installed supervisor logs one (:func:`supervisor_logs_server_stops`).
+        default where the installed supervisor logs one ([`supervisor_logs_server_stops`][]).
     """
     files = open_task_logs() if log_files is None else list(log_files)
     if not files:
@@ -71,7 +71,7 @@ def server_stop_verdict(
 
 @functools.cache
 def supervisor_logs_server_stops() -> bool:
-    """Whether the installed Task SDK supervisor logs :data:`SERVER_STOP_EVENT` for *every*
+    """Whether the installed Task SDK supervisor logs `SERVER_STOP_EVENT` for *every*
     answer that means the server no longer runs the try, before it signals (Airflow 3.2-3.3;
     pinned by tests/unit/test_server_stop.py against the real code). 3.1's supervisor counts a
     410 (a newer server's answer after a Clear) as a failed heartbeat and, after enough of them,
@@ -101,13 +101,13 @@ def verdict_for_detail(detail: Any) -> CauseVerdict | None:
     return None
 
 
-#: What :func:`last_server_stop` returns for a file it could not read (nothing can be told).
+#: What `last_server_stop` returns for a file it could not read (nothing can be told).
 _UNREADABLE: dict[str, Any] = {}
 
 
 def last_server_stop(path: Path) -> dict[str, Any] | None:
-    """The last :data:`SERVER_STOP_EVENT` log entry in the end of ``path``, or ``None`` if there
-    is none (:data:`_UNREADABLE` if the file cannot be read)."""
+    """The last `SERVER_STOP_EVENT` log entry in the end of ``path``, or ``None`` if there
+    is none (`_UNREADABLE` if the file cannot be read)."""
     try:
         with path.open("rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))

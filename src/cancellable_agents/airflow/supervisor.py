@@ -7,8 +7,8 @@ Celery's ``REMAP_SIGTERM=SIGQUIT``, a crashed pool child), nothing ever signals 
 process: it is orphaned and the agent keeps calling the model and its tools, while the
 scheduler's heartbeat timeout starts the next try beside it. Only the task process can notice.
 
-:func:`watch_supervisor` (called from the mixin's ``pre_execute``) starts a daemon thread that
-polls ``os.getppid()`` against the supervisor's pid every :attr:`SupervisorWatch.poll_interval`
+[`watch_supervisor`][] (called from the mixin's ``pre_execute``) starts a daemon thread that
+polls ``os.getppid()`` against the supervisor's pid every `SupervisorWatch.poll_interval`
 (50 ms). A poll is portable (Linux and macOS) and cannot misfire; ``PR_SET_PDEATHSIG`` would
 fire when the supervisor's *forking thread* exits, is Linux-only, and delivers a signal to the
 main thread, which is the one blocked in the run. On loss the watch:
@@ -17,13 +17,13 @@ main thread, which is the one blocked in the run. On loss the watch:
    query would go through the dead supervisor);
 2. waits for the unwind (sandboxes, the descendant reaper, sub-agents) within the budget;
 3. writes the record as one ``cancellable_agents.record`` JSON line to stderr and to a local
-   file (:func:`fallback_record_path`), because the log channel went with the supervisor;
+   file ([`fallback_record_path`][]), because the log channel went with the supervisor;
 4. exits the process with ``os._exit``: nobody is left to report a state to, and the
    scheduler's ``task_instance_heartbeat_timeout`` decides the retry.
 
 Steps 1-4 run on a non-daemon thread that an ``atexit`` hook joins, so a main thread that
 reaches the exit first still waits for the record. After any other cancel,
-:func:`notice_exit_at_once` makes the supervisor see the task's exit at once. The watch stops by
+[`notice_exit_at_once`][] makes the supervisor see the task's exit at once. The watch stops by
 itself once the run settled otherwise (completed or failed). Under ``dag.test()`` or without a
 Task SDK supervisor it is not started.
 """
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.core.report import RECORD_PREFIX
 from cancellable_agents.core.scope import Outcome, TaskCancellation
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def records_root(airflow_home: str | None = None) -> Path:
 
 
 def fallback_record_path(task: TaskIdentity, root: Path | None = None) -> Path:
-    """``<root>/<dag_id>/<run_id>/<task_id>[_<map_index>]/<try_number>.json`` (root: :func:`records_root`)."""
+    """``<root>/<dag_id>/<run_id>/<task_id>[_<map_index>]/<try_number>.json`` (root: [`records_root`][])."""
     task_dir = task.task_id if task.map_index < 0 else f"{task.task_id}_{task.map_index}"
     parts = [_safe(task.dag_id), _safe(task.run_id), _safe(task_dir)]
     return (root or records_root()).joinpath(*parts, f"{task.try_number}.json")

@@ -3,7 +3,7 @@
 Operators are deep-copied for each try, so the try lives on the operator instance under one key,
 made at the first call that runs the task (``render_template_fields``) and never replaced. The
 mixin is its Airflow face; the execute guard, the kill log, the metrics and the durable journal
-take a :class:`TaskTry` and never reach into the operator.
+take a [`TaskTry`][] and never reach into the operator.
 
 Light on purpose: a DAG file imports this module (through the mixin) every time it is parsed, so
 the scope, the reaper and the supervisor watch are imported when a try is made, never before.
@@ -22,13 +22,15 @@ if TYPE_CHECKING:
     from cancellable_agents.airflow.supervisor import SupervisorWatch
     from cancellable_agents.core.causes import CauseVerdict
     from cancellable_agents.core.scope import TaskCancellation
-    from cancellable_agents.durable.approval import Decision
+    from cancellable_agents.durable.pauses import Decision
     from cancellable_agents.procs.reaper import DescendantReaper
     from cancellable_agents.run.tool_calls import RunIdentity
 
+__all__ = ["TaskTry", "cancellation_of"]
+
 log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the task log has always named
 
-#: The operator's ``__dict__`` key holding its :class:`TaskTry`.
+#: The operator's ``__dict__`` key holding its `TaskTry`.
 _KEY = "_task_try"
 #: Set by a kill that came before the try was made (a signal handler must not import or build the
 #: scope: the main thread may be in the middle of importing it); the try starts cancelled.
@@ -165,7 +167,7 @@ def try_for(task: Any, budget: float, context: Any = None) -> tuple[TaskTry, boo
 
 
 def note_kill_before_try(task: Any) -> None:
-    """Remember a kill that came before the try was made (see :func:`try_for`)."""
+    """Remember a kill that came before the try was made (see [`try_for`][])."""
     task.__dict__[_KILLED_BEFORE_TRY] = True
 
 

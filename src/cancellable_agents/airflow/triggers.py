@@ -1,11 +1,11 @@
-"""Triggers for deferred tool calls (:mod:`cancellable_agents.airflow.deferral`).
+"""Triggers for deferred tool calls ([`cancellable_agents.airflow.deferral`][]).
 
-- :class:`PollTrigger`: the common case. A tool started outside work (a Spark or dbt job, a
+- [`PollTrigger`][]: the common case. A tool started outside work (a Spark or dbt job, a
   batch inference, a review elsewhere); the trigger polls a status callable until it says done,
   and a user's *Mark failed* / *Clear* of the deferred task runs the optional cancel callable
   (from ``on_kill``, Airflow 3.3+), which a triggerer restart does not (``cleanup`` is not
   ``on_kill``).
-- :class:`DeferredCallsTrigger`: what the task defers to. It runs the trigger of every call a
+- [`DeferredCallsTrigger`][]: what the task defers to. It runs the trigger of every call a
   model response deferred, at once, and fires once all have: one event whose payload holds each
   call's result by tool call id. Its ``on_kill`` and ``cleanup`` reach every call's trigger.
 
@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+__all__ = ["DeferredCallsTrigger", "PollTrigger"]
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +132,7 @@ class DeferredCallsTrigger(BaseTrigger):
     :param calls: per call ``{"tool_call_id", "tool", "classpath", "kwargs", "timeout_s",
         "on_timeout"}``: its trigger, how long it may wait (``None``: no limit), and what then. A
         call whose wait times out has its trigger's ``on_kill`` run (the outside work is stopped);
-        with ``on_timeout="tell"`` it gets :func:`timed_out` as its result (the model is told, as an
+        with ``on_timeout="tell"`` it gets [`timed_out`][] as its result (the model is told, as an
         approval nobody answered in time is rejected); with ``"fail"`` the other calls' work is
         stopped too and the event fires at once naming it (``failed``): the task ends as timeout.
     :param deferred_at: when the task deferred (``time.time()``), so the resumed task can say how
@@ -189,7 +191,7 @@ class DeferredCallsTrigger(BaseTrigger):
         )
 
     async def _wait(self, call: dict[str, Any], trigger: BaseTrigger) -> Any:
-        """``trigger``'s first payload, or :func:`timed_out` once the call's ``timeout_s`` passed
+        """``trigger``'s first payload, or [`timed_out`][] once the call's ``timeout_s`` passed
         since the task deferred (counted from ``deferred_at``, so a triggerer restart does not
         restart the clock), its outside work stopped first."""
         call_id, timeout_s = call["tool_call_id"], call.get("timeout_s")

@@ -1,2 +1,2 @@
-"""The cancellation core: scope, causes, record, exceptions. Imports neither Airflow nor the
+"""The cancellation core: scope, causes, timeline, exceptions. Imports neither Airflow nor the
 pydantic-ai binding (only pydantic-ai's ``CancellationToken``)."""

@@ -1,7 +1,7 @@
 """Why a scope was cancelled: the cause, what the user did, and a bounded way to decide it.
 
 Airflow-free. How an Airflow task-instance state maps to a cause lives in
-:mod:`cancellable_agents.airflow.adapter`.
+[`cancellable_agents.airflow.adapter`][].
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+
+__all__ = ["CancelCause", "CauseVerdict", "UserAction"]
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The provider's exceptions. They live in the package (not in DAG files) so that a
 ``RetryRule("cancellable_agents.TaskCancelled")`` can import them on any worker.
 
-- :class:`TaskCancelled`: a cancelled run (a kill, a timeout, a stopped parent). Not an error of
-  the provider's: retry rules match it by name, and it is no :class:`CancellableAgentsError`, so
+- [`TaskCancelled`][]: a cancelled run (a kill, a timeout, a stopped parent). Not an error of
+  the provider's: retry rules match it by name, and it is no [`CancellableAgentsError`][], so
   code catching the provider's errors never swallows a kill. Built by
-  :meth:`TaskCancellation.cancelled_error`, the one place that knows how long to wait for the
+  [`TaskCancellation.cancelled_error`][], the one place that knows how long to wait for the
   cause and what the record holds.
-- :class:`CancellableAgentsError`: the base of everything else the provider raises: a
-  configuration that cannot work (:class:`ConfigurationError`), a sandbox that cannot be had or
+- [`CancellableAgentsError`][]: the base of everything else the provider raises: a
+  configuration that cannot work ([`ConfigurationError`][]), a sandbox that cannot be had or
   used (``SandboxError`` and its kinds), an approval that cannot be waited for.
 """
 
@@ -17,11 +17,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.core.causes import CancelCause, UserAction
-from cancellable_agents.core.record import KillRecord, TimelineEvent
+from cancellable_agents.core.timeline import KillRecord, TimelineEvent
 
 if TYPE_CHECKING:
     from pydantic_ai.messages import ModelMessage
     from pydantic_ai.usage import RunUsage
+
+__all__ = ["CancellableAgentsError", "ConfigurationError", "TaskCancelled"]
 
 
 class TaskCancelled(Exception):
@@ -64,7 +66,7 @@ class TaskCancelled(Exception):
 
 
 class CancellableAgentsError(Exception):
-    """Base of the provider's errors (every one but :class:`TaskCancelled`)."""
+    """Base of the provider's errors (every one but [`TaskCancelled`][])."""
 
 
 class ConfigurationError(CancellableAgentsError, ValueError):

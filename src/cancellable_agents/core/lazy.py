@@ -1,6 +1,7 @@
 """A package's exports, loaded on first use (PEP 562), for packages a DAG file imports.
 
-The dag-processor imports a DAG file's imports again in every parse (DESIGN.md §4d): a package
+The dag-processor imports a DAG file's imports again in every parse (``docs/content/architecture.md``,
+"Import cost"): a package
 that imported its heavy parts eagerly would make every DAG file that names it pay for them. A
 package lists ``name -> module`` and gets the module ``__getattr__`` and ``__dir__`` that import
 the module when the name is first used (then the name is bound, so later uses cost nothing).

@@ -1,7 +1,7 @@
 """The per-task cancellation scope.
 
-One :class:`TaskCancellation` exists per task instance (and one per sub-agent delegation, as a
-child). It wraps a pydantic-ai :class:`~pydantic_ai.CancellationToken` and adds what a task
+One [`TaskCancellation`][] exists per task instance (and one per sub-agent delegation, as a
+child). It wraps a pydantic-ai `CancellationToken` and adds what a task
 needs on top of "stop the run": a decided cause, a timeline, child scopes, registered
 resources released in order within a grace budget, and a single terminal outcome.
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction, bounded
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
-from cancellable_agents.core.record import KillRecord, TimelineEvent
+from cancellable_agents.core.timeline import KillRecord, TimelineEvent
 from cancellable_agents.core.unwind import (
     DEFAULT_BUDGET,
     Cleanup,
@@ -49,6 +49,8 @@ from cancellable_agents.core.unwind import (
     release_phases,
     release_together,
 )
+
+__all__ = ["Outcome", "ResourceHandle", "TaskCancellation", "current_cancellation"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class Outcome(str, enum.Enum):
 
 
 class ResourceHandle:
-    """Returned by :meth:`TaskCancellation.register`; unregister when the resource is gone."""
+    """Returned by [`TaskCancellation.register`][]; unregister when the resource is gone."""
 
     def __init__(self, scope: TaskCancellation, resource: Resource) -> None:
         self._scope = scope
@@ -98,7 +100,7 @@ def current_cancellation() -> TaskCancellation | None:
 class TaskCancellation:
     """A cancellation scope: cancel once, unwind everything registered, within a budget.
 
-    Thread-safe. :meth:`cancel` returns at once and does the work on a helper thread, because
+    Thread-safe. [`cancel`][] returns at once and does the work on a helper thread, because
     the caller is usually a signal handler running on the very thread that must unwind.
     """
 
@@ -215,13 +217,13 @@ class TaskCancellation:
         return self._signalled.wait(timeout)
 
     def raise_if_cancelled(self) -> None:
-        """Raise :class:`TaskCancelled` if this scope was cancelled (for loops in sync tools)."""
+        """Raise [`TaskCancelled`][] if this scope was cancelled (for loops in sync tools)."""
         if self.cancelled:
             raise self.cancelled_error("cancelled")
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[TaskCancellation]:
-        """Make this the scope :func:`current_cancellation` returns in this context."""
+        """Make this the scope [`current_cancellation`][] returns in this context."""
         token = _current.set(self)
         is_root = self.parent is None
         if is_root:
@@ -425,7 +427,7 @@ class TaskCancellation:
         return self.cause
 
     def cancelled_error(self, message: str, *, source: Any = None) -> TaskCancelled:
-        """The :class:`TaskCancelled` for this scope: the one place it is built.
+        """The [`TaskCancelled`][] for this scope: the one place it is built.
 
         Waits for the cause within the budget (a classifier always decides within its own
         timeout, so this only waits that long). ``source`` is whatever holds the partial

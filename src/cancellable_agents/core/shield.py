@@ -4,10 +4,10 @@ A cancelled tool must still await the work that stops what it started (a sandbox
 stop, a sandbox's teardown, a sub-agent's hand-over): returning at once would leave that work
 running unwatched, its kill record late. And it is cancelled more than once while it waits
 (pydantic-ai cancels in-flight tools, the task's scope cancels them too), so one cancel absorbed
-is not enough. :func:`wait_shielded` absorbs every cancel for a bounded time, then raises the
+is not enough. [`wait_shielded`][] absorbs every cancel for a bounded time, then raises the
 first one again, so the caller still ends cancelled.
 
-Attribution, as in pydantic-ai's ``_cancel`` and :func:`asyncio.timeout`: whoever cancels a task
+Attribution, as in pydantic-ai's ``_cancel`` and `asyncio.timeout`: whoever cancels a task
 counts it and ``uncancel()``\\ s exactly its own. This wait issues no cancel of its own, so it
 uncancels nothing: every cancel it absorbed stays counted in ``Task.cancelling()`` and comes out
 as ``CancelledError``, and the one who sent it (an enclosing ``asyncio.timeout``, a task group,
@@ -35,7 +35,7 @@ async def wait_shielded(work: Awaitable[Any], what: str, *, timeout: float | Non
     """Await ``work`` to its end even if this task is cancelled meanwhile, again and again.
 
     Bounded: with ``timeout``, that many seconds from now; without, unbounded until the first
-    cancel arrives, then the current scope's remaining budget (:data:`UNSCOPED_BOUND` outside
+    cancel arrives, then the current scope's remaining budget (`UNSCOPED_BOUND` outside
     any scope), since ``work`` bounds itself and only a cancel puts a budget on the caller.
     When the bound passes first, ``work`` is left running (it is never cancelled here: a stop
     cut short would leave the very processes it was stopping) and a warning names ``what``.

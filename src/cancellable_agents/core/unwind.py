@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+__all__ = ["DEFAULT_BUDGET", "Cleanup", "Phase", "Resource"]
+
 
 class ReleasingScope(Protocol):
     """What releasing needs of the scope it releases for (``TaskCancellation`` is one): its

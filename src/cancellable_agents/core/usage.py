@@ -21,6 +21,6 @@ def usage_counts(usage: Any) -> dict[str, int]:
 
 
 def usage_dict(usage: Any) -> dict[str, int] | None:
-    """:func:`usage_counts`, or ``None`` when there is no usage to report (a run that never
+    """[`usage_counts`][], or ``None`` when there is no usage to report (a run that never
     started): a record then says so instead of claiming zero."""
     return None if usage is None else usage_counts(usage)

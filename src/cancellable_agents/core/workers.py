@@ -21,7 +21,7 @@ _Job = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
 
 
 class JobThread:
-    """A daemon thread serving a queue of calls until :meth:`stop`.
+    """A daemon thread serving a queue of calls until [`stop`][].
 
     ``after_call`` (optional) runs on the thread after each call and *before* its future is
     resolved, so a caller woken by the result finds the thread already free for its next call;

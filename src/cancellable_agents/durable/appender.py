@@ -2,12 +2,13 @@
 
 It owns what makes an entry (its index ``i`` in the whole record, its place in this try's
 segment, the hash chained over the previous entry, the head the segment's first entry carries),
-the writer thread that stores it while the run goes on (:class:`~.writer.StoreWriter`: at most
-one write unconfirmed), and the ownership check that notices a newer try took over. Apart from
-the journal because two threads meet here and nowhere else: the run's thread (the one that
-drives the agent) calls every public method; :meth:`Appender._store` and
-:meth:`Appender._still_owner` run on the writer's thread. Each field says which thread writes
-it. The record's layout and its checks: :mod:`cancellable_agents.durable.record`.
+the writer thread that stores it while the run goes on
+([`StoreWriter`][cancellable_agents.durable.writer.StoreWriter]: at most one write unconfirmed), and the
+ownership check that notices a newer try took over. Apart from the journal because two threads meet here and
+nowhere else: the run's thread (the one that
+drives the agent) calls every public method; `Appender._store` and
+`Appender._still_owner` run on the writer's thread. Each field says which thread writes
+it. The record's layout and its checks: [`cancellable_agents.durable.record_format`][].
 
 Fencing needs no read before a write: each try writes only keys of its own, and a newer try
 reads an older one only up to the count frozen in its head's ``base``. The ownership check only
@@ -26,9 +27,9 @@ from typing import Any
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable.reasons import RecordingOff
-from cancellable_agents.durable.record import FORMAT, LoadedRecord, chain, segment_key, segment_try
+from cancellable_agents.durable.record_format import FORMAT, LoadedRecord, chain, segment_key, segment_try
 from cancellable_agents.durable.stores import ListableStore, Store
-from cancellable_agents.durable.usage import TryUsage
+from cancellable_agents.durable.try_usage import TryUsage
 from cancellable_agents.durable.writer import StoreWriter
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,12 @@ OWNER_CHECK_S = 10.0
 
 
 class Appender:
-    """This try's segment of the record: :meth:`take_over`, then :meth:`append` each entry.
+    """This try's segment of the record: [`take_over`][], then [`append`][] each entry.
 
-    A store error turns the record off (:meth:`turn_off`, one warning); so does a newer try's
+    A store error turns the record off ([`turn_off`][], one warning); so does a newer try's
     segment (fenced: the run is cancelled) or the record's deletion, seen by the ownership check.
-    Building one touches no store. The parameters are :class:`~.journal.Journal`'s of the same
-    names.
+    Building one touches no store. The parameters are
+    [`Journal`][cancellable_agents.durable.journal.Journal]'s of the same names.
     """
 
     def __init__(
@@ -88,7 +89,7 @@ class Appender:
 
     @property
     def off_reason(self) -> RecordingOff | None:
-        """:attr:`off`, classified."""
+        """[`off`][], classified."""
         return self._off_reason
 
     @property
@@ -124,7 +125,7 @@ class Appender:
         """One entry, chained, under this try's own key; the first carries the head.
 
         Stored by the writer: ``land`` waits until it is (raising what the store raised);
-        otherwise the run goes on and the next append, or :meth:`settle`, waits for it.
+        otherwise the run goes on and the next append, or [`settle`][], waits for it.
         ``owned``: stored only if no newer try took over; ``timed``: its time goes to
         ``on_step_written``.
         """

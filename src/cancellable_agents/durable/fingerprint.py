@@ -65,14 +65,14 @@ def tool_names(toolsets: Iterable[Any]) -> list[str]:
 
 def workspace_lost_on_retry(toolsets: Iterable[Any]) -> bool:
     """Whether any of ``toolsets`` (walked) says its workspace does not survive a retry
-    (:data:`WORKSPACE_SURVIVES_A_RETRY` is ``False``)."""
+    (`WORKSPACE_SURVIVES_A_RETRY` is ``False``)."""
     return any(getattr(t, WORKSPACE_SURVIVES_A_RETRY, True) is False for t in walk_toolsets(toolsets))
 
 
 def walk_toolsets(toolsets: Iterable[Any]) -> Iterator[Any]:
     """Every toolset of ``toolsets`` and, depth first, those it wraps or combines.
 
-    A light description (:mod:`cancellable_agents.toolsets.description`) is a leaf: its toolset
+    A light description ([`cancellable_agents.toolsets.toolset_description`][]) is a leaf: its toolset
     is made when the task runs, and asking it for its parts would make it here, at parse time.
     """
     for toolset in toolsets:

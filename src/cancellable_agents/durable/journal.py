@@ -7,12 +7,13 @@ time (a SIGKILL leaves no time), one store call per step that calls tools, store
 tools run (``write_ahead=True``: before they start). So a stop that lets the try unwind never
 costs a model request that was answered, and the cost of a step does not grow with the history.
 
-Rooms, each with its contract at its top: :mod:`~cancellable_agents.durable.resume_plan` decides
+Rooms, each with its contract at its top: [`resume_plan`][cancellable_agents.durable.resume_plan] decides
 whether this try continues an earlier one (pure: a plan, applied here);
-:mod:`~cancellable_agents.durable.appender` chains, stores and fences the entries (the writer
-thread lives there, and the thread rules with it); :mod:`~cancellable_agents.durable.steps`
-decides which messages go into which entry, and when; :mod:`~cancellable_agents.durable.run_arguments`
-rewrites the run's arguments to resume; :mod:`~cancellable_agents.durable.record` is the format.
+[`appender`][cancellable_agents.durable.appender] chains, stores and fences the entries (the writer
+thread lives there, and the thread rules with it); [`steps`][cancellable_agents.durable.steps]
+decides which messages go into which entry, and when;
+[`run_arguments`][cancellable_agents.durable.run_arguments] rewrites the run's arguments to
+resume; [`record_format`][cancellable_agents.durable.record_format] is the format.
 This module holds what spans them: the order of one try's life, its usage, and the facts the
 kill record and the metrics read. Airflow-free: the store is anything with
 ``get``/``set``/``delete`` of JSON values.
@@ -31,18 +32,18 @@ from typing import Any
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import run_arguments
 from cancellable_agents.durable.appender import OWNER_CHECK_S, Appender
-from cancellable_agents.durable.approval import (
+from cancellable_agents.durable.capability import JournalCapability
+from cancellable_agents.durable.deferred_calls import journaled_run
+from cancellable_agents.durable.fingerprint import fingerprint
+from cancellable_agents.durable.pauses import (
     ApprovalNotPossible,
     ApprovalRequest,
     AwaitingApproval,
     Decision,
     request_of,
 )
-from cancellable_agents.durable.capability import JournalCapability
-from cancellable_agents.durable.deferral import journaled_run
-from cancellable_agents.durable.fingerprint import fingerprint
 from cancellable_agents.durable.reasons import FreshStart, RecordingOff
-from cancellable_agents.durable.record import (
+from cancellable_agents.durable.record_format import (
     AWAITING,
     KEY_PREFIX,
     LoadedRecord,
@@ -54,7 +55,7 @@ from cancellable_agents.durable.resume import ResumeInfo, active_resume
 from cancellable_agents.durable.resume_plan import Resume, StartFresh, announce, plan_resume
 from cancellable_agents.durable.steps import StepRecorder
 from cancellable_agents.durable.stores import Store
-from cancellable_agents.durable.usage import TryUsage, minus_usage, total_usage
+from cancellable_agents.durable.try_usage import TryUsage, minus_usage, total_usage
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,13 @@ class Journal:
     """One run's continuity record in one try: resume from it, append to it, end it.
 
     Used from the run's thread only (the store may not be called from a signal handler; its
-    :class:`~cancellable_agents.durable.appender.Appender` stores appends on a writer thread, one
-    at a time, in order): :meth:`attach` before the run, :meth:`step` after each graph step (by
-    the capability it adds), :meth:`cancelled` then :meth:`write_end`, or :meth:`completed`,
-    after the run. That order is kept in one place, ``run.runner._run_journaled``: pass the
-    journal to ``run_agent_in_scope(..., journal=)``. Building one touches no store; its
-    parameters are read then. A store error disables the journal for the rest of the run with
+    [`Appender`][cancellable_agents.durable.appender.Appender] stores appends on a writer
+    thread, one at a time, in order): [`attach`][] before the run, each graph step recorded by
+    the capability it adds ([`steps`][cancellable_agents.durable.steps]), [`cancelled`][] then
+    [`write_end`][], or [`completed`][], after the run. That order is kept in one place,
+    ``run.runner._run_journaled``: pass the journal to ``run_agent_in_scope(..., journal=)``. Building one
+    touches no store; its parameters are read then. A store error disables the journal for the rest of the run
+    with
     one warning; the run itself goes on.
 
     :param try_number: this try (Airflow's ``ti.try_number``); written into every entry.
@@ -101,10 +103,10 @@ class Journal:
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
         only stops its wasted work sooner than Airflow's heartbeat does.
     :param answers: a reviewer's decisions, by tool call id, for the approval the record is
-        stopped at (see :mod:`cancellable_agents.durable.approval`): this execution continues
+        stopped at (see [`cancellable_agents.durable.pauses`][]): this execution continues
         the same try after its pause (its own segment is read too) and the answer is recorded
         before the run goes on. A record stopped at an approval with no answers, here or in
-        the record, raises :class:`AwaitingApproval` again from :meth:`attach`, with no request.
+        the record, raises [`AwaitingApproval`][] again from [`attach`][], with no request.
     """
 
     store: Store
@@ -129,7 +131,7 @@ class Journal:
     _fresh: FreshStart | None = None
     _resume_token: contextvars.Token[ResumeInfo | None] | None = None
     _journaled_token: contextvars.Token[bool] | None = None
-    _end: dict[str, Any] | None = None  # the end :meth:`cancelled` noted for :meth:`write_end`
+    _end: dict[str, Any] | None = None  # the end `cancelled` noted for `write_end`
     #: This try's usage before an approval pause it continues (added to the run's own).
     _paused: TryUsage | None = None
     #: The try the resumed record began in (``None``: this try's run begins its own).
@@ -164,7 +166,7 @@ class Journal:
 
     @property
     def fresh_start(self) -> FreshStart | None:
-        """Why this try started fresh; ``None`` if it resumed (or :meth:`attach` has not run)."""
+        """Why this try started fresh; ``None`` if it resumed (or [`attach`][] has not run)."""
         return self._fresh
 
     @property
@@ -235,7 +237,7 @@ class Journal:
 
     def _answered(self, plan: StartFresh | Resume) -> dict[str, Decision] | None:
         """The decisions the resumed run continues with, if the record is stopped at an approval
-        (this execution's are recorded first, one store call). Raises :class:`AwaitingApproval`
+        (this execution's are recorded first, one store call). Raises [`AwaitingApproval`][]
         when there are none yet: nothing runs, nothing is written."""
         approval = plan.approval if isinstance(plan, Resume) else None
         if approval is None:
@@ -258,7 +260,7 @@ class Journal:
 
     def cancelled(self, exc: Any) -> None:
         """The run unwound cancelled (main thread, after the unwind): its usage into the kill
-        record's facts, its cause and usage kept for :meth:`write_end`. Touches no store: the
+        record's facts, its cause and usage kept for [`write_end`][]. Touches no store: the
         kill record is logged right after this and must not wait for one."""
         usage = self._ended(getattr(exc, "usage", None))
         cause = getattr(exc, "cause", None)
@@ -272,7 +274,7 @@ class Journal:
         }
 
     def write_end(self) -> None:
-        """Append the end :meth:`cancelled` noted, once the kill record is in the task log, with
+        """Append the end [`cancelled`][] noted, once the kill record is in the task log, with
         the tool returns still pending: one write, which through Airflow's task state store is an
         API call that a busy API server answers seconds later (measured 3.7 s under load, 5 s
         when it stalls on SQLite), and the task is SIGKILLed 5 s after the SIGTERM."""
@@ -291,7 +293,7 @@ class Journal:
         """The run ended asking for approval (its output is ``DeferredToolRequests``): append the
         end that stops it there, with the messages not yet written (the returns of its calls
         that needed no approval), and return what the reviewer is asked. Raises
-        :class:`ApprovalNotPossible` if the record is not being written: a pause whose record is
+        [`ApprovalNotPossible`][] if the record is not being written: a pause whose record is
         lost could never continue."""
         self._steps.stop_flush()
         messages = result.all_messages()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["DurableOptions"]
+
 
 @dataclass(frozen=True)
 class DurableOptions:

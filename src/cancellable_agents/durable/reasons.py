@@ -1,8 +1,8 @@
 """Why a durable run did not resume, and why its record stopped being written.
 
-Decided by :mod:`~cancellable_agents.durable.resume_plan` (and, for a record that fails its
-checks, by :mod:`cancellable_agents.durable.record`) and by the
-:class:`~cancellable_agents.durable.appender.Appender`; read back as ``Journal.fresh_start`` and
+Decided by [`resume_plan`][cancellable_agents.durable.resume_plan] (and, for a record that fails its
+checks, by [`cancellable_agents.durable.record_format`][]) and by the
+[`Appender`][cancellable_agents.durable.appender.Appender]; read back as ``Journal.fresh_start`` and
 ``Journal.recording_off`` and in the run's facts, where the metrics tag runs with them. Each value
 is a short, fixed word: fit for a metric tag (a bounded set) and for a log line.
 """

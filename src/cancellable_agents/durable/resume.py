@@ -35,6 +35,6 @@ active_resume: contextvars.ContextVar[ResumeInfo | None] = contextvars.ContextVa
 
 
 def current_resume() -> ResumeInfo | None:
-    """The :class:`ResumeInfo` of the durable run this code belongs to, or ``None`` (a fresh run,
+    """The [`ResumeInfo`][] of the durable run this code belongs to, or ``None`` (a fresh run,
     a run without ``durable=True``, or outside any run). Usable from async and sync tools."""
     return active_resume.get()

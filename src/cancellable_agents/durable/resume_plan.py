@@ -1,8 +1,8 @@
 """The resume decision: whether a try continues what an earlier try recorded, as a plan.
 
-:func:`plan_resume` is pure: it takes what was read from the store (a checked record, none, or
-the problem that makes it unusable) and this try's facts, and returns :class:`StartFresh` or
-:class:`Resume`. It reads no store, writes nothing and logs nothing (:func:`announce` logs a
+[`plan_resume`][] is pure: it takes what was read from the store (a checked record, none, or
+the problem that makes it unusable) and this try's facts, and returns [`StartFresh`][] or
+[`Resume`][]. It reads no store, writes nothing and logs nothing ([`announce`][] logs a
 plan); the journal applies the plan. Apart from the journal so that the policy reads in one
 place: a try resumes when the previous one was evicted, timed out, ended for an unknown reason
 or died without a word; a user's stop (Clear) starts fresh unless ``resume_after_clear``; any
@@ -18,12 +18,12 @@ from typing import Any
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.durable.approval import ApprovalRequest, Decision
-from cancellable_agents.durable.deferral import Wait
+from cancellable_agents.durable.deferred_calls import Wait
+from cancellable_agents.durable.pauses import ApprovalRequest, Decision
 from cancellable_agents.durable.reasons import FreshStart
-from cancellable_agents.durable.record import AWAITING, LoadedRecord, RecordProblem
+from cancellable_agents.durable.record_format import AWAITING, LoadedRecord, RecordProblem
 from cancellable_agents.durable.resume import ResumeInfo
-from cancellable_agents.durable.usage import TryUsage
+from cancellable_agents.durable.try_usage import TryUsage
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class StartFresh:
     reason: FreshStart
     #: What the one log line names: the record's problem, or what the user did.
     detail: str = ""
-    #: The try a user stopped (:attr:`FreshStart.USER_STOP` only).
+    #: The try a user stopped (`FreshStart.USER_STOP` only).
     stopped_try: int | None = None
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from cancellable_agents.durable.approval import Decision, deferred_results, with_deferred_output
 from cancellable_agents.durable.fingerprint import run_toolsets, workspace_lost_on_retry
+from cancellable_agents.durable.pauses import Decision, deferred_results, with_deferred_output
 from cancellable_agents.durable.resume_plan import Resume
-from cancellable_agents.durable.usage import TryUsage, add_usage
+from cancellable_agents.durable.try_usage import TryUsage, add_usage
 
 #: Told to a resumed run whose toolsets' workspace did not survive the try (a sandbox's).
 SANDBOX_NOTE = (

@@ -22,13 +22,13 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart, Tool
 from pydantic_core import to_jsonable_python
 
 from cancellable_agents.durable.appender import Appender
-from cancellable_agents.durable.record import dump_message
+from cancellable_agents.durable.record_format import dump_message
 
 
 class StepRecorder:
     """Appends each completed step of one run, and replays the calls an earlier try returned.
 
-    Driven by :class:`~cancellable_agents.durable.capability.JournalCapability`; the journal
+    Driven by [`JournalCapability`][cancellable_agents.durable.capability.JournalCapability]; the journal
     reads what is still unwritten when the run ends. A failed append turns the record off.
     """
 

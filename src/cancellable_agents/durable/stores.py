@@ -1,22 +1,22 @@
-"""Where the continuity record is kept: the :class:`Store` protocol a
-:class:`~cancellable_agents.durable.journal.Journal` writes to, and its implementations. Each
+"""Where the continuity record is kept: the [`Store`][] protocol a
+[`Journal`][cancellable_agents.durable.journal.Journal] writes to, and its implementations. Each
 holds JSON values by key and survives the task's retries.
 
-- :class:`TaskStateStore`: Airflow 3.3's ``context["task_state_store"]`` (AIP-103), per task
+- [`TaskStateStore`][]: Airflow 3.3's ``context["task_state_store"]`` (AIP-103), per task
   instance, through the supervisor comms channel (so only from the main thread between steps,
   never from a signal handler; the channel's lock is not re-entrant).
-- :class:`PathStore`: one JSON file per key under an ``ObjectStoragePath`` (local, ``s3://`` ...),
+- [`PathStore`][]: one JSON file per key under an ``ObjectStoragePath`` (local, ``s3://`` ...),
   for Airflow 3.1/3.2 (``durable_path=``), or by choice on 3.3; or under a ``pathlib.Path``.
-- :class:`MemoryStore`: a dict, for tests and benchmarks.
+- [`MemoryStore`][]: a dict, for tests and benchmarks.
 
-A completed run's keys are dropped where listing them is cheap (:class:`ListableStore`:
+A completed run's keys are dropped where listing them is cheap ([`ListableStore`][]:
 ``MemoryStore``, ``PathStore``); Airflow's task state store cannot list a task instance's keys and
 its ``clear()`` would also drop other runs' records and the task's own keys, so there they stay
 until ``[state_store] clear_on_success`` or ``default_retention_days`` removes them (unreachable:
 the completed run's end entry tells every later try to start fresh).
 
 Airflow-free: a ``durable_path=`` given as a string becomes an ``ObjectStoragePath`` in
-:mod:`cancellable_agents.airflow.durable`, before it reaches :class:`PathStore`.
+[`cancellable_agents.airflow.durable_task`][], before it reaches [`PathStore`][].
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class PathStore:
             self._file(key).unlink()
 
     def keys_under(self, prefix: str) -> list[str]:
-        """The keys whose files are in ``base`` (keys are stored under their :func:`_safe` form,
+        """The keys whose files are in ``base`` (keys are stored under their `_safe` form,
         which is the key itself for the journal's keys)."""
         safe = _safe(prefix)
         try:

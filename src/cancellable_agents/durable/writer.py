@@ -4,7 +4,7 @@ its tools run instead of before.
 Through Airflow's task state store a write is a round trip task -> supervisor -> API server ->
 metadata DB (p50 23 ms with 16 durable agents on one API server, measured in
 ``benchmarks/fleet.py``), and a step waited for it before its tools started. Now the write
-overlaps the tools: the next write, or :meth:`StoreWriter.wait`, waits for it, so entries land
+overlaps the tools: the next write, or [`StoreWriter.wait`][], waits for it, so entries land
 in order, at most one is unconfirmed, and a store error reaches the appender at its next append.
 Airflow's comms channel may be called from any thread (its own lock orders the calls).
 """
@@ -19,7 +19,7 @@ from concurrent.futures import Future
 class StoreWriter:
     """Runs each submitted store call on a daemon thread of its own, one call at a time.
 
-    Used from one thread (the run's): :meth:`submit` and :meth:`wait` are not for concurrent
+    Used from one thread (the run's): [`submit`][] and [`wait`][] are not for concurrent
     callers. A thread per call, not a pool: a call is tens of milliseconds apart from the next,
     a thread costs ~0.1 ms, and nothing needs stopping when the try ends (a daemon thread left
     in a store call never holds up the process's exit).

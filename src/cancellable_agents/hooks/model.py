@@ -17,6 +17,8 @@ from airflow.sdk.bases.hook import BaseHook
 
 from cancellable_agents.core.exceptions import ConfigurationError
 
+__all__ = ["ModelHook"]
+
 #: Sent to OpenAI-compatible local servers that want *some* key but check none.
 _LOCAL_SERVER_KEY = "not-needed-for-local-servers"
 #: The form's *Test* button waits this long for the model's answer (the API server waits on it).
@@ -44,7 +46,7 @@ class ModelHook(BaseHook):
         self.model_id = model
 
     def get_model(self) -> Any:
-        """Return a pydantic-ai ``Model`` (raises :class:`ConfigurationError` naming the fix)."""
+        """Return a pydantic-ai ``Model`` (raises [`ConfigurationError`][] naming the fix)."""
         base_url, api_key, conn_model = self._connection_fields()
         model_id = (self.model_id or conn_model or "").strip()
         if not model_id:

@@ -8,13 +8,15 @@ from typing import Any
 
 from cancellable_agents.airflow.approval import check_approvals
 from cancellable_agents.operators.llm import LLMOperator
-from cancellable_agents.toolsets.description import built
+from cancellable_agents.toolsets.toolset_description import built
+
+__all__ = ["AgentOperator"]
 
 
 class AgentOperator(LLMOperator):
     """Run an agent: a model plus tools (functions), toolsets (e.g. a sandbox) and ``deps``.
 
-    Pass either the parts (``tools``, ``toolsets``, ``deps`` and the :class:`LLMOperator`
+    Pass either the parts (``tools``, ``toolsets``, ``deps`` and the [`LLMOperator`][]
     arguments) or a ready ``agent``; the task's cancellation scope reaches everything the run
     starts: the model request, async and sync tools, sandboxes and sub-agents.
 
@@ -30,7 +32,7 @@ class AgentOperator(LLMOperator):
     :param approval_timeout_default: when nobody answers in time: ``"reject"`` (the model is told
         so and goes on; default) or ``"fail"`` (the task fails).
 
-    Every :class:`LLMOperator` argument too (model, cancellation, ``durable``).
+    Every [`LLMOperator`][] argument too (model, cancellation, ``durable``).
     """
 
     template_fields: Sequence[str] = (*LLMOperator.template_fields,)

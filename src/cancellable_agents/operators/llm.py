@@ -13,6 +13,8 @@ from cancellable_agents.durable.options import DurableOptions
 if TYPE_CHECKING:
     from airflow.sdk.definitions.context import Context
 
+__all__ = ["LLMOperator"]
+
 
 class LLMOperator(CancellableAgentMixin, BaseOperator):
     """Send ``prompt`` to a model and return its output (pydantic models as dicts, for XCom).
@@ -34,12 +36,13 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
     :param reap_descendants: stop processes the task started outside a sandbox (subprocesses,
         MCP stdio servers) when it is killed (Linux). Default ``True``.
     :param cancellation_retry_policy: wrap ``retry_policy`` in
-        :class:`~cancellable_agents.CancellationAwareRetryPolicy` (Airflow 3.3+), so kills are
-        decided by cause and never sent to a retry classifier. Default ``True``.
+        [`CancellationAwareRetryPolicy`][cancellable_agents.airflow.retry.CancellationAwareRetryPolicy]
+        (Airflow 3.3+), so kills are decided by cause and never sent to a retry classifier. Default ``True``.
     :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for the run: ``True``, ``False``, or
         an ``InstrumentationSettings``. ``None``: ``[cancellable_agents] genai_spans`` (off).
-    :param durable: ``True`` or :class:`~cancellable_agents.DurableOptions`: journal the run so the
-        next try of a killed task resumes where it stopped (docs/content/durable.md). Default off.
+    :param durable: ``True`` or [`DurableOptions`][cancellable_agents.durable.options.DurableOptions]:
+        journal the run so the next try of a killed task resumes where it stopped (docs/content/durable.md).
+        Default off.
 
     Everything else goes to ``BaseOperator`` (``retries``, ``execution_timeout``, ``retry_policy`` ...).
     """

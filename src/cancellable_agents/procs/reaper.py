@@ -2,7 +2,7 @@
 
 Airflow signals the task process (or its process group), never the grandchildren an agent's
 tools started: a ``setsid``'d or double-forked child survives the task and keeps running on the
-worker. :class:`DescendantReaper` closes that gap for a whole task process on Linux:
+worker. [`DescendantReaper`][] closes that gap for a whole task process on Linux:
 
 - it makes the task process a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``), so orphans
   of the run are reparented to the task process instead of to PID 1 and stay findable;
@@ -10,13 +10,13 @@ worker. :class:`DescendantReaper` closes that gap for a whole task process on Li
   (nor what they start): they belong to whoever started them;
 - a daemon thread polls the process tree every ~50 ms while the run is active, so processes that
   later escape the tree (``setsid``, reparenting) are still known by pid and start time;
-- on cancel (a ``Phase.TEARDOWN`` resource) or on :meth:`DescendantReaper.reap` it sends SIGTERM
+- on cancel (a ``Phase.TEARDOWN`` resource) or on [`DescendantReaper.reap`][] it sends SIGTERM
   to everything the run started, SIGKILLs what is left inside the scope's budget, reaps the
   zombies reparented to the task process, and records each kill on the scope;
 - orphans reparented to the task process are reaped as soon as they exit; only a zombie child
   this process may have forked itself is left a short ``owner_grace`` for its ``Popen`` to wait.
 
-The low-level helpers live in :mod:`cancellable_agents.procs.proc` (shared with the sandbox).
+The low-level helpers live in [`cancellable_agents.procs.proc`][] (shared with the sandbox).
 Airflow-free.
 """
 
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cancellable_agents.core.record import KillRecord
+from cancellable_agents.core.timeline import KillRecord
 from cancellable_agents.procs.proc import (
     IS_LINUX,
     ProcInfo,
@@ -67,8 +67,8 @@ class _Seen:
 class DescendantReaper:
     """Stops, on cancel, every process the run started in this process's subtree.
 
-    Create with :meth:`start` when the run starts. Thread-safe; :meth:`reap` is idempotent.
-    It never signals this process, its threads, processes that existed before :meth:`start`,
+    Create with [`start`][] when the run starts. Thread-safe; [`reap`][] is idempotent.
+    It never signals this process, its threads, processes that existed before [`start`][],
     or anything started by those. It works per *process*: it cannot tell which scope started a
     descendant, so use one per task process (Airflow's model), not one per scope in a shared one.
     """

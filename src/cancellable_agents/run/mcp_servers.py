@@ -12,13 +12,13 @@ of its own (``start_new_session=True``: Airflow's group kill misses it). Left al
   before its in-flight tool has handled the client's ``notifications/cancelled``.
 
 So each server the ``mcp`` SDK spawns inside a run is registered with the run's scope as a
-``Phase.SERVERS`` resource (:func:`watch_spawns` hooks the SDK's spawn function). On a cancel the
+``Phase.SERVERS`` resource ([`watch_spawns`][] hooks the SDK's spawn function). On a cancel the
 scope first cancels in-flight tool calls (``Phase.IN_FLIGHT``: the SDK sends
-``notifications/cancelled`` as each call's task is cancelled), then :meth:`StdioServer.close`
+``notifications/cancelled`` as each call's task is cancelled), then [`StdioServer.close`][]
 runs the MCP shutdown sequence within the budget: wait for the run's tool tasks to end, close the
-server's stdin, wait (:data:`STDIN_GRACE`, less if the budget is short) for it to exit, then stop
+server's stdin, wait (`STDIN_GRACE`, less if the budget is short) for it to exit, then stop
 whatever is left of its process group, its process tree and its environment tag (SIGTERM,
-:data:`TERM_GRACE`, SIGKILL). The tag (:data:`SERVER_TAG`, set in the environment the server is
+`TERM_GRACE`, SIGKILL). The tag (`SERVER_TAG`, set in the environment the server is
 spawned with) is inherited by everything its tools start, so a ``setsid`` grandchild whose parent
 exited, out of the group and the tree, is still found; only a process that drops its environment
 (``env -i``) escapes it, and is left to ``Phase.TEARDOWN`` (the reaper), which runs after. The
@@ -29,8 +29,8 @@ Each server's outcome is on the scope's timeline (``mcp_server_closed``: how it 
 what had to be killed in its ``killed`` list (source ``mcp_stdio``). Remote servers (streamable
 HTTP) need nothing here: the SDK aborts or cancels the call and ends the session itself.
 
-Every MCP tool call of a run also carries its idempotency key (:mod:`cancellable_agents.run.tool_calls`)
-in the request's ``_meta`` (:func:`carry_idempotency_keys`), so a server can recognise a call that
+Every MCP tool call of a run also carries its idempotency key ([`cancellable_agents.run.tool_calls`][])
+in the request's ``_meta`` ([`carry_idempotency_keys`][]), so a server can recognise a call that
 a resumed try runs again. Airflow-free.
 """
 
@@ -49,8 +49,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import Phase, TaskCancellation, current_cancellation
+from cancellable_agents.core.timeline import KillRecord
 from cancellable_agents.procs.proc import (
     ProcKey,
     all_pids,
@@ -69,8 +69,9 @@ log = logging.getLogger(__name__)
 
 
 class RunTracker(Protocol):
-    """What a server needs of the run that spawned it (:class:`~cancellable_agents.run.tracker.RunTracker`
-    is one; a protocol, as the tracker imports this module)."""
+    """What a server needs of the run that spawned it
+    ([`RunTracker`][cancellable_agents.run.tracker.RunTracker] is one; a protocol, as the
+    tracker imports this module)."""
 
     scope: TaskCancellation
     lock: threading.Lock
@@ -194,7 +195,7 @@ SpawnArguments = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def _with_tag(args: tuple[Any, ...], kwargs: dict[str, Any], tag: str) -> SpawnArguments:
-    """The spawn's arguments with :data:`SERVER_TAG` added to its ``env`` (the third argument)."""
+    """The spawn's arguments with `SERVER_TAG` added to its ``env`` (the third argument)."""
 
     def tagged(env: dict[str, str] | None) -> dict[str, str]:
         return {**(os.environ if env is None else env), SERVER_TAG: tag}
@@ -232,7 +233,7 @@ def _spawned(process: Any, tag: bytes) -> None:
 
 @dataclass
 class StdioServer:
-    """One MCP stdio server process a run's transport spawned; :meth:`close` stops it and its tree."""
+    """One MCP stdio server process a run's transport spawned; [`close`][] stops it and its tree."""
 
     process: Any  # the SDK's anyio Process: its stdin is the transport's end of the pipe
     key: ProcKey
@@ -243,7 +244,7 @@ class StdioServer:
     scope: TaskCancellation
     _closing: threading.Lock = field(default_factory=threading.Lock)
     closed: threading.Event = field(default_factory=threading.Event)
-    """Set once :meth:`close` is done (whatever the outcome)."""
+    """Set once [`close`][] is done (whatever the outcome)."""
 
     def close(self) -> None:
         """The MCP stdio shutdown, inside the scope's remaining budget; records what happened.

@@ -1,4 +1,4 @@
-"""Run a pydantic-ai agent under a :class:`TaskCancellation` scope.
+"""Run a pydantic-ai agent under a [`TaskCancellation`][] scope.
 
 pydantic-ai cancels a run when its token fires, but on its own it tears toolsets down before
 in-flight tools see ``CancelledError``, and it stops *waiting* for sync tools without stopping
@@ -25,7 +25,7 @@ from pydantic_ai.exceptions import RunCancelled, RunTimedOut
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
-from cancellable_agents.durable.approval import AwaitingApproval
+from cancellable_agents.durable.pauses import AwaitingApproval
 from cancellable_agents.run.tool_calls import RunIdentity, run_identity
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class _ScopedRun:
         identity: RunIdentity | None = None,
     ) -> _ScopedRun:
         """Refuse a cancelled scope (no model request), else register the run's in-flight tools;
-        its tool calls' keys derive from ``identity`` (see :func:`run_identity`)."""
+        its tool calls' keys derive from ``identity`` (see [`run_identity`][])."""
         if scope.cancelled:
             scope.record("run_refused", reason="cancelled before the run started")
             scope.settle(Outcome.CANCELLED)
@@ -74,7 +74,7 @@ class _ScopedRun:
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        """The scope as :func:`current_cancellation`, and sync tools on tracked threads.
+        """The scope as [`current_cancellation`][], and sync tools on tracked threads.
 
         The threads are closed when the run ends, before stragglers are looked for.
         """
@@ -116,7 +116,7 @@ class _ScopedRun:
         return False
 
     def error(self, exc: BaseException | None, result: Any = None) -> TaskCancelled:
-        """The :class:`TaskCancelled` for a run that ended cancelled.
+        """The [`TaskCancelled`][] for a run that ended cancelled.
 
         The transcript and usage come from the run's ``RunCancelled``, from a sub-agent's
         ``TaskCancelled`` that escaped it, or from the discarded result.
@@ -141,19 +141,19 @@ def run_agent_in_scope(
 ) -> Any:
     """Run ``agent`` synchronously under ``scope`` and return its ``AgentRunResult``.
 
-    Raises :class:`TaskCancelled` if the scope was cancelled before, during or after the run
+    Raises [`TaskCancelled`][] if the scope was cancelled before, during or after the run
     (a result that arrives after the cancel does not count), or if the run's own ``timeout=``
     expired (cause ``TIMEOUT``). A cancelled scope never makes a model request. Settling the
     scope as ``COMPLETED`` is left to its owner, whose unit of work may hold several runs.
 
     ``journal`` (``durable=True``, opened by the caller): attached before the run, appended to
-    after each step, and ended here as the run ends (see :func:`_run_journaled`). A journaled
+    after each step, and ended here as the run ends (see `_run_journaled`). A journaled
     run whose model calls a tool that requires approval stops there and raises
-    :class:`~cancellable_agents.durable.approval.AwaitingApproval` instead of returning.
-    ``on_cancelled``: called with the :class:`TaskCancelled` before it is raised (an operator
+    [`AwaitingApproval`][cancellable_agents.durable.pauses.AwaitingApproval] instead of returning.
+    ``on_cancelled``: called with the [`TaskCancelled`][] before it is raised (an operator
     logs its kill record there), before the journal's end is written. ``identity``: who the run
     is (task instance, run key, try), from which its tool calls' idempotency keys derive
-    (:mod:`cancellable_agents.run.tool_calls`); a journaled run's transcript may begin in an
+    ([`cancellable_agents.run.tool_calls`][]); a journaled run's transcript may begin in an
     earlier try, which the journal knows.
     """
     if journal is None:
@@ -181,7 +181,7 @@ def _run_journaled(
     A cancelled run's end is written last, after ``on_cancelled``, because the store may answer
     seconds later and the task is SIGKILLed 5 s after the SIGTERM: the kill record comes first.
     A run that ends asking for approval (output ``DeferredToolRequests``) is recorded as stopped
-    there and raises :class:`AwaitingApproval` (so is a record still stopped there, from attach).
+    there and raises [`AwaitingApproval`][] (so is a record still stopped there, from attach).
     """
     try:
         if not scope.cancelled:  # a cancelled scope makes no request: nothing to take over
@@ -211,7 +211,7 @@ def _run_scoped(
     run_kwargs: dict[str, Any],
     identity: RunIdentity | None,
 ) -> Any:
-    """:func:`run_agent_in_scope` without a journal: the run itself."""
+    """[`run_agent_in_scope`][] without a journal: the run itself."""
     run = _ScopedRun.start(scope, None, run_kwargs, identity)
     try:
         with run.context():
@@ -236,9 +236,9 @@ async def run_agent_in_scope_async(
     tracker: RunTracker | None = None,
     **run_kwargs: Any,
 ) -> Any:
-    """``await agent.run(...)`` under ``scope``; the async counterpart of :func:`run_agent_in_scope`.
+    """``await agent.run(...)`` under ``scope``; the async counterpart of [`run_agent_in_scope`][].
 
-    Same contract: refuses a cancelled scope, raises :class:`TaskCancelled` with the partial
+    Same contract: refuses a cancelled scope, raises [`TaskCancelled`][] with the partial
     transcript and usage, leaves settling ``COMPLETED`` to the scope's owner. Used for
     sub-agents, which run on their parent's event loop or on a loop of their own in a thread.
     ``tracker`` (optional) lets the caller watch the run's ``in_flight_stopped``. An external

@@ -7,7 +7,7 @@ same key in every try, and any other call carries another one. Like a Temporal a
 Stripe ``Idempotency-Key``, it is derived, never drawn from the clock or random state, so the next
 try (another process) derives it again without having stored it.
 
-What "the same logical call" is, and therefore what goes into the key (:func:`derive_key`):
+What "the same logical call" is, and therefore what goes into the key ([`derive_key`][]):
 
 - **Who runs it**: the task instance ``(dag_id, task_id, run_id, map_index)``, and which agent run
   of its ``execute`` (the run key, the order of ``run_agent_sync`` calls, which is also the key of
@@ -32,10 +32,10 @@ response with new ids, and its call gets a new key (and ``is_rerun`` is ``False`
 ``write_ahead=True`` closes that window.
 
 Light: no pydantic-ai. The key of the call in progress is set by the run's toolset wrapper
-(:mod:`cancellable_agents.run.tracker`) and read here by tools, sandbox commands (the environment
-variable :data:`IDEMPOTENCY_KEY_ENV`) and HTTP clients (:func:`idempotency_headers`); a call to an
-MCP server's tool carries it in the request's ``_meta`` under :data:`IDEMPOTENCY_META_KEY`
-(:func:`cancellable_agents.run.mcp_servers.carry_idempotency_keys`).
+([`cancellable_agents.run.tracker`][]) and read here by tools, sandbox commands (the environment
+variable `IDEMPOTENCY_KEY_ENV`) and HTTP clients ([`idempotency_headers`][]); a call to an
+MCP server's tool carries it in the request's ``_meta`` under `IDEMPOTENCY_META_KEY`
+([`cancellable_agents.run.mcp_servers.carry_idempotency_keys`][]).
 """
 
 from __future__ import annotations
@@ -46,9 +46,18 @@ from dataclasses import dataclass, replace
 
 from cancellable_agents.durable.fingerprint import canonical
 
+__all__ = [
+    "IDEMPOTENCY_HEADER",
+    "IDEMPOTENCY_KEY_ENV",
+    "IDEMPOTENCY_META_KEY",
+    "ToolCall",
+    "current_tool_call",
+    "idempotency_headers",
+]
+
 #: The environment variable a sandbox command gets the key of its tool call in.
 IDEMPOTENCY_KEY_ENV = "CANCELLABLE_AGENTS_IDEMPOTENCY_KEY"
-#: The HTTP header :func:`idempotency_headers` sets (the name Stripe and the IETF draft use).
+#: The HTTP header `idempotency_headers` sets (the name Stripe and the IETF draft use).
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: The ``_meta`` key of an MCP ``tools/call`` request that carries the call's key (a prefixed name,
 #: as the MCP spec asks of names that are not its own).
@@ -138,7 +147,7 @@ def run_identity(given: RunIdentity | None) -> RunIdentity:
 
 
 def current_tool_call() -> ToolCall | None:
-    """The :class:`ToolCall` this code runs in, or ``None`` outside a tool call of a run under a
+    """The [`ToolCall`][] this code runs in, or ``None`` outside a tool call of a run under a
     scope. Usable from async and sync tools, and from what they call."""
     return active_tool_call.get()
 

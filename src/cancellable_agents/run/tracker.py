@@ -1,10 +1,10 @@
 """What a run under a scope tracks: its in-flight tool tasks, its sync tools' threads, its model
-requests, and child runs still tearing down (:class:`RunTracker`), and the pydantic-ai hooks that
-feed it (:class:`CancellationCapability`, the toolset wrapper, :class:`ToolThreadExecutor`).
+requests, and child runs still tearing down ([`RunTracker`][]), and the pydantic-ai hooks that
+feed it ([`CancellationCapability`][], the toolset wrapper, [`ToolThreadExecutor`][]).
 
 pydantic-ai cancels a run when its token fires, but tears toolsets down before in-flight tools see
 ``CancelledError`` and stops *waiting* for sync tools without stopping them: the tracker lets the
-runner (:mod:`cancellable_agents.run.runner`) cancel in-flight work first and name a sync tool that
+runner ([`cancellable_agents.run.runner`][]) cancel in-flight work first and name a sync tool that
 ignores the cancel. Airflow-free.
 """
 
@@ -69,11 +69,11 @@ class RunTracker:
     ``tool_tasks``, ``tool_threads`` and ``lingering`` are guarded by ``lock`` (the scope's unwind
     thread cancels tools). ``model_requests`` is only touched on the run's event loop, so it needs
     no lock: it maps each task awaiting a model request to the event that
-    :meth:`stop_model_requests` waits on, created only when it does (none in a normal run).
+    [`stop_model_requests`][] waits on, created only when it does (none in a normal run).
     """
 
     scope: TaskCancellation
-    #: Who the run is, for its tool calls' idempotency keys (:mod:`cancellable_agents.run.tool_calls`).
+    #: Who the run is, for its tool calls' idempotency keys (`cancellable_agents.run.tool_calls`).
     identity: RunIdentity = field(default_factory=RunIdentity)
     tool_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     tool_threads: list[_ToolThread] = field(default_factory=list)
@@ -81,8 +81,9 @@ class RunTracker:
     model_requests: dict[asyncio.Task[Any], asyncio.Event | None] = field(default_factory=dict)
     lingering: set[asyncio.Task[Any]] = field(default_factory=set)
     stdio_servers: list[Any] = field(default_factory=list)
-    """MCP stdio servers spawned for this run (:class:`~cancellable_agents.run.mcp_servers.StdioServer`);
-    a cancelled run's teardown waits for their close, which needs this run's loop."""
+    """MCP stdio servers spawned for this run
+    ([`StdioServer`][cancellable_agents.run.mcp_servers.StdioServer]); a cancelled run's
+    teardown waits for their close, which needs this run's loop."""
     in_flight_stopped: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (on the run's loop) once a cancelled run's in-flight tools were drained, before teardown."""
     _cancelled: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -90,7 +91,7 @@ class RunTracker:
 
     def poll_signals(self) -> None:
         """While the run is active on the main thread, wake its event loop every
-        :data:`SIGNAL_POLL_INTERVAL` seconds (call on the loop; idempotent).
+        `SIGNAL_POLL_INTERVAL` seconds (call on the loop; idempotent).
 
         CPython runs a Python signal handler (the Task SDK's SIGTERM -> ``on_kill``) only when the
         main thread executes bytecode. A SIGTERM that the kernel hands to another thread (a sync
@@ -194,7 +195,7 @@ class ToolThreadExecutor(concurrent.futures.Executor):
     as a straggler instead. A thread whose call returned waits for the run's next sync call:
     starting a thread per call blocks the event loop in ``Thread.start`` until the new thread
     runs (measured: +30 ms for 49 calls on a busy 2-core machine, against +3 ms reused).
-    :meth:`close` ends the run's threads, a busy one as soon as its call returns, so a
+    [`close`][] ends the run's threads, a busy one as soon as its call returns, so a
     straggler's thread still ends with its call.
     """
 
@@ -232,7 +233,7 @@ class ToolThreadExecutor(concurrent.futures.Executor):
         """The run ended: its threads exit, and those whose call returned are joined (briefly).
 
         A thread still in its call (a straggler) exits once the call returns; it is left to
-        :func:`report_stragglers`.
+        [`report_stragglers`][].
         """
         with self._tracker.lock:
             self._closed = True
@@ -254,7 +255,7 @@ class _RunToolset(WrapperToolset[Any]):
     is on every call's path anyway, while each capability hook costs pydantic-ai two
     ``RunContext`` copies per call. ``call_tool`` runs in the tool's own task, so the task it
     registers is the one to cancel, and the context variables it sets are what the tool (and a
-    sync tool's thread) sees: its name, its run's tracker, and the :class:`ToolCall` with its
+    sync tool's thread) sees: its name, its run's tracker, and the [`ToolCall`][] with its
     idempotency key (``current_tool_call()``).
     """
 
@@ -282,7 +283,7 @@ class _RunToolset(WrapperToolset[Any]):
     async def __aenter__(self) -> Any:
         self.tracker.poll_signals()
         # MCP stdio servers spawned while the toolsets are entered are closed on a cancel in the
-        # protocol's order, once this run's calls ended (:mod:`cancellable_agents.run.mcp_servers`).
+        # protocol's order, once this run's calls ended (`cancellable_agents.run.mcp_servers`).
         with mcp_servers.entering(self.tracker):
             if "pydantic_ai.mcp" in sys.modules:
                 mcp_servers.carry_idempotency_keys(self.wrapped)
@@ -306,7 +307,7 @@ class _RunToolset(WrapperToolset[Any]):
 
 
 def tool_call(identity: RunIdentity, name: str, ctx: RunContext[Any]) -> ToolCall:
-    """The :class:`ToolCall` ``ctx`` runs (its key derived from the run's ``identity``). A call of
+    """The [`ToolCall`][] ``ctx`` runs (its key derived from the run's ``identity``). A call of
     a resumed durable run that was in flight when the earlier try stopped is a re-run (a
     sub-agent's calls are not in that record: never)."""
     call_id = ctx.tool_call_id or ""
@@ -329,7 +330,7 @@ def response_index(messages: list[ModelMessage], tool_call_id: str) -> int:
 
 
 class CancellationCapability(AbstractCapability[Any]):
-    """Per-run capability: wraps the toolsets (:class:`_RunToolset`) and tracks model requests.
+    """Per-run capability: wraps the toolsets (`_RunToolset`) and tracks model requests.
 
     pydantic-ai charges every capability of a run, whatever it overrides, a ``RunContext`` copy
     per hook per step (an empty capability adds about 3.5 ms to a 50-step run); that is most of

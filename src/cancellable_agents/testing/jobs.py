@@ -2,11 +2,11 @@
 inference, a review in another system), for examples and tests: a job is a JSON file under a
 directory, and nothing runs on the task's worker while it waits.
 
-A job is finished by :func:`finish` (a test's hand, or whatever does the work), or by the clock
-when it was started with ``seconds`` (a job that takes that long); :func:`cancel` stops it, as a
-real job's cancel API would. :func:`status` is the :class:`~cancellable_agents.PollTrigger`
-protocol (``None`` while running, the result once done), so the triggerer, which imports it by
-name, needs nothing but this package. Stdlib only.
+A job is finished by `finish` (a test's hand, or whatever does the work), or by the clock
+when it was started with ``seconds`` (a job that takes that long); [`cancel`][] stops it, as a
+real job's cancel API would. [`status`][] is the
+[`PollTrigger`][cancellable_agents.airflow.triggers.PollTrigger] protocol (``None`` while running, the result
+once done), so the triggerer, which imports it by name, needs nothing but this package. Stdlib only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+__all__ = ["acancel", "cancel", "finish", "last_polled", "start", "state_of", "status"]
 
 
 def _path(root: str, job: str) -> Path:
@@ -36,7 +38,7 @@ def _write(root: str, job: str, state: dict[str, Any]) -> None:
 
 
 def start(root: str, job: str, seconds: float | None = None, result: Any = None) -> str:
-    """Start ``job``: it runs until :func:`finish` or :func:`cancel`, or for ``seconds`` (then
+    """Start ``job``: it runs until `finish` or [`cancel`][], or for ``seconds`` (then
     its result is ``result``). Returns the job file's path."""
     Path(root).mkdir(parents=True, exist_ok=True)
     due = None if seconds is None else time.time() + seconds
@@ -50,7 +52,7 @@ def finish(root: str, job: str, result: Any) -> None:
 
 def status(root: str, job: str, events_fd: int | None = None, **_: Any) -> Any:
     """``None`` while ``job`` runs, its result once done (the PollTrigger protocol); raises for a
-    cancelled job. Each poll leaves its time for :func:`last_polled`: a trigger is waiting on the
+    cancelled job. Each poll leaves its time for [`last_polled`][]: a trigger is waiting on the
     job, and so a user's stop reaches its ``on_kill``. ``events_fd``: a process test's event
     pipe, told of each poll (so the test knows the trigger waits, without sleeping); other
     keyword arguments (the cancel call's) are ignored."""
@@ -90,7 +92,7 @@ def cancel(root: str, job: str, **_: Any) -> None:
 
 
 async def acancel(root: str, job: str, answer_s: float = 0.0, **_: Any) -> None:
-    """:func:`cancel` as an ``async`` job API whose cancel call takes ``answer_s`` seconds to
+    """[`cancel`][] as an ``async`` job API whose cancel call takes ``answer_s`` seconds to
     answer (a remote service's), on the triggerer's event loop; the job stops at the answer."""
     await asyncio.sleep(answer_s)
     cancel(root, job)

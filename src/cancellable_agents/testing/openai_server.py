@@ -4,7 +4,7 @@ The server speaks real HTTP/1.1 on ``127.0.0.1`` (an ephemeral port unless one i
 ``POST /v1/chat/completions`` in both plain-JSON and SSE streaming form, in the shape the ``openai`` client
 and pydantic-ai's ``OpenAIChatModel`` accept. What it answers is chosen by the request's ``model`` string.
 
-What it answers (the model-string grammar) is in :mod:`cancellable_agents.testing.scripts`.
+What it answers (the model-string grammar) is in [`cancellable_agents.testing.scripts`][].
 
 Disconnect detection is the point of this server: whenever it waits (``delay_first``, between tokens, or
 the non-streaming ``N*S`` wait) it polls the client socket every ``POLL_INTERVAL`` seconds, and a peeked

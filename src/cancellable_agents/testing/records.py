@@ -1,6 +1,6 @@
 """What the scripted test model server saw: one record per chat-completions request.
 
-Kept in a :class:`RecordLog` that tests wait on (``wait_for``) and that the server serves as JSON
+Kept in a [`RecordLog`][] that tests wait on (``wait_for``) and that the server serves as JSON
 (``GET /_records``), so a parent process can assert on a server it spawned.
 """
 

@@ -1,6 +1,6 @@
 """What the scripted test model answers: the model-string grammar and the OpenAI JSON shapes.
 
-The server (:mod:`cancellable_agents.testing.openai_server`) chooses each answer by the request's
+The server ([`cancellable_agents.testing.openai_server`][]) chooses each answer by the request's
 ``model`` string; this module parses that string and plans the reply, without any HTTP.
 
 Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?`` is parsed with

@@ -1,11 +1,11 @@
 """Toolsets for agents run as Airflow tasks: each one stops cleanly when the task is cancelled.
 
-- :mod:`cancellable_agents.toolsets.sandbox`: ``LocalSandbox`` and ``SandboxToolset``, shell and
+- [`cancellable_agents.toolsets.sandbox`][]: ``LocalSandbox`` and ``SandboxToolset``, shell and
   Python commands run as process trees that a cancel terminates and reaps within the budget.
-- :mod:`cancellable_agents.toolsets.delegation`: ``SubagentToolset`` and ``Subagent``, delegation
-  to sub-agents as a DAG file describes it; :mod:`cancellable_agents.toolsets.subagents` runs
+- [`cancellable_agents.toolsets.delegation`][]: ``SubagentToolset`` and ``Subagent``, delegation
+  to sub-agents as a DAG file describes it; [`cancellable_agents.toolsets.subagents`][] runs
   them (``SubagentTools``), each under a child scope that the task's cancel reaches first.
-- :mod:`cancellable_agents.toolsets.description`: what makes ``SandboxToolset`` and
+- [`cancellable_agents.toolsets.toolset_description`][]: what makes ``SandboxToolset`` and
   ``SubagentToolset`` light descriptions, made into pydantic-ai toolsets when the task runs.
 
 One naming rule for every toolset a DAG file can describe: ``<Feature>Toolset`` is the light

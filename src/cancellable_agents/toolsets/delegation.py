@@ -1,10 +1,10 @@
-"""How a DAG file describes delegation to sub-agents: :class:`Subagent` and :class:`SubagentToolset`.
+"""How a DAG file describes delegation to sub-agents: [`Subagent`][] and [`SubagentToolset`][].
 
 Light on purpose (a DAG file imports this on every parse): no pydantic-ai here. A sub-agent is a
 pydantic-ai agent you built (then your DAG file chose that import), or a description of one
 (``model``, ``instructions``, ``tools``, ``toolsets``) that becomes an ``Agent`` when the task
-runs. :class:`SubagentToolset` is a light description too; the toolset that runs the children is
-:class:`cancellable_agents.toolsets.subagents.SubagentTools`.
+runs. [`SubagentToolset`][] is a light description too; the toolset that runs the children is
+[`cancellable_agents.toolsets.subagents.SubagentTools`][].
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.toolsets.description import ToolsetDescription, built
+from cancellable_agents.toolsets.toolset_description import ToolsetDescription, built
 
 if TYPE_CHECKING:
     from pydantic_ai.agent import AbstractAgent
@@ -25,7 +25,7 @@ __all__ = ["Subagent", "SubagentToolset"]
 
 @dataclass(frozen=True)
 class Subagent:
-    """One named sub-agent of a :class:`SubagentToolset`.
+    """One named sub-agent of a [`SubagentToolset`][].
 
     :param name: what the model passes as ``agent`` (also the child scope's name in the record).
     :param agent: any pydantic-ai agent (with its own tools, toolsets, model, instructions); or
@@ -82,13 +82,13 @@ class Subagent:
 class SubagentToolset(ToolsetDescription):
     """A ``delegate(agent, task) -> str`` tool that runs named sub-agents under child scopes.
 
-    :param agents: ``{"name": agent}`` or a sequence of :class:`Subagent` (names must be unique).
+    :param agents: ``{"name": agent}`` or a sequence of [`Subagent`][] (names must be unique).
     :param tool_name: the tool's name (default ``delegate``).
     :param threaded: drive each child from the tool's worker thread (``asyncio.run``) instead of
         awaiting it on the parent's loop. Both are cancelled the same way.
     :param id: the toolset id (pydantic-ai durable execution needs one).
 
-    A light description: the toolset (:class:`~cancellable_agents.toolsets.subagents.SubagentTools`)
+    A light description: the toolset ([`SubagentTools`][cancellable_agents.toolsets.subagents.SubagentTools])
     is made when the task runs; ``Agent(toolsets=[SubagentToolset(...)])`` works as it is.
     Copying it (Airflow copies operators) shares the sub-agents, which hold no per-run state.
     """
@@ -110,7 +110,7 @@ class SubagentToolset(ToolsetDescription):
 
 
 def by_name(agents: Mapping[str, AbstractAgent[Any, Any]] | Sequence[Subagent]) -> dict[str, Subagent]:
-    """The sub-agents by name, refusing none, duplicates and anything but :class:`Subagent`\\ s."""
+    """The sub-agents by name, refusing none, duplicates and anything but [`Subagent`][]\\ s."""
     subs = (
         [Subagent(name, agent) for name, agent in agents.items()]
         if isinstance(agents, Mapping)

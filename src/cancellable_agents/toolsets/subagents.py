@@ -1,6 +1,6 @@
 """Delegation to sub-agents that stop when their parent stops: in order, with no lost interrupt.
 
-:class:`SubagentToolset` lets any pydantic-ai agent hand a task to named sub-agents (each a
+[`SubagentToolset`][] lets any pydantic-ai agent hand a task to named sub-agents (each a
 pydantic-ai agent, with its own tools and toolsets, e.g. a sandbox)::
 
     researcher = Agent("openai:gpt-4o-mini", toolsets=[SandboxToolset()])
@@ -8,7 +8,7 @@ pydantic-ai agent, with its own tools and toolsets, e.g. a sandbox)::
 
 The model gets one tool, ``delegate(agent, task) -> str`` (name configurable; ``agent`` is an
 enum of the sub-agent names, the tool description lists their descriptions). Every delegation
-runs under a *child* of the run's :class:`~cancellable_agents.core.scope.TaskCancellation`:
+runs under a *child* of the run's [`TaskCancellation`][cancellable_agents.core.scope.TaskCancellation]:
 
 - the parent's cancel cancels the child with cause ``PARENT`` (``root_cause`` still says why the
   task stopped); the child's grace budget is what the parent has left, and a child run started
@@ -33,7 +33,7 @@ event loop, in its own asyncio task so a cancel reaches it as pydantic-ai's own 
 cancellation (``RunCancelled`` with the transcript) rather than as a bare ``CancelledError``.
 ``SubagentToolset(..., threaded=True)`` makes ``delegate`` a sync tool that drives the child with
 ``asyncio.run`` on the tool's worker thread (``Agent.run_sync`` is refused inside a sync tool).
-From your own tools, call :func:`run_subagent` (async) or :func:`run_subagent_sync` (threads).
+From your own tools, call [`run_subagent`][] (async) or [`run_subagent_sync`][] (threads).
 
 How to write sync tools that stop in time: ``docs/content/tools.md``. This module imports no Airflow.
 """
@@ -68,10 +68,10 @@ log = logging.getLogger(__name__)
 
 class SubagentTools(FunctionToolset[Any]):
     """A ``delegate(agent, task) -> str`` tool that runs named sub-agents under child scopes: the
-    pydantic-ai toolset a :class:`~cancellable_agents.toolsets.delegation.SubagentToolset` makes
+    pydantic-ai toolset a [`SubagentToolset`][cancellable_agents.toolsets.delegation.SubagentToolset] makes
     when the task runs (same arguments).
 
-    :param agents: ``{"name": agent}`` or a sequence of :class:`Subagent` (names must be unique).
+    :param agents: ``{"name": agent}`` or a sequence of [`Subagent`][] (names must be unique).
     :param tool_name: the tool's name (default ``delegate``).
     :param threaded: drive each child from the tool's worker thread (``asyncio.run``) instead of
         awaiting it on the parent's loop. Both are cancelled the same way.
@@ -197,7 +197,7 @@ async def run_subagent(
     after its own teardown) and re-raises ``CancelledError``. If the child is cancelled on its
     own, the parent scope is cancelled with the same cause and the delegation ends as
     cancellation too (``CancelledError`` once the parent run tells this tool to stop, or
-    :class:`TaskCancelled` where no run of ours is around). Never returns a cancelled child's
+    [`TaskCancelled`][] where no run of ours is around). Never returns a cancelled child's
     result. ``parent_usage`` (e.g. ``ctx.usage``) gets the child's usage added.
     """
     parent = scope if scope is not None else current_cancellation()
@@ -228,10 +228,10 @@ def run_subagent_sync(
 ) -> Any:
     """Run ``agent`` as a sub-agent from a thread (a sync tool): ``asyncio.run`` on this thread.
 
-    Same child scope, cancellation and record as :func:`run_subagent`. A parent's cancel reaches
+    Same child scope, cancellation and record as [`run_subagent`][]. A parent's cancel reaches
     the child's own event loop from the unwind thread; this returns or raises once the child has
     unwound (its run ended), so no work is left on this thread. A child cancelled on its own
-    cancels the parent scope and raises :class:`TaskCancelled` after the parent run was told to
+    cancels the parent scope and raises [`TaskCancelled`][] after the parent run was told to
     stop, so the exception cannot be taken for a tool error. Let it propagate.
     """
     parent = scope if scope is not None else current_cancellation()

@@ -25,8 +25,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import Phase, ResourceHandle, TaskCancellation
+from cancellable_agents.core.timeline import KillRecord
 from cancellable_agents.toolsets.sandbox.protocol import (
     CommandResult,
     Sandbox,

@@ -72,7 +72,10 @@ class CommandResult:
     signal it did not get from the sandbox reports ``128 + signal`` (bubblewrap's convention).
     ``memory_limit_kills`` and ``process_limit_hits`` count the sandbox's totals enforced while
     the command ran (commands running beside it share the counts); ``None`` where the backend
-    has no per-sandbox totals to count.
+    has no per-sandbox totals to count. ``limit_exceeded`` names the sandbox total (a
+    :class:`Limits` field: ``"max_processes"``, ``"memory_bytes"``, ``"workdir_bytes"``,
+    ``"tmp_bytes"``) at which the sandbox SIGKILLed the command, where it counts the totals itself
+    (no cgroup); such a command is ``stopped``.
     """
 
     command_id: str
@@ -86,6 +89,7 @@ class CommandResult:
     duration: float = 0.0
     memory_limit_kills: int | None = None
     process_limit_hits: int | None = None
+    limit_exceeded: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -305,6 +305,8 @@ def _for_model(result: CommandResult, timeout: float) -> dict[str, Any]:
     answer: dict[str, Any] = {"exit_code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr}
     if result.timed_out:
         answer["timed_out"] = f"killed after {timeout:g}s"
+    elif result.limit_exceeded:
+        answer["stopped"] = f"killed by the sandbox: its {result.limit_exceeded} limit was exceeded"
     elif result.stopped:
         answer["stopped"] = "stopped by the sandbox (the task is being cancelled)"
     elif (meaning := _killed_by(result)) is not None:

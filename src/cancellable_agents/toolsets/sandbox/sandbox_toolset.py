@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.toolsets.description import ToolsetDescription
 from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.protocol import require_sandbox
+from cancellable_agents.toolsets.toolset_description import ToolsetDescription
 
 if TYPE_CHECKING:
     from cancellable_agents.toolsets.sandbox.limits import Limits

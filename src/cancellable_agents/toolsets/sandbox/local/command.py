@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from cancellable_agents.core.record import KillRecord
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.core.timeline import KillRecord
 from cancellable_agents.procs.owner import owner_gone
 from cancellable_agents.procs.proc import (
     ProcKey,
@@ -47,6 +47,7 @@ from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import LimitHits
 from cancellable_agents.toolsets.sandbox.local.boundary.command_init import parse_report
 from cancellable_agents.toolsets.sandbox.local.isolation import Mode
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader
+from cancellable_agents.toolsets.sandbox.local.totals import LimitBreach
 from cancellable_agents.toolsets.sandbox.protocol import CommandResult
 
 __all__ = [
@@ -130,6 +131,8 @@ class CommandTree:
     #: keeps and stops the whole tree; this memfd is its report of what it signalled.
     report_fd: int | None = None
     report_read: bool = False
+    #: The sandbox total this command was SIGKILLed at (no grace), where the sandbox counts them.
+    breach: LimitBreach | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
     terminated: threading.Event = field(default_factory=threading.Event)
@@ -163,6 +166,8 @@ class CommandTree:
 
     def _grace(self) -> float:
         """SIGTERM grace: ``stop_grace``, but never past the cancelled scope's budget."""
+        if self.breach is not None:
+            return 0.0
         scope = self.owner.scope
         if scope is None or not scope.cancelled:
             return self.owner.stop_grace
@@ -251,6 +256,7 @@ class CommandTree:
             duration=round(time.monotonic() - self.started, 4),
             memory_limit_kills=None if hits is None else hits.oom_kills,
             process_limit_hits=None if hits is None else hits.fork_failures,
+            limit_exceeded=None if self.breach is None else self.breach.limit,
         )
 
     def _kill_leftovers(self) -> None:
@@ -350,12 +356,19 @@ class CommandTree:
         elif self.stop_reason is not None:  # someone else is stopping it: wait for them
             self.done.wait(self.stop_bound())
 
-    def _claim(self, reason: str) -> bool:
+    def kill_at_limit(self, breach: LimitBreach) -> None:
+        """SIGKILL the whole tree now (no grace, as the kernel's OOM killer would) because the
+        sandbox passed ``breach``'s limit; a no-op if it is already stopping or finished."""
+        if self._claim(f"limit {breach.describe()}", breach):
+            self._stop_claimed()
+
+    def _claim(self, reason: str, breach: LimitBreach | None = None) -> bool:
         """Make this caller the one that stops the command; ``False`` if stopping or finished."""
         with self.lock:
             if self.stop_reason is not None or self.done.is_set():
                 return False
             self.stop_reason = reason
+            self.breach = breach
             return True
 
     def _stop_claimed(self) -> None:
@@ -417,9 +430,10 @@ class CommandTree:
         SIGUSR1 when the grace (perhaps cut by the scope's budget) is over, to SIGKILL now; a
         SIGKILL of the init itself only if it did not end by then (its tree is then reparented
         to the task process, a subreaper, and found by the descendant reaper)."""
+        grace = self._grace()
         self.final_signal = signal.SIGTERM
-        send_signal(self.main, signal.SIGTERM)
-        if not wait_gone([self.main], self._grace()):
+        send_signal(self.main, signal.SIGTERM if grace > 0 else signal.SIGUSR1)
+        if not wait_gone([self.main], grace):
             send_signal(self.main, signal.SIGUSR1)
             if not wait_gone([self.main], KILL_WAIT + STOP_SLACK):
                 log.warning(

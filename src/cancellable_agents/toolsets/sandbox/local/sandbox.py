@@ -17,11 +17,12 @@ folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sand
 
 The sandbox reaches its scope one way, as any backend: the attachment :func:`attach_sandbox` gave
 it; its commands and its egress proxy read the scope there. This module is the sandbox's life:
-set-up of the three modes, starting, stopping, destroying, whose parts share its state (workdir,
-mode, profile, commands, attachment). What reads that state without changing it lives beside it,
-mixed into the class: the results (``wait``, ``run``, ``arun``: :mod:`.results`), the file tools
-(:mod:`.files`) and the egress proxy's start (``boundary.egress_proxy``); so do the Landlock
-rules (``boundary.landlock``) and spawning (``spawn``). This module imports no Airflow.
+``__init__``, starting, stopping, destroying, whose parts share its state (workdir, mode,
+profile, commands, attachment). Beside it, mixed into the class, each idea on its own: the
+boundary's set-up at creation (:mod:`.provision`), the results (``wait``, ``run``, ``arun``:
+:mod:`.results`), the file tools (:mod:`.files`) and the egress proxy's start
+(``boundary.egress_proxy``); so do the Landlock rules (``boundary.landlock``) and spawning
+(``spawn``). This module imports no Airflow.
 """
 
 from __future__ import annotations
@@ -49,12 +50,10 @@ from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.limits import Limits
 from cancellable_agents.toolsets.sandbox.local.boundary import landlock
 from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import (
-    BoundaryProfile,
     boundary_argv,
     bwrap_support,
     host_argv,
     interpreter_paths,
-    sandbox_uid,
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import SandboxCgroup
 from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
@@ -65,7 +64,6 @@ from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.quotas import (
     limits_prefix,
-    mount_workdir,
     prlimit_path,
 )
 from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import (
@@ -89,9 +87,12 @@ from cancellable_agents.toolsets.sandbox.local.isolation import (
     enforceable_egress,
     warn_no_boundary,
 )
+from cancellable_agents.toolsets.sandbox.local.provision import BoundaryProvision
+from cancellable_agents.toolsets.sandbox.local.provision import absolute_path as _absolute
 from cancellable_agents.toolsets.sandbox.local.results import CommandResults
 from cancellable_agents.toolsets.sandbox.local.spawn import BoundedReader, feed_stdin, start_process
-from cancellable_agents.toolsets.sandbox.local.workdirs import new_workdir, prepare_workdir, remove_workdir
+from cancellable_agents.toolsets.sandbox.local.totals import LimitBreach, TotalsWatcher
+from cancellable_agents.toolsets.sandbox.local.workdirs import prepare_workdir, remove_workdir
 from cancellable_agents.toolsets.sandbox.protocol import (
     SandboxCapabilities,
     SandboxClosed,
@@ -119,7 +120,7 @@ _starting_env: ContextVar[Mapping[str, str] | None] = ContextVar("_starting_env"
 # -- the sandbox ----------------------------------------------------------------------------
 
 
-class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
+class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxEgress):
     r"""A per-task working directory and a runner whose commands a cancel really stops.
 
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
@@ -207,32 +208,11 @@ class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
         self._command_limits = replace(self.limits, max_processes=None)
         if self.mode == "landlock":
             self._landlock_boundary(read_only_paths, writable_paths)
+        self._totals = self._totals_watcher()
         log.info(
             "LocalSandbox %s: isolation=%s, workdir=%s%s", self.id, self.mode, self.workdir, self._described()
         )
         self._attach(scope or current_cancellation())
-
-    def _boundary_profile(
-        self, read_only: Iterable[str | os.PathLike[str]], writable: Iterable[str | os.PathLike[str]]
-    ) -> BoundaryProfile | None:
-        if self.mode != "namespace" or self.profile != "boundary":
-            return None
-        warn_if_missing()
-        limits = self._sandbox_limits()
-        uid = None if bwrap_support().user_namespace else sandbox_uid()
-        if uid is not None:
-            # A root worker's commands run as the sandbox's own uid: the workdir must be theirs.
-            os.chown(self.workdir, uid, uid)
-        return BoundaryProfile(
-            workdir=str(self.workdir),
-            python=self.python,
-            network=self.network,
-            read_only_paths=tuple(_absolute(p) for p in read_only),
-            writable_paths=tuple(_absolute(p) for p in writable),
-            limits=limits,
-            uid=uid,
-            sockets=self._egress_sockets(),
-        )
 
     def _landlock_boundary(
         self, read_only: Iterable[str | os.PathLike[str]], writable: Iterable[str | os.PathLike[str]]
@@ -259,14 +239,49 @@ class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
         )
         weakref.finalize(self, self._landlock.close)
 
-    def _private_tmp(self) -> Path:
-        """The sandbox's tmp (``TMPDIR``): named as a workdir, so the next sandbox removes it
-        after a SIGKILL; a tmpfs of ``tmp_bytes`` on it where the worker may mount."""
-        tmp = new_workdir()
-        weakref.finalize(self, remove_workdir, tmp)
-        if self.limits.tmp_bytes is not None:
-            mount_workdir(tmp, self.limits.tmp_bytes)
-        return tmp
+    def _totals_watcher(self) -> TotalsWatcher:
+        """The sandbox's totals the kernel does not keep (no cgroup, no tmpfs), counted over its
+        commands' trees (:mod:`~cancellable_agents.toolsets.sandbox.local.totals`); boundary
+        modes only (process-group mode cannot see a detached process as its command's)."""
+        counted = self.cgroup is None and (self._boundary is not None or self._landlock is not None)
+        folders: dict[str, tuple[Path, int]] = {}
+        if self._boundary is not None or self._landlock is not None:
+            bound = self.limits.workdir_bytes
+            if bound is not None and self._owns_workdir and not os.path.ismount(self.workdir):
+                folders["workdir_bytes"] = (self.workdir, bound)
+            if self.limits.tmp_bytes is not None and self._tmp is not None and not os.path.ismount(self._tmp):
+                folders["tmp_bytes"] = (self._tmp, self.limits.tmp_bytes)
+        return TotalsWatcher(
+            max_processes=self.limits.max_processes if counted else None,
+            memory_bytes=self.limits.memory_bytes if counted else None,
+            folders=folders,
+            roots=self._running_roots,
+            on_breach=self._kill_at_limit,
+        )
+
+    def _running_roots(self) -> list[int]:
+        with self._lock:
+            return [
+                c.popen.pid for c in self._commands.values() if c.stop_reason is None and not c.done.is_set()
+            ]
+
+    def _kill_at_limit(self, breach: LimitBreach) -> None:
+        """A total past its limit: SIGKILL every running command (each names the limit)."""
+        with self._lock:
+            running = [c for c in self._commands.values() if c.stop_reason is None and not c.done.is_set()]
+        if not running:
+            return
+        log.warning(
+            "sandbox %s: %s; killing its %d running command(s)", self.id, breach.describe(), len(running)
+        )
+        workers = [
+            threading.Thread(target=cmd.kill_at_limit, args=(breach,), name=f"limit-{cmd.id}", daemon=True)
+            for cmd in running
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(stop_bound(0.0))
 
     def _described(self) -> str:
         """The boundary, for the start log line."""
@@ -284,21 +299,6 @@ class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
             return {}
         support = self._landlock.support
         return {"landlock_abi": support.abi, "missing_protections": list(support.missing())}
-
-    def _sandbox_limits(self) -> Limits:
-        """Set up the totals (the workdir's tmpfs, the cgroup) and return what is left for
-        ``prlimit``: memory and process count go to the cgroup where there is one (address space
-        per process is the weaker stand-in), else stay per process."""
-        if self._owns_workdir and self.limits.workdir_bytes is not None:
-            mount_workdir(self.workdir, self.limits.workdir_bytes)
-        self.cgroup = SandboxCgroup.create(
-            self.id, memory_bytes=self.limits.memory_bytes, max_processes=self.limits.max_processes
-        )
-        if self.cgroup is None:
-            return self.limits
-        # A sandbox nobody destroyed does not leave its cgroup behind (if its commands are gone).
-        weakref.finalize(self, self.cgroup.remove, 0.0)
-        return replace(self.limits, memory_bytes=None, max_processes=None)
 
     def _boundary_env(self, env: dict[str, str]) -> None:
         """``python`` on PATH is the sandbox's interpreter (a PATH entry such as a pyenv shim
@@ -431,6 +431,7 @@ class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
                     raise
             self._commands[command_id] = cmd
             self._forget_old_results()
+        self._totals.ensure_started()
         return command_id
 
     def _forget_old_results(self) -> None:
@@ -563,6 +564,7 @@ class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
             if self._destroyed:
                 return
             self._destroyed = True
+        self._totals.close()
         self.stop_all()
         if self._proxy is not None:
             self._proxy.close()
@@ -577,10 +579,3 @@ class LocalSandbox(CommandResults, WorkdirFileTools, SandboxEgress):
         if self._owns_workdir:
             remove_workdir(self.workdir)
         log.debug("sandbox %s destroyed", self.id)
-
-
-def _absolute(path: str | os.PathLike[str]) -> str:
-    resolved = Path(path).resolve()
-    if not resolved.exists():
-        raise ValueError(f"sandbox path {str(path)!r} does not exist")
-    return str(resolved)

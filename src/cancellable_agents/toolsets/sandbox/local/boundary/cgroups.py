@@ -218,10 +218,13 @@ def _note(reason: str) -> None:
     if not _noted.first():
         return
     log.warning(
-        "LocalSandbox: no cgroup per sandbox here (%s): Limits.memory_bytes and max_processes bind "
-        "each process (address space, RLIMIT_NPROC), not the sandbox as a whole. For totals run the "
-        "worker where it may create cgroups: cgroup v2 with memory and pids delegated to it "
-        "(systemd Delegate=yes), or v1 memory and pids hierarchies it can write to.",
+        "LocalSandbox: no cgroup per sandbox here (%s): boundary-mode sandboxes count "
+        "Limits.memory_bytes and max_processes over their commands' trees themselves, every 50 ms, "
+        "and kill their commands past them (a fast fork storm or allocation can pass them until "
+        "the next count); each process is also bound by address space and RLIMIT_NPROC. For totals "
+        "the kernel enforces at every fork and page, run the worker where it may create cgroups: "
+        "cgroup v2 with memory and pids delegated to it (systemd Delegate=yes), or v1 memory and "
+        "pids hierarchies it can write to.",
         reason,
     )
 

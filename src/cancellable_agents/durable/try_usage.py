@@ -27,7 +27,7 @@ class TryUsage:
     tool_calls: int = 0
 
     def counts(self) -> dict[str, int]:
-        """The counts alone, in the shape of :func:`~cancellable_agents.core.usage.usage_counts`."""
+        """The counts alone, in the shape of [`usage_counts`][cancellable_agents.core.usage.usage_counts]."""
         return usage_counts(self)
 
     def as_dict(self) -> dict[str, int]:
@@ -36,7 +36,7 @@ class TryUsage:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TryUsage:
-        """Read :meth:`as_dict` back; a count an older record lacks reads 0."""
+        """Read [`as_dict`][] back; a count an older record lacks reads 0."""
         return cls(int(data["try"]), **{name: int(data.get(name, 0)) for name in USAGE_FIELDS})
 
     @classmethod

@@ -1,9 +1,9 @@
 """What a killed task writes at the end of its log, so the Airflow UI reads it at a glance.
 
-Three things, in this order: one short human line (:func:`summary_line`), the structured record
-(:func:`render_record`: cause and outcome first, then the timeline one event per line, so it wraps
-in the UI and stays one JSON document after :data:`RECORD_PREFIX`), and the ``TaskCancelled``
-whose shown traceback is short (:func:`hide_unwind_chain`). Airflow-free: the Airflow side passes
+Three things, in this order: one short human line ([`summary_line`][]), the structured record
+([`render_record`][]: cause and outcome first, then the timeline one event per line, so it wraps
+in the UI and stays one JSON document after `RECORD_PREFIX`), and the ``TaskCancelled``
+whose shown traceback is short ([`hide_unwind_chain`][]). Airflow-free: the Airflow side passes
 in what it knows (the retry outlook, the lines Airflow itself will log next) as typed values.
 """
 
@@ -20,6 +20,20 @@ from typing import Any
 
 from cancellable_agents.core.causes import CancelCause, UserAction
 
+__all__ = [
+    "RECORD_PREFIX",
+    "SUMMARY_PREFIX",
+    "ExpectedLine",
+    "KillReport",
+    "RetryOutlook",
+    "hide_unwind_chain",
+    "parse_record",
+    "parse_records",
+    "render_record",
+    "summary_line",
+    "unwound_ms",
+]
+
 log = logging.getLogger(__name__)
 
 #: Prefix of the structured record in the log; what follows it is one JSON object (parsers:
@@ -30,7 +44,7 @@ SUMMARY_PREFIX = "cancelled: "
 
 #: Keys the record shows first, in this order; the rest follow as the scope wrote them.
 _LEADING_KEYS = ("cause", "detail", "outcome", "retry", "airflow_logs_next", "root_cause", "scope")
-#: Strings longer than this go last in a list item (see :func:`_short_first`).
+#: Strings longer than this go last in a list item (see `_short_first`).
 _LONG = 40
 #: Keys whose list items are put one per line (the rest of the record stays compact).
 _LISTED_KEYS = ("airflow_logs_next", "killed", "timeline", "children")
@@ -134,7 +148,7 @@ def render_record(record: Mapping[str, Any]) -> str:
 
 
 def parse_record(event: str) -> dict[str, Any] | None:
-    """The record in a log event written by :func:`render_record` (or one line of a record file),
+    """The record in a log event written by [`render_record`][] (or one line of a record file),
     or ``None`` if the event is not a record."""
     if not event.startswith(RECORD_PREFIX):
         return None
@@ -145,7 +159,7 @@ def parse_record(event: str) -> dict[str, Any] | None:
 def parse_records(text: str) -> list[dict[str, Any]]:
     """Every record in ``text`` (a task log, a process's output), in order.
 
-    The one parser of the record: each is the JSON object after a :data:`RECORD_PREFIX`, on one
+    The one parser of the record: each is the JSON object after a `RECORD_PREFIX`, on one
     line or rendered over several; a prefix without a whole object after it (a record still
     being written, the prefix quoted in prose) is skipped.
     """

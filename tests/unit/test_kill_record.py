@@ -18,8 +18,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import CancellableAgentMixin, TaskCancelled
-from cancellable_agents.core.causes import UserAction
-from cancellable_agents.core.report import (
+from cancellable_agents.airflow.kill_record.document import (
     RECORD_PREFIX,
     SUMMARY_PREFIX,
     ExpectedLine,
@@ -31,6 +30,7 @@ from cancellable_agents.core.report import (
     render_record,
     summary_line,
 )
+from cancellable_agents.core.causes import UserAction
 
 #: What ``TaskCancellation.summary()`` returns, in its own key order (cause is not first).
 SUMMARY: dict[str, Any] = {
@@ -153,7 +153,7 @@ def _raise_like_a_cancelled_run() -> TaskCancelled:
 
 def test_the_internal_chain_is_hidden_but_kept(caplog: pytest.LogCaptureFixture) -> None:
     exc = _raise_like_a_cancelled_run()
-    with caplog.at_level(logging.DEBUG, logger="cancellable_agents.core.report"):
+    with caplog.at_level(logging.DEBUG, logger="cancellable_agents.airflow.kill_record.document"):
         assert hide_unwind_chain(exc)
     shown = "".join(traceback.format_exception(exc))
     assert "RunCancelled" not in shown and "asyncio" not in shown, shown
@@ -214,7 +214,7 @@ def test_a_task_killed_mid_run_writes_the_line_the_record_and_a_short_traceback(
 
 
 def test_the_noise_table_names_what_airflow_logs_after_each_user_stop() -> None:
-    from cancellable_agents.airflow.kill_report import airflow_logs_next
+    from cancellable_agents.airflow.kill_record.outlook import airflow_logs_next
     from cancellable_agents.core.causes import CancelCause
 
     def texts(cause: CancelCause, action: UserAction | None) -> list[str]:
@@ -232,7 +232,7 @@ def test_the_noise_table_names_what_airflow_logs_after_each_user_stop() -> None:
 def test_the_retry_outlook_follows_the_cause_and_the_servers_word() -> None:
     from types import SimpleNamespace
 
-    from cancellable_agents.airflow.kill_report import retry_outlook
+    from cancellable_agents.airflow.kill_record.outlook import retry_outlook
     from cancellable_agents.core.causes import CancelCause
 
     class Op(CancellableAgentMixin, BaseOperator):

@@ -10,6 +10,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+__all__ = ["KillRecord", "TimelineEvent"]
+
 
 @dataclass(frozen=True)
 class TimelineEvent:

@@ -3,10 +3,10 @@ it, the pending calls are in the record, and a later execution continues with th
 
 Two things make a call wait, and both take this one path: a ``requires_approval`` tool (a
 person's consent) and a tool that deferred its result to outside work
-(:mod:`cancellable_agents.durable.deferral`: pydantic-ai's ``CallDeferred`` carrying a trigger).
+([`cancellable_agents.durable.deferred_calls`][]: pydantic-ai's ``CallDeferred`` carrying a trigger).
 pydantic-ai ends such a run with a ``DeferredToolRequests`` output; here that output becomes an
-:class:`ApprovalRequest` (the pending calls; for a reviewer: tool, arguments, the model's own
-words; for a deferral: what to wait on), and each call's :class:`Decision` (a reviewer's answer,
+[`ApprovalRequest`][] (the pending calls; for a reviewer: tool, arguments, the model's own
+words; for a deferral: what to wait on), and each call's [`Decision`][] (a reviewer's answer,
 or the outside work's result) becomes the ``DeferredToolResults`` the next run gets. Airflow-free.
 """
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pydantic-ai loads when a run needs it, not when a DAG file 
     from pydantic_ai.messages import ModelMessage, ToolCallPart
 
 #: The key of a deferred call's metadata (``DeferredToolRequests.metadata[tool_call_id]``) that
-#: holds what it waits on (:class:`~cancellable_agents.durable.deferral.Wait`).
+#: holds what it waits on (`Wait`).
 WAIT_KEY = "cancellable_agents.wait"
 
 #: What a rejected call's model is told when the reviewer gave no message.
@@ -35,7 +35,7 @@ DEFAULT_REJECTION = "A reviewer rejected this tool call."
 class PendingCall:
     """One tool call waiting: for consent, or (``wait`` set) for the outside work its tool
     started, ``wait`` being the JSON spec of what to wait on
-    (:class:`~cancellable_agents.durable.deferral.Wait`)."""
+    ([`Wait`][cancellable_agents.durable.deferred_calls.Wait])."""
 
     tool_call_id: str
     tool_name: str
@@ -115,7 +115,7 @@ class Decision:
 
     ``args``: the call's arguments as the reviewer saw them. An answer is bound to them: a run
     whose pending call (same tool call id) has other arguments is asked again
-    (:meth:`answers`), never handed a consent given for another call. ``None``: not bound (a
+    ([`answers`][]), never handed a consent given for another call. ``None``: not bound (a
     decision made in code, which knows what it answers).
 
     ``external``: the call's outside work finished and ``result`` is what the tool returns to
@@ -188,10 +188,10 @@ class ApprovalNotPossible(CancellableAgentsError):
 def request_of(
     output: DeferredToolRequests, messages: Sequence[ModelMessage], try_number: int, run_key: str
 ) -> ApprovalRequest:
-    """The :class:`ApprovalRequest` for a run that ended with ``output``.
+    """The [`ApprovalRequest`][] for a run that ended with ``output``.
 
-    Raises :class:`ApprovalNotPossible` for calls deferred for external execution without a
-    :class:`~cancellable_agents.durable.deferral.Wait` (nothing could answer them), and for a
+    Raises [`ApprovalNotPossible`][] for calls deferred for external execution without a
+    [`Wait`][cancellable_agents.durable.deferred_calls.Wait] (nothing could answer them), and for a
     step that both asks a person and waits for outside work (not supported yet).
     """
     unnamed = [c.tool_name for c in output.calls if WAIT_KEY not in output.metadata.get(c.tool_call_id, {})]

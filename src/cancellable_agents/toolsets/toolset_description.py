@@ -3,9 +3,10 @@ pydantic-ai toolset when the task runs.
 
 The dag-processor parses every DAG file again and again, and imports again in every parse what is
 not under ``airflow.``: a pydantic-ai toolset built at a DAG file's top level cost ~1.3 s of CPU
-per parse. A :class:`ToolsetDescription` holds only its arguments; :meth:`~ToolsetDescription.build`
-makes its toolset once, importing pydantic-ai then. The operators build the descriptions they are
-given in ``execute`` (:func:`built`). A description handed straight to a pydantic-ai
+per parse. A [`ToolsetDescription`][] holds only its arguments;
+[`build`][cancellable_agents.toolsets.toolset_description.ToolsetDescription.build] makes its toolset once,
+importing pydantic-ai then. The operators build the descriptions they are given in ``execute`` ([`built`][]).
+A description handed straight to a pydantic-ai
 ``Agent(toolsets=[...])`` works as well: it is a ``ToolsetFunc`` (called with the run's context,
 it returns its toolset). Any attribute a description does not have is its toolset's, so code that
 uses the toolset at run time (``toolset.sandbox``, ``toolset.run_shell(...)``) reads as before.
@@ -22,8 +23,8 @@ from typing import Any, ClassVar
 class ToolsetDescription:
     """The arguments of a toolset, and the toolset they make once it is needed.
 
-    Subclasses name the toolset's class (:attr:`toolset_class`, ``"module:Class"``, imported on
-    :meth:`build`) and take its constructor's arguments.
+    Subclasses name the toolset's class (`toolset_class`, ``"module:Class"``, imported on
+    [`build`][]) and take its constructor's arguments.
     """
 
     #: ``"module:Class"`` of the pydantic-ai toolset this describes.

@@ -1,7 +1,7 @@
 """The Airflow facts behind a killed try's log: what happens next, and which of Airflow's own
 error lines follow our record on each kill path (measured on Airflow 3.3, LocalExecutor).
 
-:mod:`cancellable_agents.core.report` renders; this module only knows Airflow. The lines are
+[`cancellable_agents.airflow.kill_record.document`][] renders; this module only knows Airflow. The lines are
 the supervisor's and the Task SDK's, written after the task's record; nothing of ours can stop
 them, so the record names them as expected (docs: ``kill-paths.md``, "Expected Airflow noise").
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cancellable_agents.airflow.kill_record.document import ExpectedLine, RetryOutlook
 from cancellable_agents.core.causes import CancelCause, UserAction
-from cancellable_agents.core.report import ExpectedLine, RetryOutlook
 
 _TASK_KILLED = ExpectedLine(
     "Task killed!",

@@ -12,6 +12,8 @@ from airflow.sdk.definitions.context import Context, context_merge
 from cancellable_agents.airflow.adapter import determine_kwargs
 from cancellable_agents.operators.llm import LLMOperator
 
+__all__ = ["llm_task"]
+
 
 class PromptFromCallable(DecoratedOperator):
     """The TaskFlow part of ``@task.llm`` / ``@task.agent``: the function's return value is the
@@ -48,7 +50,7 @@ class PromptFromCallable(DecoratedOperator):
 
 
 class _LLMDecoratedOperator(PromptFromCallable, LLMOperator):
-    """Runs the decorated function to get the prompt, then behaves as :class:`LLMOperator`."""
+    """Runs the decorated function to get the prompt, then behaves as [`LLMOperator`][]."""
 
     template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *LLMOperator.template_fields)
     template_fields_renderers: ClassVar[dict[str, str]] = {
@@ -59,7 +61,7 @@ class _LLMDecoratedOperator(PromptFromCallable, LLMOperator):
 
 
 def llm_task(python_callable: Callable[..., Any] | None = None, **kwargs: Any) -> TaskDecorator:
-    """Wrap a function returning a prompt into an :class:`LLMOperator` task.
+    """Wrap a function returning a prompt into an [`LLMOperator`][] task.
 
     .. code-block:: python
 

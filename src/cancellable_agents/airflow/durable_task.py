@@ -1,6 +1,6 @@
 """``durable=True`` on an operator: which store, which try, checked when the DAG is parsed.
 
-The Airflow side of :mod:`cancellable_agents.durable` (which is Airflow-free).
+The Airflow side of [`cancellable_agents.durable`][] (which is Airflow-free).
 """
 
 from __future__ import annotations

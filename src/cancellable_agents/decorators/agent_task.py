@@ -7,12 +7,14 @@ from typing import Any, ClassVar
 
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 
-from cancellable_agents.decorators.llm import PromptFromCallable
+from cancellable_agents.decorators.llm_task import PromptFromCallable
 from cancellable_agents.operators.agent import AgentOperator
+
+__all__ = ["agent_task"]
 
 
 class _AgentDecoratedOperator(PromptFromCallable, AgentOperator):
-    """Runs the decorated function to get the prompt, then behaves as :class:`AgentOperator`."""
+    """Runs the decorated function to get the prompt, then behaves as [`AgentOperator`][]."""
 
     template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *AgentOperator.template_fields)
     template_fields_renderers: ClassVar[dict[str, str]] = {
@@ -23,7 +25,7 @@ class _AgentDecoratedOperator(PromptFromCallable, AgentOperator):
 
 
 def agent_task(python_callable: Callable[..., Any] | None = None, **kwargs: Any) -> TaskDecorator:
-    """Wrap a function returning a prompt into an :class:`AgentOperator` task.
+    """Wrap a function returning a prompt into an [`AgentOperator`][] task.
 
     .. code-block:: python
 

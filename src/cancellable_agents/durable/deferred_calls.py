@@ -2,14 +2,14 @@
 trigger, the run stops at that step, and a later execution continues with the trigger's event as
 the call's result.
 
-The run side of the path :mod:`cancellable_agents.durable.approval` already takes for approvals:
-a tool raises pydantic-ai's ``CallDeferred`` carrying a :class:`Wait` (what to wait on, as JSON)
+The run side of the path [`cancellable_agents.durable.pauses`][] already takes for approvals:
+a tool raises pydantic-ai's ``CallDeferred`` carrying a [`Wait`][] (what to wait on, as JSON)
 in its metadata; the run ends with ``DeferredToolRequests``; the record holds the pending calls
 with their waits; the outside work's results come back as
-:meth:`~cancellable_agents.durable.approval.Decision.returned` decisions, which the record keeps
-and the continuing run gets as ``DeferredToolResults``. Airflow-free: a :class:`Wait` names a
+[`returned`][cancellable_agents.durable.pauses.Decision.returned] decisions, which the record keeps
+and the continuing run gets as ``DeferredToolResults``. Airflow-free: a [`Wait`][] names a
 trigger by class path and JSON keyword arguments; what runs it is the Airflow side's
-(:mod:`cancellable_agents.airflow.deferral`).
+([`cancellable_agents.airflow.deferral`][]).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.approval import WAIT_KEY, Decision
+from cancellable_agents.durable.pauses import WAIT_KEY, Decision
 
 #: What a deferred call's timeout does: the model is told (and the run goes on), or the task ends
 #: as ``timeout``.
@@ -39,7 +39,7 @@ class Wait:
     """What a deferred call waits on: a trigger, rebuilt as ``import(classpath)(**kwargs)``.
 
     ``timeout_s``: how long the wait may take (``None``: no limit of its own). ``on_timeout``:
-    what its end does, one of :data:`ON_TIMEOUT` (``"tell"``: the model is told the call timed out;
+    what its end does, one of `ON_TIMEOUT` (``"tell"``: the model is told the call timed out;
     ``"fail"``: the task ends as ``timeout``).
     """
 
@@ -69,7 +69,7 @@ class Wait:
 
 def defer_call(wait: Wait) -> NoReturn:
     """End the current tool call as deferred until ``wait`` fires (raises pydantic-ai's
-    ``CallDeferred``). Raises :class:`ConfigurationError` outside a journaled run, or for a
+    ``CallDeferred``). Raises [`ConfigurationError`][] outside a journaled run, or for a
     ``wait`` whose keyword arguments are not JSON: the record could not hold it."""
     from pydantic_ai.exceptions import CallDeferred
 
@@ -85,7 +85,7 @@ def defer_call(wait: Wait) -> NoReturn:
 
 
 def check_journaled(wait: Wait) -> None:
-    """Refuse a deferral outside a journaled run (:class:`ConfigurationError` naming the fix)."""
+    """Refuse a deferral outside a journaled run ([`ConfigurationError`][] naming the fix)."""
     if not journaled_run.get():
         raise ConfigurationError(
             f"a tool deferred to {wait.classpath}, which needs durable=True on the task: the run stops at "
@@ -96,7 +96,7 @@ def check_journaled(wait: Wait) -> None:
 
 def results_as_decisions(results: Mapping[str, Any], source: str) -> dict[str, Decision]:
     """The outside work's results, by tool call id, as the decisions the record keeps. Raises
-    :class:`ConfigurationError` for a result that is not JSON (``source`` names where it came
+    [`ConfigurationError`][] for a result that is not JSON (``source`` names where it came
     from): the record could not hold it, and the model gets JSON."""
     decisions = {}
     for call_id, result in results.items():

@@ -1,6 +1,6 @@
 """What a killed task writes at the end of its log, once, after the unwind: one human line, the
-structured record (:mod:`cancellable_agents.core.report` renders it), its metrics; then the task
-process exits promptly."""
+structured record ([`document`][cancellable_agents.airflow.kill_record.document] renders it), its
+metrics; then the task process exits promptly."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
-from cancellable_agents.airflow.kill_report import airflow_logs_next, retry_outlook
+from cancellable_agents.airflow.kill_record.document import KillReport, render_record, summary_line
+from cancellable_agents.airflow.kill_record.outlook import airflow_logs_next, retry_outlook
 from cancellable_agents.airflow.metrics import emit_kill
 from cancellable_agents.airflow.supervisor import notice_exit_at_once
 from cancellable_agents.core.exceptions import TaskCancelled
-from cancellable_agents.core.report import KillReport, render_record, summary_line
 from cancellable_agents.core.usage import usage_dict
 from cancellable_agents.procs.proc import read_proc
 
@@ -23,7 +23,7 @@ log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the ta
 
 
 def cancelled_error(task_try: TaskTry, retry_policy: Any, message: str) -> TaskCancelled:
-    """The :class:`TaskCancelled` to raise for a killed try, with its kill record logged first."""
+    """The [`TaskCancelled`][] to raise for a killed try, with its kill record logged first."""
     exc = task_try.scope.cancelled_error(message)
     log_kill_record(task_try, retry_policy, exc)
     return exc

@@ -38,11 +38,11 @@ from pydantic_ai.messages import (
     ToolCallPart,
 )
 
-from cancellable_agents.durable.approval import ApprovalRequest, Decision
 from cancellable_agents.durable.fingerprint import canonical
+from cancellable_agents.durable.pauses import ApprovalRequest, Decision
 from cancellable_agents.durable.reasons import FreshStart
 from cancellable_agents.durable.stores import Store
-from cancellable_agents.durable.usage import TryUsage
+from cancellable_agents.durable.try_usage import TryUsage
 
 #: Bumped when the layout changes; a record of another format is not used (fresh start, one
 #: warning). Format 1 (one header key ``<p>``, one entry per message) is refused that way.
@@ -158,7 +158,7 @@ def load_record(
     store: Store, key: str, try_number: int, fp: str, *, own: bool = False
 ) -> LoadedRecord | None:
     """The record under ``key`` as try ``try_number`` finds it, checked; ``None`` if there is none
-    (or its run completed). Raises :class:`RecordProblem`.
+    (or its run completed). Raises [`RecordProblem`][].
 
     Reads back from the try before this one to the first that wrote anything; a first try reads
     nothing (no earlier try can have written). ``own``: start at this try's own segment (an
