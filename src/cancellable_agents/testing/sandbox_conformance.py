@@ -1,8 +1,10 @@
-"""The :class:`~cancellable_agents.toolsets.sandbox.Sandbox` contract as tests, for any backend.
+"""The [`Sandbox`][cancellable_agents.toolsets.sandbox.protocol.Sandbox] contract as tests, for any
+backend.
 
 A backend author writes one pytest fixture, ``sandbox_factory`` (a callable that makes a fresh
 backend; parametrize it to cover several configurations), and subclasses
-:class:`SandboxConformance` in a test module::
+[`SandboxConformance`][cancellable_agents.testing.sandbox_conformance.SandboxConformance] in a
+test module::
 
     import pytest
     from cancellable_agents.testing.sandbox_conformance import SandboxConformance
@@ -22,7 +24,7 @@ the backend to its maker, a kill destroys it); ``env=`` reaching the command wit
 ``stdin`` reaching it, its ``timeout`` enforced by the backend; concurrent starts and stops.
 They use the protocol only (no pid, no local file), so a remote backend runs them as they are.
 Commands are ``sh`` lines, ``cat`` and ``printenv``: override
-:attr:`SandboxConformance.long_command` for an image without ``sleep``.
+``SandboxConformance.long_command`` for an image without ``sleep``.
 
 Needs pytest (this module is only imported by tests). Imports no Airflow.
 """
@@ -211,8 +213,9 @@ class SandboxConformance:
         assert all(result.stopped for result in results), results
 
     def test_destroy_racing_starts_leaves_no_command_and_refuses_the_rest(self, backend: Sandbox) -> None:
-        """A start either returns an id or raises :class:`SandboxClosed`; after ``destroy`` no
-        command it started runs (its result says stopped, or the backend is gone)."""
+        """A start either returns an id or raises
+        [`SandboxClosed`][cancellable_agents.toolsets.sandbox.protocol.SandboxClosed]; after
+        ``destroy`` no command it started runs (its result says stopped, or the backend is gone)."""
         started: list[str] = []
         failures: list[BaseException] = []
         lock = threading.Lock()
