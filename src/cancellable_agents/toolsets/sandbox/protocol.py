@@ -107,7 +107,7 @@ class SandboxCapabilities:
     Each field has one effect, and nothing else about a backend is read by name:
 
     - ``records_kills``: the backend writes its own kill records (one
-      :class:`~cancellable_agents.core.record.KillRecord` per process, with pids, as
+      :class:`~cancellable_agents.core.timeline.KillRecord` per process, with pids, as
       :class:`LocalSandbox` does) on the scope of its attachment, whoever attached it
       (:func:`~cancellable_agents.toolsets.sandbox.attach.attachment_of`); the attachment then
       writes none. ``False``: the attachment writes one record per command it stopped (no pid).
