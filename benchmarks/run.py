@@ -63,9 +63,9 @@ def skip_reason(scenario: Scenario) -> str | None:
             return f"n/a (bubblewrap cannot create PID namespaces here: {support.reason})"
     if scenario.name.startswith("subagent-"):
         try:
-            import cancellable_agents.toolsets.subagents  # noqa: F401
+            import cancellable_agents.toolsets.subagent_tools  # noqa: F401
         except ImportError:
-            return "n/a (module missing: cancellable_agents.toolsets.subagents)"
+            return "n/a (module missing: cancellable_agents.toolsets.subagent_tools)"
     return None
 
 

@@ -148,7 +148,7 @@ def warm_up() -> None:
     from cancellable_agents.core.scope import TaskCancellation
     from cancellable_agents.hooks.model import ModelHook, build_model
     from cancellable_agents.run.runner import run_agent_in_scope
-    from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
+    from cancellable_agents.toolsets.subagent_toolset import Subagent, SubagentToolset
 
     with contextlib.suppress(ImportError):
         import airflow.providers.common.ai.mixins.cancellable_run  # noqa: F401
@@ -317,7 +317,7 @@ def _sandbox_task(rep: Rep, isolation: str) -> Any:
 def _subagent_task(rep: Rep, depth: int) -> Any:
     """The task's agent delegates to level1, which delegates ... to level``depth``, which streams."""
     if rep.impl == "ours":
-        from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
+        from cancellable_agents.toolsets.subagent_toolset import Subagent, SubagentToolset
 
         below = Subagent("level1", _our_level(1, depth), stream=depth == 1)
         return _operator(rep, _delegate("level1"), stream=False, toolsets=[SubagentToolset([below])])
@@ -342,7 +342,7 @@ def _local_agent(behaviour: str, **kw: Any) -> Any:
 
 
 def _our_level(level: int, depth: int) -> Any:
-    from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
+    from cancellable_agents.toolsets.subagent_toolset import Subagent, SubagentToolset
 
     if level == depth:
         return _local_agent(LONG_STREAM)

@@ -40,13 +40,13 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and li
     from cancellable_agents.run.tool_calls import ToolCall as ToolCall
     from cancellable_agents.run.tool_calls import current_tool_call as current_tool_call
     from cancellable_agents.run.tool_calls import idempotency_headers as idempotency_headers
-    from cancellable_agents.toolsets.delegation import Subagent as Subagent
-    from cancellable_agents.toolsets.delegation import SubagentToolset as SubagentToolset
     from cancellable_agents.toolsets.sandbox import EgressPolicy as EgressPolicy
     from cancellable_agents.toolsets.sandbox import Limits as Limits
     from cancellable_agents.toolsets.sandbox import LocalSandbox as LocalSandbox
     from cancellable_agents.toolsets.sandbox import SandboxToolset as SandboxToolset
     from cancellable_agents.toolsets.sandbox import attach_sandbox as attach_sandbox
+    from cancellable_agents.toolsets.subagent_toolset import Subagent as Subagent
+    from cancellable_agents.toolsets.subagent_toolset import SubagentToolset as SubagentToolset
 
 __version__ = "0.1.0"
 
@@ -79,8 +79,8 @@ _EXPORTS = {
     "Limits": "cancellable_agents.toolsets.sandbox",
     "EgressPolicy": "cancellable_agents.toolsets.sandbox",
     "attach_sandbox": "cancellable_agents.toolsets.sandbox",
-    "SubagentToolset": "cancellable_agents.toolsets.delegation",
-    "Subagent": "cancellable_agents.toolsets.delegation",
+    "SubagentToolset": "cancellable_agents.toolsets.subagent_toolset",
+    "Subagent": "cancellable_agents.toolsets.subagent_toolset",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -100,5 +100,7 @@ _RENAMED_MODULES = {
         "cancellable_agents.toolsets.sandbox.egress_policy"
     ),
     "cancellable_agents.toolsets.sandbox.local.boundary.limits": "cancellable_agents.toolsets.sandbox.limits",
+    "cancellable_agents.toolsets.delegation": "cancellable_agents.toolsets.subagent_toolset",
+    "cancellable_agents.toolsets.subagents": "cancellable_agents.toolsets.subagent_tools",
 }
 renamed_modules(_RENAMED_MODULES, removed_in="0.3.0")

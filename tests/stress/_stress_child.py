@@ -41,7 +41,7 @@ from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.scope import Outcome
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.toolsets.sandbox import SandboxToolset
-from cancellable_agents.toolsets.subagents import run_subagent
+from cancellable_agents.toolsets.subagent_tools import run_subagent
 from tests.kill_scenarios import CONN_ID, base_url, drain_events, model_string, warm_up
 from tests.taskproc import (
     Channel,

@@ -53,7 +53,7 @@ RUN_TIME_ONLY = (
     "cancellable_agents.durable.steps",
     "cancellable_agents.hooks.model",
     "cancellable_agents.toolsets.sandbox.sandbox_tools",
-    "cancellable_agents.toolsets.subagents",
+    "cancellable_agents.toolsets.subagent_tools",
     "cancellable_agents.toolsets.sandbox.local.sandbox",
     "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
     "cancellable_agents.toolsets.sandbox.local.boundary.seccomp",

@@ -21,7 +21,7 @@ from tests.airflow_env import airflow_env
 #: Module prefixes a task that uses none of these features must not load.
 UNUSED = (
     "cancellable_agents.toolsets.sandbox",
-    "cancellable_agents.toolsets.subagents",
+    "cancellable_agents.toolsets.subagent_tools",
     "cancellable_agents.durable.journal",
     "cancellable_agents.durable.appender",
     "cancellable_agents.durable.stores",

@@ -37,8 +37,8 @@ from cancellable_agents.core.scope import Outcome, TaskCancellation, current_can
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
-from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
-from cancellable_agents.toolsets.subagents import run_subagent, run_subagent_sync
+from cancellable_agents.toolsets.subagent_tools import run_subagent, run_subagent_sync
+from cancellable_agents.toolsets.subagent_toolset import Subagent, SubagentToolset
 from tests.unit.scopes import cancel_when
 
 #: Each level's toolset teardown in the depth tests (seconds).
@@ -604,7 +604,7 @@ def test_a_sub_agent_without_a_model_runs_on_its_parents() -> None:
 
     from cancellable_agents.core.scope import TaskCancellation
     from cancellable_agents.run.runner import run_agent_in_scope
-    from cancellable_agents.toolsets.delegation import SubagentToolset
+    from cancellable_agents.toolsets.subagent_toolset import SubagentToolset
 
     seen: list[str] = []
 

@@ -36,7 +36,7 @@ from cancellable_agents import (
 from cancellable_agents.core.unwind import Phase
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.testing import jobs as deferred_jobs
-from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
+from cancellable_agents.toolsets.subagent_toolset import Subagent, SubagentToolset
 
 _FD = int(os.environ["SCENARIO_EVENTS_FD"])
 CONN = "local_model"

@@ -59,7 +59,7 @@ from cancellable_agents.core.shield import wait_shielded
 from cancellable_agents.core.usage import usage_dict
 from cancellable_agents.run.runner import run_agent_in_scope_async
 from cancellable_agents.run.tracker import RunTracker, current_run_tracker
-from cancellable_agents.toolsets.delegation import Subagent, by_name
+from cancellable_agents.toolsets.subagent_toolset import Subagent, by_name
 
 __all__ = ["SubagentTools", "run_subagent", "run_subagent_sync"]
 
@@ -68,8 +68,9 @@ log = logging.getLogger(__name__)
 
 class SubagentTools(FunctionToolset[Any]):
     """A ``delegate(agent, task) -> str`` tool that runs named sub-agents under child scopes: the
-    pydantic-ai toolset a [`SubagentToolset`][cancellable_agents.toolsets.delegation.SubagentToolset] makes
-    when the task runs (same arguments).
+    pydantic-ai toolset a
+    [`SubagentToolset`][cancellable_agents.toolsets.subagent_toolset.SubagentToolset] makes when
+    the task runs (same arguments).
 
     :param agents: ``{"name": agent}`` or a sequence of [`Subagent`][] (names must be unique).
     :param tool_name: the tool's name (default ``delegate``).

@@ -4,7 +4,7 @@ Light on purpose (a DAG file imports this on every parse): no pydantic-ai here. 
 pydantic-ai agent you built (then your DAG file chose that import), or a description of one
 (``model``, ``instructions``, ``tools``, ``toolsets``) that becomes an ``Agent`` when the task
 runs. [`SubagentToolset`][] is a light description too; the toolset that runs the children is
-[`cancellable_agents.toolsets.subagents.SubagentTools`][].
+[`cancellable_agents.toolsets.subagent_tools.SubagentTools`][].
 """
 
 from __future__ import annotations
@@ -88,12 +88,13 @@ class SubagentToolset(ToolsetDescription):
         awaiting it on the parent's loop. Both are cancelled the same way.
     :param id: the toolset id (pydantic-ai durable execution needs one).
 
-    A light description: the toolset ([`SubagentTools`][cancellable_agents.toolsets.subagents.SubagentTools])
-    is made when the task runs; ``Agent(toolsets=[SubagentToolset(...)])`` works as it is.
+    A light description: the toolset
+    ([`SubagentTools`][cancellable_agents.toolsets.subagent_tools.SubagentTools]) is made when the
+    task runs; ``Agent(toolsets=[SubagentToolset(...)])`` works as it is.
     Copying it (Airflow copies operators) shares the sub-agents, which hold no per-run state.
     """
 
-    toolset_class = "cancellable_agents.toolsets.subagents:SubagentTools"
+    toolset_class = "cancellable_agents.toolsets.subagent_tools:SubagentTools"
 
     def __init__(
         self,
