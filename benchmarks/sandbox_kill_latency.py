@@ -25,7 +25,7 @@ network against the same with an egress allowlist (start and kill, interleaved).
 The main measurements end in one table, the modes side by side. ``--pod`` (root only) then
 measures every mode again as uid 50000 without capabilities where user namespaces are allowed,
 then landlock and process-group mode inside a restricted pod (``tests/process/restricted_pod.py``:
-the same user, ``no_new_privs``, a RuntimeDefault-like seccomp filter; no cgroup, no tmpfs), and
+the same user, ``no_new_privs``, the container runtime's default seccomp profile; no cgroup, no tmpfs), and
 prints their rows beside (measured after the root rows, so under the load of that moment).
 
 ``--before REV`` adds Landlock mode as it was at git revision ``REV`` (a helper that execs
@@ -272,7 +272,7 @@ def main() -> None:
         ms = [t * 1000 for t in took]
         print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
     where = {
-        "pod": "restricted pod (uid 50000, RuntimeDefault-like seccomp)",
+        "pod": "restricted pod (uid 50000, the runtime's default seccomp profile)",
         "userns": "uid 50000, user namespaces allowed",
     }.get(args.inside or "", f"uid {os.getuid()}")
     rows = table_rows(summary, where)
