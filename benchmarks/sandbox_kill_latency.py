@@ -25,10 +25,17 @@ network against the same with an egress allowlist (start and kill, interleaved).
 The main measurements end in one table, the modes side by side. ``--pod`` (root only) then
 measures every mode again as uid 50000 without capabilities where user namespaces are allowed,
 then landlock and process-group mode inside a restricted pod (``tests/process/restricted_pod.py``:
-the same user, ``no_new_privs``, a RuntimeDefault-like seccomp filter; no cgroup, no tmpfs), and
+the same user, ``no_new_privs``, the container runtime's default seccomp profile; no cgroup, no tmpfs), and
 prints their rows beside (measured after the root rows, so under the load of that moment).
 
-Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile] [--pod]``
+``--before REV`` adds Landlock mode as it was at git revision ``REV`` (a helper that execs
+the command, no init keeping its tree) to the interleaved rows: what the init costs per command
+against it and against namespace mode, side by side. ``--totals`` measures the sandbox's own count
+of its totals (no cgroup, no tmpfs): how long after a fork storm, a memory hog and a disk fill
+pass their limit the command is killed, and the share of a core the watcher costs.
+
+Run: ``PYTHONPATH=src .venv/bin/python benchmarks/sandbox_kill_latency.py [--runs 20] [--hostile] [--pod]
+[--before REV] [--totals]``
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cancellable_agents.core.causes import CancelCause
@@ -80,13 +87,54 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+#: The profile name of Landlock mode as it was before its init (``--before REV``).
+BEFORE_INIT = "before-init"
+
+
+@contextlib.contextmanager
+def landlock_as_of(rev: str | None, profile: str) -> Iterator[None]:
+    """For ``profile == BEFORE_INIT``: commands start under the helper of revision ``rev``
+    (no init, no kill report), as Landlock mode ran before its init; else nothing changes."""
+    if profile != BEFORE_INIT or rev is None:
+        yield
+        return
+    from unittest import mock
+
+    from cancellable_agents.toolsets.sandbox.local.boundary import landlock
+
+    path = "src/cancellable_agents/toolsets/sandbox/local/boundary/landlock.py"
+    text = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    helper = text.split('HELPER = """', 1)[1].split('""".replace', 1)[0].replace("BOUNDARY_FAILED", "125")
+
+    def helper_argv(python: str, ruleset: object, seccomp_fd: int | None, **_: object) -> list[str]:
+        seccomp = -1 if seccomp_fd is None else seccomp_fd
+        return [python, "-I", "-S", "-c", helper, str(ruleset.fd), str(seccomp), str(os.getpid()), "--"]  # type: ignore[attr-defined]
+
+    with (
+        mock.patch.object(landlock, "init_argv", helper_argv),
+        mock.patch.object(LocalSandbox, "_kill_report", lambda self: None),
+    ):
+        yield
+
+
+def sandbox_for(mode: str, profile: str, **options: object) -> LocalSandbox:
+    real = "boundary" if profile == BEFORE_INIT else profile
+    return LocalSandbox(isolation=mode, profile=real, **options)  # type: ignore[arg-type]
+
+
+def label_of(mode: str, profile: str) -> str:
+    if profile == BEFORE_INIT:
+        return "landlock, before its init"
+    return f"{mode}, profile={profile}" if mode == "namespace" else mode
+
+
 def one_run(
     mode: str, via_scope: bool, profile: str, network: bool | EgressPolicy = False
 ) -> tuple[float, float]:
     """Return (seconds until the tree was gone, seconds until the stop call returned)."""
     marker = f"39{uuid.uuid4().int % 10:d}.{uuid.uuid4().int % 10**9:09d}"
     scope = TaskCancellation("bench", budget=4.0)
-    box = LocalSandbox(isolation=mode, profile=profile, scope=scope, stop_grace=1.0, network=network)  # type: ignore[arg-type]
+    box = sandbox_for(mode, profile, scope=scope, stop_grace=1.0, network=network)
     try:
         command = box.start(TREE.format(m=marker))
         wait_for(lambda: len(marker_processes(marker, "sleep")) == 3)
@@ -176,6 +224,8 @@ def main() -> None:
     parser.add_argument("--hostile", action="store_true", help="also run the hostile-command table")
     parser.add_argument("--pod", action="store_true", help="also measure inside a restricted pod (root only)")
     parser.add_argument("--inside", choices=["pod", "userns"], help=argparse.SUPPRESS)
+    parser.add_argument("--before", metavar="REV", help="also Landlock mode as of git revision REV")
+    parser.add_argument("--totals", action="store_true", help="also the sandbox's own count of its totals")
     args = parser.parse_args()
     # The process-group rows would print the "not a boundary" warning once per run.
     logging.getLogger("cancellable_agents.toolsets.sandbox.local.isolation").setLevel(logging.ERROR)
@@ -183,7 +233,7 @@ def main() -> None:
     support = bwrap_support()
     setups = [("process-group", "boundary")]
     if landlock_support().usable:
-        setups[:0] = [("landlock", "boundary")]
+        setups[:0] = [("landlock", "boundary")] + ([("landlock", BEFORE_INIT)] if args.before else [])
     else:
         print(f"landlock mode skipped: {landlock_support().reason}")
     if support.usable:
@@ -197,26 +247,32 @@ def main() -> None:
         samples: dict[tuple[str, str], list[tuple[float, float]]] = {setup: [] for setup in setups}
         for _ in range(args.runs):
             for setup in setups:
-                samples[setup].append(one_run(setup[0], via_scope, setup[1]))
+                with landlock_as_of(args.before, setup[1]):
+                    samples[setup].append(one_run(setup[0], via_scope, setup[1]))
         for (mode, profile), results in samples.items():
-            label = f"{mode}, profile={profile}" if mode == "namespace" else mode
+            label = label_of(mode, profile)
             summary.setdefault(label, {})[how] = [g for g, _ in results]
             print(f"{label} / {how}, {args.runs} runs:")
             print("  " + describe("gone", [g for g, _ in results]))
             print("  " + describe("returned", [r for _, r in results]))
     print(f"run('true') end to end (what a profile costs per command), {args.runs} runs:")
-    for mode, profile in setups:
-        box = LocalSandbox(isolation=mode, profile=profile)  # type: ignore[arg-type]
-        try:
-            took = [box.run("true").duration for _ in range(args.runs)]
-        finally:
+    boxes = {setup: sandbox_for(*setup) for setup in setups}
+    took_by: dict[tuple[str, str], list[float]] = {setup: [] for setup in setups}
+    try:
+        for _ in range(args.runs):  # interleaved, as the kills
+            for setup, box in boxes.items():
+                with landlock_as_of(args.before, setup[1]):
+                    took_by[setup].append(box.run("true").duration)
+    finally:
+        for box in boxes.values():
             box.destroy()
-        label = f"{mode}, profile={profile}" if mode == "namespace" else mode
+    for (mode, profile), took in took_by.items():
+        label = label_of(mode, profile)
         summary[label]["true"] = took
         ms = [t * 1000 for t in took]
         print(f"  {label:<28} median {statistics.median(ms):7.1f} ms   max {max(ms):7.1f} ms")
     where = {
-        "pod": "restricted pod (uid 50000, RuntimeDefault-like seccomp)",
+        "pod": "restricted pod (uid 50000, the runtime's default seccomp profile)",
         "userns": "uid 50000, user namespaces allowed",
     }.get(args.inside or "", f"uid {os.getuid()}")
     rows = table_rows(summary, where)
@@ -233,6 +289,87 @@ def main() -> None:
         limits_cost(args.runs)
     if args.hostile and support.boundary:
         hostile_table()
+    if args.totals and landlock_support().usable:
+        totals_cost(args.runs)
+
+
+#: Commands that pass a limit and print when they did (CLOCK_MONOTONIC, shared by every process).
+PAST_THE_LIMIT = {
+    "max_processes": (
+        "import subprocess, time\nkids = [subprocess.Popen(['sleep', '60']) for _ in range(40)]\n"
+        "print(time.monotonic(), flush=True)\ntime.sleep(60)"
+    ),
+    "memory_bytes": (
+        "import subprocess, sys, time\n"
+        "kid = 'b = bytearray(100 * 2**20)\\nfor i in range(0, len(b), 4096): b[i] = 1\\n"
+        "print(1, flush=True)\\nimport time; time.sleep(60)'\n"
+        "kids = [subprocess.Popen([sys.executable, '-c', kid], stdout=subprocess.PIPE) for _ in range(3)]\n"
+        "[k.stdout.readline() for k in kids]\nprint(time.monotonic(), flush=True)\ntime.sleep(60)"
+    ),
+    "workdir_bytes": (
+        "import time\nfor i in range(40):\n    open(f'f{i}', 'wb').write(bytes(2**20))\n"
+        "print(time.monotonic(), flush=True)\ntime.sleep(60)"
+    ),
+}
+
+
+def totals_cost(runs: int) -> None:
+    """Landlock mode without a cgroup or a tmpfs (as in an unprivileged pod): the reaction time
+    from a total passing its limit (the command prints when) to the command's end, and the
+    watcher's CPU with ten idle processes in the sandbox, against the same sandbox unwatched."""
+    import resource
+    from unittest import mock
+
+    from cancellable_agents.toolsets.sandbox import Limits
+    from cancellable_agents.toolsets.sandbox.local import sandbox as sandbox_module
+    from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
+
+    off = cgroups.CgroupSupport(None, reason="off for the benchmark")
+    limits = Limits(max_processes=32, memory_bytes=256 * 2**20, workdir_bytes=16 * 2**20)
+    reaction: dict[str, list[float]] = {limit: [] for limit in PAST_THE_LIMIT}
+    with (
+        mock.patch.object(cgroups, "cgroup_support", lambda: off),
+        mock.patch.object(sandbox_module, "mount_workdir", lambda folder, size: False),
+    ):
+        for _ in range(runs):
+            for limit, script in PAST_THE_LIMIT.items():
+                box = LocalSandbox(isolation="landlock", limits=limits)
+                try:
+                    result = box.run([sys.executable, "-c", script], timeout=60)
+                    ended = time.monotonic()
+                finally:
+                    box.destroy()
+                if result.limit_exceeded != limit or not result.stdout.strip():
+                    print(f"  {limit}: not killed at its limit as expected: {result}")
+                    continue
+                reaction[limit].append(ended - float(result.stdout.split()[0]))
+        cpu: dict[str, list[float]] = {"watched": [], "unwatched": []}
+        for _ in range(max(3, runs // 5)):
+            for label, box_limits in (
+                ("watched", limits),
+                (
+                    "unwatched",
+                    Limits(max_processes=None, memory_bytes=None, workdir_bytes=None, tmp_bytes=None),
+                ),
+            ):
+                box = LocalSandbox(isolation="landlock", limits=box_limits)
+                try:
+                    box.start("for i in 1 2 3 4 5 6 7 8 9 10; do sleep 60 & done; wait")
+                    time.sleep(0.5)
+                    before, started = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+                    time.sleep(2.0)
+                    after, took = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
+                finally:
+                    box.destroy()
+                used = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                cpu[label].append(used / took)
+    print(f"sandbox totals without a cgroup (landlock), {runs} runs: limit passed -> command ended")
+    for limit, samples in reaction.items():
+        if samples:
+            print("  " + describe(limit, samples))
+    for label, shares in cpu.items():
+        share = statistics.median(shares) * 100
+        print(f"  task CPU, 10 idle processes, {label}: median {share:.2f} % of a core")
 
 
 def filter_cost(runs: int) -> None:

@@ -78,8 +78,8 @@ class PodEnd:
 
 class RestrictedPods:
     """What makes a pod an unprivileged one (``tests/process/restricted_pod.py``): its processes
-    run as uid 50000 with no capabilities, ``no_new_privs`` and a RuntimeDefault-like seccomp
-    filter. ``AIRFLOW_HOME`` (under pytest's root-only temp folder) is shown to it at a path of
+    run as uid 50000 with no capabilities, ``no_new_privs`` and the container runtime's default
+    seccomp profile. ``AIRFLOW_HOME`` (under pytest's root-only temp folder) is shown to it at a path of
     its own; its logs and the test's state folder become writable by anyone; its ``HOME`` holds a
     planted secret (``.aws/credentials``)."""
 

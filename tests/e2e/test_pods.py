@@ -65,7 +65,7 @@ DAG_ID = "e2e_pod"
 #: The same agent, killed while try 1 is in a sync tool (call :data:`POD_TOOL_AT`) instead.
 TOOL_DAG_ID = "e2e_pod_tool"
 #: The same agent in an unprivileged pod (``RestrictedPods``): uid 50000, no capabilities,
-#: ``no_new_privs``, a RuntimeDefault-like seccomp filter.
+#: ``no_new_privs``, the container runtime's default seccomp profile.
 RESTRICTED_DAG_ID = "e2e_pod_restricted"
 #: Why an unprivileged pod cannot be made here (``None``: it can): its scenarios are left out.
 NO_RESTRICTED_POD = unavailable_reason() or (None if landlock_usable() else landlock_reason())
@@ -510,11 +510,11 @@ def test_a_pod_that_dies_without_a_word_resumes_from_the_record(
 def test_in_an_unprivileged_pod_every_stop_ends_the_sandbox_and_a_hostile_command_is_refused(
     e2e: E2EEnv, pod_runs: dict[str, Outcome], name: str
 ) -> None:
-    """The task runs as uid 50000 with no capabilities, ``no_new_privs`` and a RuntimeDefault-like
-    seccomp filter: the sandbox is in landlock mode (bubblewrap cannot start there). A sandboxed
-    command reads neither the secret in the pod's HOME nor reaches the API server's port (the
-    task itself, the control, does both); deletion, drain and *Mark failed* each stop every
-    sandboxed process before any SIGKILL."""
+    """The task runs as uid 50000 with no capabilities, ``no_new_privs`` and the container
+    runtime's default seccomp profile: the sandbox is in landlock mode (bubblewrap cannot start
+    there). A sandboxed command reads neither the secret in the pod's HOME nor reaches the API
+    server's port (the task itself, the control, does both); deletion, drain and *Mark failed*
+    each stop every sandboxed process before any SIGKILL."""
     outcome = pod_runs[name]
     result = outcome.result
     with judged(e2e, outcome):

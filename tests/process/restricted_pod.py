@@ -1,10 +1,16 @@
-"""A process set up like an unprivileged Kubernetes pod (issue 28, item 3): the official Airflow
+"""A process set up like an unprivileged Kubernetes pod (issues 28 and 39): the official Airflow
 image's user (uid 50000, group 0), no capabilities (effective, permitted, inheritable, ambient
-and bounding sets empty), ``no_new_privs``, and a seccomp filter like containerd's and Docker's
-``RuntimeDefault`` for a container without ``CAP_SYS_ADMIN``: ``unshare``, ``mount``, ``umount2``,
+and bounding sets empty, as ``capabilities: drop: [ALL]``), ``no_new_privs``, and a container
+runtime's default seccomp profile as it ships: the allowlist of ``/usr/share/containers/seccomp.json``
+(Debian's golang-github-containers-common, the profile CRI-O and podman load; the Makefile's
+``system-deps`` unpacks it to ``.cache/``) for a container without capabilities, every other call
+refused with ``EPERM`` as containerd and Docker answer; stacked on it, the calls containerd's and
+Docker's profiles grant only with ``CAP_SYS_ADMIN``: ``unshare``, ``mount``, ``umount2``,
 ``pivot_root``, ``setns``, ``keyctl``, ``add_key``, ``request_key`` and ``clone`` with any
 ``CLONE_NEW*`` flag fail with ``EPERM``, ``clone3`` with ``ENOSYS``. There user namespaces cannot
-be made, so bubblewrap cannot start; Landlock and seccomp need no privilege.
+be made, so bubblewrap cannot start; Landlock and seccomp need no privilege. A missing profile
+fails the pod's start with the fix (``RESTRICTED_POD_PROFILE=denylist`` loads only the stacked
+part, the harness of before).
 
 :func:`restricted_argv` turns a command into one that runs that way (from a root process):
 
@@ -24,6 +30,7 @@ commands can name the task's.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shlex
 import shutil
@@ -31,6 +38,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 #: The official Airflow image's user and group.
 POD_UID = 50000
@@ -158,9 +166,64 @@ def pod_env(pod_dir: Path) -> dict[str, str]:
     }
 
 
+#: The container runtime's default profile as it ships (the Makefile's ``system-deps`` unpacks it).
+RUNTIME_PROFILE = REPO / ".cache" / "runtime-seccomp.json"
+#: ``RESTRICTED_POD_PROFILE=denylist``: only the capability gates below, as the harness was before.
+PROFILE_CHOICE = "RESTRICTED_POD_PROFILE"
+
+
+def profile_reason() -> str | None:
+    """Why the runtime's allowlist cannot be loaded (``None``: it can, or the denylist was chosen)."""
+    if os.environ.get(PROFILE_CHOICE) == "denylist" or RUNTIME_PROFILE.is_file():
+        return None
+    return f"{RUNTIME_PROFILE} is missing: `make system-deps` unpacks it from golang-github-containers-common"
+
+
+def _load_runtime_allowlist(pyseccomp: Any) -> int:
+    """The runtime's profile as it ships: every call it allows (for a container without
+    capabilities: rules that ``include`` a capability are left out, those that ``exclude`` one
+    kept), everything else refused with EPERM, as containerd's and Docker's default answer.
+    Returns how many rules were loaded."""
+    profile = json.loads(RUNTIME_PROFILE.read_text())
+    rules = pyseccomp.SyscallFilter(pyseccomp.ERRNO(errno.EPERM))
+    loaded = 0
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+    for entry in profile["syscalls"]:
+        includes, excludes = entry.get("includes") or {}, entry.get("excludes") or {}
+        if includes.get("caps") or arch in (excludes.get("arches") or []):
+            continue  # granted only to a container with that capability, or not on this arch
+        if includes.get("arches") and arch not in includes["arches"]:
+            continue
+        action = (
+            pyseccomp.ALLOW
+            if entry["action"] == "SCMP_ACT_ALLOW"
+            else pyseccomp.ERRNO(entry.get("errnoRet") or errno.EPERM)
+        )
+        conditions = [
+            pyseccomp.Arg(arg["index"], getattr(pyseccomp, arg["op"].removeprefix("SCMP_CMP_")), arg["value"],
+                          arg.get("valueTwo", 0))
+            for arg in entry.get("args") or []
+        ]  # fmt: skip
+        for name in entry["names"]:
+            if pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) < 0:
+                continue  # another architecture's call
+            try:
+                rules.add_rule(action, name, *conditions)
+                loaded += 1
+            except OSError:
+                continue  # a rule libseccomp cannot express beside another (as runc skips it)
+    rules.load()
+    return loaded
+
+
 def _load_runtime_default_filter() -> None:
     import pyseccomp
 
+    if os.environ.get(PROFILE_CHOICE) != "denylist":
+        _load_runtime_allowlist(pyseccomp)
+    # containerd's and Docker's profiles grant these only with CAP_SYS_ADMIN (a pod has none); the
+    # shipped profile of CRI-O and podman leaves them to the missing capabilities instead. Filters
+    # stack: the stricter answer wins.
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     eperm = pyseccomp.ERRNO(errno.EPERM)
     for name in RUNTIME_DEFAULT_DENIED:
@@ -179,6 +242,9 @@ def main(argv: list[str]) -> None:
             "usage (from restricted_argv only): restricted_pod.py --runtime-default|--no-filter COMMAND..."
         )
     if argv[0] == "--runtime-default":
+        missing = profile_reason()
+        if missing is not None:
+            raise SystemExit(f"restricted pod: {missing} (or set {PROFILE_CHOICE}=denylist)")
         _load_runtime_default_filter()
     os.execvp(argv[1], argv[1:])
 

@@ -1,5 +1,5 @@
 """The sandbox in a process set up like an unprivileged Kubernetes pod (issue 28, item 3): uid
-50000, no capabilities, ``no_new_privs``, a RuntimeDefault-like seccomp filter
+50000, no capabilities, ``no_new_privs``, the container runtime's default seccomp profile
 (``tests/process/restricted_pod.py``). There bubblewrap cannot start, ``LocalSandbox()`` picks
 landlock mode, and the sandbox's own tests (confinement, hardening, limits, kill paths, the
 lifecycle) run again as that pod's process and pass: the same tests, parametrised over the modes,
@@ -9,7 +9,9 @@ tests' namespace cases pass there. Real processes, real system calls."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -156,6 +158,32 @@ MUST_PASS: dict[str, tuple[str, str]] = {
         "test_destroy_removes_a_workdir_with_locked_folders_and_follows_no_symlink",
     ),
 }
+
+
+#: Calls an unprivileged process may make, answered by the pod's filter: ``sysfs(3)`` (how many
+#: filesystem types the kernel knows; in no runtime's allowlist) and ``getppid``.
+ALLOWLIST_PROBE = r"""
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+sysfs = libc.syscall(139, 3)
+print(json.dumps({"sysfs": sysfs if sysfs >= 0 else -ctypes.get_errno(), "getppid": libc.getppid() > 0}))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe's syscall number is x86_64's")
+def test_the_pod_s_seccomp_profile_is_the_runtime_s_allowlist(pod_dir: Path) -> None:
+    """The runtime's profile as it ships: what it does not list is refused (EPERM), where the
+    same user without it (the control) gets the kernel's answer."""
+    seen = {}
+    for runtime_default in (True, False):
+        proc = subprocess.run(
+            restricted_argv([sys.executable, "-c", ALLOWLIST_PROBE], runtime_default=runtime_default),
+            env=pod_env(pod_dir), capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        seen[runtime_default] = json.loads(proc.stdout)
+    assert seen[True] == {"sysfs": -errno.EPERM, "getppid": True}, seen
+    assert seen[False]["sysfs"] > 0, seen
 
 
 def _expected_skip(message: str) -> bool:

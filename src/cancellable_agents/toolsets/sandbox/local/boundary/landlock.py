@@ -92,7 +92,10 @@ PROTECTIONS_BY_ABI: dict[int, str] = {
     3: "truncating files outside the workdir is refused (ABI 3)",
     4: "TCP bind/connect refused by Landlock (ABI 4; seccomp still refuses non-unix sockets)",
     5: "ioctl on devices refused (ABI 5)",
-    6: "signals and abstract unix sockets scoped to the command (ABI 6)",
+    6: (
+        "signals and abstract unix sockets scoped to the command (ABI 6; below it a command can "
+        "signal the task and its own init, and what it started then outlives it)"
+    ),
 }
 
 #: Device nodes commands may read and write (``> /dev/null``), and those they may only read.
