@@ -263,7 +263,7 @@ def test_local_options_with_a_backend_passed_in_are_refused_naming_the_fix(
 
 
 def test_options_that_apply_to_any_backend_are_taken_with_one() -> None:
-    toolset = SandboxTools(_Remote(), command_timeout=5, id="remote", isolation="auto", network=False)
+    toolset = SandboxTools(_Remote(), command_timeout=5, id="remote", isolation="auto", network=False, env={})
     assert toolset.command_timeout == 5 and toolset.id == "remote"
 
 

@@ -114,7 +114,8 @@ def refuse_local_options(sandbox: object, **given: object) -> None:
     network = given.get("network", False)
     if network is not False and not isinstance(network, bool):
         network = EgressPolicy.coerce(network)  # type: ignore[arg-type]
-    chosen = {**given, "network": network}
+    # An empty env= adds nothing to any sandbox: the same as not giving it.
+    chosen = {**given, "network": network, "env": given.get("env") or None}
     refused = [f"{name}={value!r}" for name, value in chosen.items() if value != LOCAL_OPTIONS.get(name)]
     if refused:
         raise ConfigurationError(
