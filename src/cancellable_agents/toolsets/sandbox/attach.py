@@ -1,19 +1,22 @@
-"""Tie any :class:`Sandbox` backend to a task's cancellation scope: the one way a scope reaches one.
+"""Tie any [`Sandbox`][] backend to a task's cancellation scope: the one way a scope reaches one.
 
-:func:`attach_sandbox` registers two resources on the scope: the backend's in-flight commands are
+[`attach_sandbox`][] registers two resources on the scope: the backend's in-flight commands are
 stopped in ``Phase.IN_FLIGHT`` (before any teardown), the backend is destroyed in
 ``Phase.TEARDOWN``. A backend is attached to a scope once: asking again returns the same
-attachment, and each :meth:`SandboxAttachment.detach` releases one ask, so the toolset letting go
+attachment, and each [`SandboxAttachment.detach`][] releases one ask, so the toolset letting go
 of a backend does not untie it from a scope its owner tied it to.
 
-:meth:`SandboxAttachment.start` is the race-free way to start a command, and the only start-race
-guard: it refuses after a cancel, counts itself as *starting* while the backend starts the
-command, and a cancel that lands during that call waits (within the budget) for the id and stops
-it. A backend whose own ``start`` must be guarded too (:class:`LocalSandbox`) starts through its
-attachment and gives the attachment its unguarded start (:class:`ScopedSandbox`). Kills are
+[`SandboxAttachment.start`][] is the race-free way to start a command, and the only start-race
+guard: it refuses after a cancel, counts itself as *starting* while the backend starts the command,
+and a cancel that lands during that call waits (within the budget) for the id and stops it. A
+backend whose own ``start`` must be guarded too
+([`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox]) starts through
+its attachment and gives the attachment its unguarded start ([`ScopedSandbox`][]). Kills are
 recorded per command id, with no assumption of a local pid, unless the backend declares it writes
-them itself (:class:`SandboxCapabilities`). Who destroys a backend, on a kill and without one, is
-stated once, in :mod:`~cancellable_agents.toolsets.sandbox.protocol`.
+them itself
+([`SandboxCapabilities`][cancellable_agents.toolsets.sandbox.protocol.SandboxCapabilities]). Who
+destroys a backend, on a kill and without one, is stated once, in
+[`protocol`][cancellable_agents.toolsets.sandbox.protocol].
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ _attached: weakref.WeakValueDictionary[tuple[int, int], SandboxAttachment] = wea
 
 
 class SandboxAttachment:
-    """One backend attached to one scope (see :func:`attach_sandbox`). Thread-safe."""
+    """One backend attached to one scope (see [`attach_sandbox`][]). Thread-safe."""
 
     def __init__(self, backend: Sandbox, scope: TaskCancellation, name: str) -> None:
         self.backend = backend
@@ -81,7 +84,7 @@ class SandboxAttachment:
     ) -> str:
         """The backend's start made safe against a cancel: raises ``TaskCancelled`` if the scope
         was cancelled before, and stops the new command (then raises) if it was cancelled during.
-        ``env`` is checked (:func:`command_env`) and passed to the backend's start."""
+        ``env`` is checked ([`command_env`][]) and passed to the backend's start."""
         self.scope.raise_if_cancelled()
         variables = command_env(env)
         text = command if isinstance(command, str) else " ".join(command)
@@ -144,7 +147,7 @@ class SandboxAttachment:
         self.backend.destroy()
 
     def detach(self) -> None:
-        """Release one :func:`attach_sandbox` call; the last one unregisters from the scope
+        """Release one [`attach_sandbox`][] call; the last one unregisters from the scope
         without stopping anything (whoever owns the backend destroys it). Idempotent past zero."""
         with _attached_lock:
             self._holds = max(0, self._holds - 1)
@@ -196,9 +199,8 @@ def _kill_record(sandbox: str, command_id: str, command: str, reason: str) -> Ki
 def attachment_of(backend: Sandbox) -> SandboxAttachment | None:
     """``backend``'s live attachment (the first made, if it is attached to several scopes), or
     ``None``: where a backend that writes its own kill records
-    (:attr:`SandboxCapabilities.records_kills
-    <cancellable_agents.toolsets.sandbox.protocol.SandboxCapabilities.records_kills>`) finds the
-    scope to write them on, whoever attached it."""
+    ([`SandboxCapabilities.records_kills`][cancellable_agents.toolsets.sandbox.protocol.SandboxCapabilities])
+    finds the scope to write them on, whoever attached it."""
     with _attached_lock:
         for (backend_id, _), attachment in list(_attached.items()):
             if backend_id == id(backend) and attachment.backend is backend:
@@ -218,7 +220,7 @@ def attach_sandbox(
 
     Start commands through the returned attachment's ``start`` (race-free against the cancel).
     A backend already attached to ``scope`` gets the same attachment back (its first ``name`` and
-    ``detail`` stay); each call is released by one :meth:`~SandboxAttachment.detach`. Attaching
+    ``detail`` stay); each call is released by one [`detach`][SandboxAttachment.detach]. Attaching
     after the scope was cancelled stops and destroys at once. ``detail`` goes into the
     timeline's ``sandbox_attached`` event.
     """

@@ -1,18 +1,21 @@
-"""What a sandbox backend is: the :class:`Sandbox` protocol, its capabilities, result and errors.
+"""What a sandbox backend is: the [`Sandbox`][] protocol, its capabilities, result and errors.
 
-Any backend (the local one, a container, a remote API) implements :class:`Sandbox` and declares
-what it does beyond it in one typed value, :class:`SandboxCapabilities` (who writes the kill
-records, whether ``stop_all`` stops everything at once, the interpreter ``run_python`` uses):
-nothing is read off a backend by ``getattr``. Two more optional capabilities are protocols of
-their own, checked with ``isinstance``: file access (:class:`SandboxFiles`) and a ``start`` that
-goes through the backend's own attachment (:class:`ScopedSandbox`).
-:func:`~cancellable_agents.toolsets.sandbox.attach_sandbox` ties any backend to a task's scope (a
-backend never needs to know its scope otherwise; one that writes its own kill records finds it
-with :func:`~cancellable_agents.toolsets.sandbox.attach.attachment_of`), and
-:class:`~cancellable_agents.toolsets.sandbox.SandboxToolset` gives any of them to an agent.
-``cancellable_agents.testing.sandbox_conformance`` is the contract as tests, for any backend.
+Any backend (the local one, a container, a remote API) implements [`Sandbox`][] and declares what it
+does beyond it in one typed value, [`SandboxCapabilities`][] (who writes the kill records, whether
+``stop_all`` stops everything at once, the interpreter ``run_python`` uses): nothing is read off a
+backend by ``getattr``. Two more optional capabilities are protocols of their own, checked with
+``isinstance``: file access ([`SandboxFiles`][]) and a ``start`` that goes through the backend's own
+attachment ([`ScopedSandbox`][]).
+[`attach_sandbox`][cancellable_agents.toolsets.sandbox.attach.attach_sandbox] ties any backend to a
+task's scope (a backend never needs to know its scope otherwise; one that writes its own kill
+records finds it with [`attachment_of`][cancellable_agents.toolsets.sandbox.attach.attachment_of]),
+and [`SandboxToolset`][cancellable_agents.toolsets.sandbox.sandbox_toolset.SandboxToolset] gives any
+of them to an agent. ``cancellable_agents.testing.sandbox_conformance`` is the contract as tests,
+for any backend.
 
-Ownership, stated once (the toolset, :func:`attach_sandbox` and the docs follow it):
+Ownership, stated once (the toolset,
+[`attach_sandbox`][cancellable_agents.toolsets.sandbox.attach.attach_sandbox] and the docs follow
+it):
 
 - **on a kill**, every backend attached to the task's scope is stopped (``Phase.IN_FLIGHT``) and
   then destroyed (``Phase.TEARDOWN``), within the budget, whoever made it: the task is ending, and
@@ -46,7 +49,7 @@ __all__ = [
 
 
 class SandboxError(CancellableAgentsError, RuntimeError):
-    """Base class of the sandbox's errors (a :class:`CancellableAgentsError`)."""
+    """Base class of the sandbox's errors (a [`CancellableAgentsError`][])."""
 
 
 class SandboxUnavailable(SandboxError):
@@ -73,7 +76,7 @@ class CommandResult:
     ``memory_limit_kills`` and ``process_limit_hits`` count the sandbox's totals enforced while
     the command ran (commands running beside it share the counts); ``None`` where the backend
     has no per-sandbox totals to count. ``limit_exceeded`` names the sandbox total (a
-    :class:`Limits` field: ``"max_processes"``, ``"memory_bytes"``, ``"workdir_bytes"``,
+    ``Limits`` field: ``"max_processes"``, ``"memory_bytes"``, ``"workdir_bytes"``,
     ``"tmp_bytes"``) at which the sandbox SIGKILLed the command, where it counts the totals itself
     (no cgroup); such a command is ``stopped``.
     """
@@ -102,15 +105,16 @@ class CommandResult:
 
 @dataclass(frozen=True)
 class SandboxCapabilities:
-    """What a backend does beyond the :class:`Sandbox` protocol, declared (the defaults: nothing).
+    """What a backend does beyond the [`Sandbox`][] protocol, declared (the defaults: nothing).
 
     Each field has one effect, and nothing else about a backend is read by name:
 
     - ``records_kills``: the backend writes its own kill records (one
-      :class:`~cancellable_agents.core.timeline.KillRecord` per process, with pids, as
-      :class:`LocalSandbox` does) on the scope of its attachment, whoever attached it
-      (:func:`~cancellable_agents.toolsets.sandbox.attach.attachment_of`); the attachment then
-      writes none. ``False``: the attachment writes one record per command it stopped (no pid).
+      [`KillRecord`][cancellable_agents.core.timeline.KillRecord] per process, with pids, as
+      [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox] does) on the
+      scope of its attachment, whoever attached it
+      ([`attachment_of`][cancellable_agents.toolsets.sandbox.attach.attachment_of]); the attachment
+      then writes none. ``False``: the attachment writes one record per command it stopped (no pid).
     - ``stops_all_at_once``: ``stop_all`` stops every running command concurrently, so N commands
       cost one grace; on a kill the attachment then calls ``stop_all`` alone. ``False``: the
       attachment first stops each command it started, each on a thread of its own, then calls
@@ -127,7 +131,7 @@ class SandboxCapabilities:
 
 def command_env(env: Mapping[str, str] | None) -> dict[str, str]:
     """A command's ``env=`` checked: names and values are strings, a name is non-empty and has no
-    ``=`` or NUL (which no environment can hold). :class:`ConfigurationError` names the fix."""
+    ``=`` or NUL (which no environment can hold). [`ConfigurationError`][] names the fix."""
     checked: dict[str, str] = {}
     for name, value in (env or {}).items():
         if not isinstance(name, str) or not name or "=" in name or "\0" in name:
@@ -146,7 +150,8 @@ def command_env(env: Mapping[str, str] | None) -> dict[str, str]:
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """What :class:`SandboxToolset` and the cancellation scope need from a sandbox backend.
+    """What [`SandboxToolset`][cancellable_agents.toolsets.sandbox.sandbox_toolset.SandboxToolset]
+    and the cancellation scope need from a sandbox backend.
 
     - ``start`` returns an id as soon as the command runs; ``wait`` blocks for its result (raises
       ``TimeoutError`` after ``timeout``, ``KeyError`` for an unknown id). A string command is a
@@ -155,7 +160,7 @@ class Sandbox(Protocol):
       backend's own environment (its values win); no shell is needed to set it. ``stdin`` is fed
       to the command (then closed). ``timeout`` is enforced by the backend: past it the command
       is stopped and its result has ``timed_out=True`` (and ``stopped=True``). After
-      ``destroy``, ``start`` raises :class:`SandboxClosed`.
+      ``destroy``, ``start`` raises [`SandboxClosed`][].
     - ``stop``, ``stop_all`` and ``destroy`` must be idempotent, thread-safe and bounded in time:
       they are called from the scope's unwind thread within the task's grace budget, possibly
       while another thread is inside ``start``. ``stop_all`` stops every command whose ``start``
@@ -163,7 +168,7 @@ class Sandbox(Protocol):
     - A backend whose processes live elsewhere (a container, a remote API) cannot rely on this
       process surviving: on a SIGKILL of the task nothing here runs, so it must end orphaned
       commands itself (a TTL or a lease the backend renews while the task lives).
-    - ``capabilities`` declares what it does beyond this (:class:`SandboxCapabilities`; a class
+    - ``capabilities`` declares what it does beyond this ([`SandboxCapabilities`][]; a class
       attribute ``capabilities = SandboxCapabilities()`` declares nothing more).
     - Who destroys it: see this module's docstring (a kill destroys every attached backend).
     """
@@ -202,13 +207,14 @@ class SandboxFiles(Protocol):
 
 @runtime_checkable
 class ScopedSandbox(Sandbox, Protocol):
-    """A backend whose own ``start`` goes through its attachment (:class:`LocalSandbox`).
+    """A backend whose own ``start`` goes through its attachment
+    ([`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox]).
 
-    Such a backend attaches itself (``attach_sandbox``) to the scope it is given or finds, and
-    its ``start`` is :meth:`SandboxAttachment.start
-    <cancellable_agents.toolsets.sandbox.attach.SandboxAttachment.start>`, so the one start-race
-    guard covers its direct callers too. The attachment starts its commands with ``launch``:
-    the unguarded start, which nothing else calls.
+    Such a backend attaches itself (``attach_sandbox``) to the scope it is given or finds, and its
+    ``start`` is
+    [`SandboxAttachment.start`][cancellable_agents.toolsets.sandbox.attach.SandboxAttachment.start],
+    so the one start-race guard covers its direct callers too. The attachment starts its commands
+    with ``launch``: the unguarded start, which nothing else calls.
     """
 
     def launch(
@@ -222,7 +228,7 @@ class ScopedSandbox(Sandbox, Protocol):
 
 
 def require_sandbox(backend: object) -> None:
-    """Refuse, naming the fix, what does not implement the :class:`Sandbox` protocol (a backend
+    """Refuse, naming the fix, what does not implement the [`Sandbox`][] protocol (a backend
     written before ``env=`` and ``capabilities`` were declared, say)."""
     if isinstance(backend, Sandbox):
         return
