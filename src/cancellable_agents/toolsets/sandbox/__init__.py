@@ -2,19 +2,24 @@
 
 Three floors, each importing only the ones below it:
 
-- here, any backend: :mod:`.protocol` (the :class:`Sandbox` protocol, its result and errors),
-  the policies any backend may honour (:mod:`.egress_policy`: :class:`EgressPolicy`, the hosts a
-  command may reach; :mod:`.limits`: :class:`Limits`),
-  :mod:`.attach` (:func:`attach_sandbox`, the one way a backend is tied to a task's scope, with
-  the one guard against a start racing a cancel), :mod:`.sandbox_tools` (:class:`SandboxTools`,
-  the agent's tools on any backend, a pydantic-ai toolset) and :mod:`.sandbox_toolset`
-  (:class:`SandboxToolset`, how a DAG file describes those tools: light, made when the task runs);
-- :mod:`.local`: the local backend, :class:`LocalSandbox`: process trees on this host, one
-  command's tree (``command``), how it is spawned (``spawn``), the isolation mode (``isolation``),
-  workdirs, race-free file access (``files``) and the environment allowlist (``env``);
-- :mod:`.local.boundary`: what keeps a local command in: bubblewrap's profiles (``bwrap``), the
-  seccomp filter, the egress allowlist's proxy (``egress_proxy``, ``egress_request``), the cgroup
-  per sandbox (``cgroups``) and the rest of the limits' enforcement (``quotas``).
+- here, any backend: [`protocol`][cancellable_agents.toolsets.sandbox.protocol] (the [`Sandbox`][]
+  protocol, its result and errors), the policies any backend may honour
+  ([`egress_policy`][cancellable_agents.toolsets.sandbox.egress_policy]: [`EgressPolicy`][], the
+  hosts a command may reach; [`limits`][cancellable_agents.toolsets.sandbox.limits]: [`Limits`][]),
+  [`attach`][cancellable_agents.toolsets.sandbox.attach] ([`attach_sandbox`][], the one way a
+  backend is tied to a task's scope, with the one guard against a start racing a cancel),
+  [`sandbox_tools`][cancellable_agents.toolsets.sandbox.sandbox_tools] ([`SandboxTools`][], the
+  agent's tools on any backend, a pydantic-ai toolset) and
+  [`sandbox_toolset`][cancellable_agents.toolsets.sandbox.sandbox_toolset] ([`SandboxToolset`][],
+  how a DAG file describes those tools: light, made when the task runs);
+- [`local`][cancellable_agents.toolsets.sandbox.local]: the local backend, [`LocalSandbox`][]:
+  process trees on this host, one command's tree (``command``), how it is spawned (``spawn``), the
+  isolation mode (``isolation``), workdirs, race-free file access (``files``) and the environment
+  allowlist (``env``);
+- [`boundary`][cancellable_agents.toolsets.sandbox.local.boundary]: what keeps a local command in:
+  bubblewrap's profiles (``bwrap``), the seccomp filter, the egress allowlist's proxy
+  (``egress_proxy``, ``egress_request``), the cgroup per sandbox (``cgroups``) and the rest of the
+  limits' enforcement (``quotas``).
 
 See ``docs/content/sandbox.md`` for what a sandboxed command can and cannot do in each mode.
 This package imports no Airflow, and its names load on first use: a DAG file that describes a

@@ -2,14 +2,14 @@
 
 A rule is a host name (ports 80 and 443), ``host:port``, ``host:*``, a wildcard (``*.x.com``:
 subdomains, not ``x.com``; ``*``: any name), or an address or network. Loopback, private,
-link-local, multicast and reserved ("special") addresses are refused even for a listed name
-unless an entry lists that address or network itself, and then only on that entry's ports (also
-behind IPv4-mapped, 6to4 and NAT64 forms). Every host, in a rule or a request, is read by
-:func:`canonical_host`: a spelling ``inet_aton`` takes as an IPv4 address (``127.1``,
-``2130706433``, ``0x7f000001``, ``0177.0.0.1``) *is* that address, never a name. The proxy that
-enforces the policy is the local backend's
-:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`; the policy itself is any
-backend's (a pod backend may turn it into a NetworkPolicy). Imports no Airflow.
+link-local, multicast and reserved ("special") addresses are refused even for a listed name unless
+an entry lists that address or network itself, and then only on that entry's ports (also behind
+IPv4-mapped, 6to4 and NAT64 forms). Every host, in a rule or a request, is read by
+[`canonical_host`][]: a spelling ``inet_aton`` takes as an IPv4 address (``127.1``, ``2130706433``,
+``0x7f000001``, ``0177.0.0.1``) *is* that address, never a name. The proxy that enforces the policy
+is the local backend's
+[`egress_proxy`][cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy]; the policy itself
+is any backend's (a pod backend may turn it into a NetworkPolicy). Imports no Airflow.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _ipv4(host: str) -> ipaddress.IPv4Address | None:
 class EgressPolicy:
     """Which hosts and ports a sandbox's commands may reach through the proxy.
 
-    ``allow``: entries as :meth:`HostRule.parse` reads them. Loopback, link-local, private,
+    ``allow``: entries as [`HostRule.parse`][] reads them. Loopback, link-local, private,
     multicast and reserved addresses are refused even for a listed name, unless an entry lists
     the address or its network itself (``"127.0.0.1:3141"``, ``"10.0.0.0/8"``), and then only on
     that entry's ports. ``resolver``: how the proxy resolves names (default: the system's
@@ -203,7 +203,7 @@ class EgressPolicy:
         return cls(tuple(network))
 
     def permits(self, host: str, address: IPAddress | None, port: int) -> bool:
-        """Whether a request may go on: ``host`` and ``address`` as :func:`canonical_host`
+        """Whether a request may go on: ``host`` and ``address`` as [`canonical_host`][]
         returns them (``address`` set for an address typed in)."""
         return any(rule.matches(host, address, port) for rule in self.rules)
 

@@ -1,7 +1,7 @@
 """The agent's side of a sandbox: ``run_shell``, ``run_python`` and file tools on any backend, as
-a pydantic-ai toolset (:class:`SandboxTools`; DAG files describe it with ``SandboxToolset``).
+a pydantic-ai toolset ([`SandboxTools`][]; DAG files describe it with ``SandboxToolset``).
 
-Generic: the local backend (:class:`LocalSandbox`, with bubblewrap, seccomp, Landlock and cgroups
+Generic: the local backend ([`LocalSandbox`][], with bubblewrap, seccomp, Landlock and cgroups
 code under it) is imported only when this toolset makes one, so a task with another backend never
 loads it (``tests/unit/test_run_time_modules.py`` holds that).
 """
@@ -59,26 +59,26 @@ _SIGKILL_NOT_MEMORY = (
 
 
 class SandboxTools(FunctionToolset[Any]):
-    """Shell, Python and file tools for a pydantic-ai agent, run in any :class:`Sandbox` backend:
-    the toolset a :class:`~cancellable_agents.toolsets.sandbox.sandbox_toolset.SandboxToolset` makes
-    when the task runs (its arguments are this class's).
+    """Shell, Python and file tools for a pydantic-ai agent, run in any [`Sandbox`][] backend: the
+    toolset a [`SandboxToolset`][cancellable_agents.toolsets.sandbox.sandbox_toolset.SandboxToolset]
+    makes when the task runs (its arguments are this class's).
 
-    ``Agent(model, toolsets=[SandboxTools()])``. Without ``sandbox`` a :class:`LocalSandbox`
+    ``Agent(model, toolsets=[SandboxTools()])``. Without ``sandbox`` a [`LocalSandbox`][]
     (``isolation``, ``profile``, ``network``: ``True``, ``False`` or an egress allowlist,
     ``limits``, ``workdir``, ``env``, ``output_limit``) is created on first use and destroyed when
     the toolset is exited. A sandbox passed in is the caller's: the toolset never destroys it, and
     refuses those local options (``ConfigurationError``: set them on the backend instead). A kill
     destroys any backend attached to the task's scope, this one included (the ownership rule, in
-    :mod:`~cancellable_agents.toolsets.sandbox.protocol`). Either way, every backend is attached
-    to the run's :func:`current_cancellation` on first use (:func:`attach_sandbox`: the same
-    attachment where it is attached to that scope already) and its commands are started through
-    that attachment, so a kill stops them, one that races the kill included; the toolset lets go
-    of the attachment when it is exited. Commands run at most ``command_timeout`` seconds (a tool
-    call may ask for less).
+    [`protocol`][cancellable_agents.toolsets.sandbox.protocol]). Either way, every backend is
+    attached to the run's [`current_cancellation`][] on first use ([`attach_sandbox`][]: the same
+    attachment where it is attached to that scope already) and its commands are started through that
+    attachment, so a kill stops them, one that races the kill included; the toolset lets go of the
+    attachment when it is exited. Commands run at most ``command_timeout`` seconds (a tool call may
+    ask for less).
     """
 
     #: The workspace is created per try and gone on the next: a durable run resumed in a later
-    #: try is told so (:data:`cancellable_agents.durable.fingerprint.WORKSPACE_SURVIVES_A_RETRY`).
+    #: try is told so (``cancellable_agents.durable.fingerprint.WORKSPACE_SURVIVES_A_RETRY``).
     workspace_survives_a_retry: ClassVar[bool] = False
 
     def __init__(
@@ -139,7 +139,7 @@ class SandboxTools(FunctionToolset[Any]):
             return self._sandbox
 
     def _local_sandbox(self) -> Sandbox:
-        """The toolset's own :class:`LocalSandbox`, imported only now: a task with another
+        """The toolset's own [`LocalSandbox`][], imported only now: a task with another
         backend never loads the local one (its boundary code is most of the sandbox package)."""
         from cancellable_agents.toolsets.sandbox.local.sandbox import LocalSandbox
 

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LOCAL_OPTIONS", "SandboxToolset", "refuse_local_options"]
 
-#: The toolset's options that configure the :class:`LocalSandbox` it makes, with their defaults:
-#: with a backend passed in (``sandbox=``) they cannot apply.
+#: The toolset's options that configure the ``LocalSandbox`` it makes, with their defaults: with
+#: a backend passed in (``sandbox=``) they cannot apply.
 LOCAL_OPTIONS: dict[str, object] = {
     "isolation": "auto",
     "profile": "boundary",
@@ -40,20 +40,21 @@ class SandboxToolset(ToolsetDescription):
     """Shell, Python and file tools for an agent, run in a sandbox a kill stops.
 
     ``AgentOperator(..., toolsets=[SandboxToolset()])``; the task makes the pydantic-ai toolset
-    (:class:`~cancellable_agents.toolsets.sandbox.sandbox_tools.SandboxTools`) when it runs.
+    ([`SandboxTools`][cancellable_agents.toolsets.sandbox.sandbox_tools.SandboxTools]) when it runs.
     ``Agent(model, toolsets=[SandboxToolset()])`` works too.
 
-    :param sandbox: a backend of your own (any :class:`Sandbox`); it is yours: the toolset never
+    :param sandbox: a backend of your own (any [`Sandbox`][]); it is yours: the toolset never
         destroys it (a kill does, as it destroys every backend attached to the task), and the
         options below that configure the local sandbox are refused with it (set them on your
-        backend). Default: a :class:`LocalSandbox` made on first use, destroyed on the toolset's
-        exit.
+        backend). Default: a
+        [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox] made on
+        first use, destroyed on the toolset's exit.
     :param isolation: the local sandbox's isolation: ``"auto"`` (default), ``"namespace"``,
         ``"landlock"`` (a boundary without namespaces, for unprivileged pods) or ``"process-group"``.
     :param profile: ``"boundary"`` (default) or ``"host"``.
     :param network: ``False`` (default), ``True``, or an egress allowlist (``EgressPolicy`` or host
         rules such as ``["api.github.com", "*.pypi.org:443"]``).
-    :param limits: the local sandbox's :class:`Limits` (memory, processes, CPU, file size ...).
+    :param limits: the local sandbox's [`Limits`][] (memory, processes, CPU, file size ...).
     :param command_timeout: seconds a command may run (a tool call may ask for less). Default 60.
     :param output_limit: bytes of a command's output the model gets. Default: the sandbox's.
     :param id: the toolset's id (pydantic-ai durable execution needs one).
@@ -105,8 +106,8 @@ class SandboxToolset(ToolsetDescription):
 
 def refuse_local_options(sandbox: object, **given: object) -> None:
     """With a backend passed in (``sandbox`` not ``None``), refuse every local-sandbox option that
-    is not its default (:data:`LOCAL_OPTIONS`): ignored, it would be a boundary the DAG author
-    believes in and does not get. Also refuses a ``sandbox`` that is no :class:`Sandbox`.
+    is not its default (``LOCAL_OPTIONS``): ignored, it would be a boundary the DAG author
+    believes in and does not get. Also refuses a ``sandbox`` that is no [`Sandbox`][].
     Checked at the DAG's parse (the description) and again where the toolset is made."""
     if sandbox is None:
         return
