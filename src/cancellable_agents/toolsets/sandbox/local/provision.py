@@ -2,10 +2,10 @@
 (namespace mode), the private tmp (landlock mode) and the totals the kernel keeps (the workdir's
 tmpfs, the cgroup per sandbox), with what is left for ``prlimit``.
 
-A mixin of :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox`, apart from
-its life (start, stop, destroy): each piece is made once, in ``__init__`` (the Landlock ruleset's
-set-up, ``_landlock_boundary``, calls the tmp and the totals here), and a finalizer undoes it for a
-sandbox nobody destroyed. This module imports no Airflow.
+A mixin of [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox], apart
+from its life (start, stop, destroy): each piece is made once, in ``__init__`` (the Landlock
+ruleset's set-up, ``_landlock_boundary``, calls the tmp and the totals here), and a finalizer undoes
+it for a sandbox nobody destroyed. This module imports no Airflow.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Waiting for a local command's result: ``wait``, ``run`` and ``arun`` of
-:class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox`.
+[`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox].
 
 The sandbox's result side, apart from how commands are started and stopped: a mixin of
 ``LocalSandbox`` that reads its registry of commands (``_commands``, each a
-:class:`~cancellable_agents.toolsets.sandbox.local.command.CommandTree` whose watcher fills the
+[`CommandTree`][] whose watcher fills the
 result) and starts and stops through the sandbox's own ``start`` and ``stop``. ``arun`` hands the
 result to an event loop without a thread per wait. This module imports no Airflow.
 """
@@ -90,7 +90,7 @@ class CommandResults:
         stdin: str | bytes | None = None,
         env: Mapping[str, str] | None = None,
     ) -> CommandResult:
-        """Like :meth:`run` without blocking the event loop. On ``CancelledError`` the command
+        """Like [`run`][] without blocking the event loop. On ``CancelledError`` the command
         is stopped (its whole tree, on a thread) before the error propagates."""
         command_id = self.start(command, timeout=timeout, stdin=stdin, env=env)
         try:

@@ -1,14 +1,14 @@
 """How the local backend enforces a sandbox's
-:class:`~cancellable_agents.toolsets.sandbox.limits.Limits` outside its cgroup.
+[`Limits`][] outside its cgroup.
 
 Each limit binds the command and everything it starts, not the task. Three enforcers share them:
 
-- ``prlimit`` just before the command runs (:func:`limits_prefix`): CPU time, file size, open
+- ``prlimit`` just before the command runs ([`limits_prefix`][]): CPU time, file size, open
   files, and memory and process count per process where the sandbox has no cgroup;
-- the sandbox's cgroup (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.cgroups`):
+- the sandbox's cgroup ([`cgroups`][cancellable_agents.toolsets.sandbox.local.boundary.cgroups]):
   memory and process count for the whole sandbox, where the worker can make one;
 - tmpfs sizes: bubblewrap's private ``/tmp`` (``tmp_bytes``), and the workdir's total
-  (``workdir_bytes``, :func:`mount_workdir`).
+  (``workdir_bytes``, [`mount_workdir`][]).
 
 The workdir's total: ``RLIMIT_FSIZE`` caps each file, not their sum, and a periodic measure can
 be outrun by a command writing fast between two looks. A tmpfs with ``size=`` is a cap the kernel
@@ -17,9 +17,9 @@ bind) and the file tools (which open the same folder from outside). Its pages ar
 to the writer's memory cgroup, so a command's files count against its sandbox's memory too. Only
 where the worker may mount (root, i.e. ``CAP_SYS_ADMIN``: the usual container set-up), and only on
 a workdir the sandbox created: a tmpfs on the DAG author's own folder would hide what is in it.
-Elsewhere the workdir has no total and :func:`mount_workdir` says so once. A task killed with
+Elsewhere the workdir has no total and [`mount_workdir`][] says so once. A task killed with
 SIGKILL leaves the mount behind; the next sandbox's orphan cleanup unmounts it
-(:func:`unmount_workdir`) before removing the folder. This module imports no Airflow.
+([`unmount_workdir`][]) before removing the folder. This module imports no Airflow.
 """
 
 from __future__ import annotations
