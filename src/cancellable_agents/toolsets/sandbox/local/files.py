@@ -11,7 +11,7 @@ from the descriptor of the folder before (a write always walks: it may create fo
 and folders the tools create are handed to the sandbox's uid with ``fchown`` on their
 descriptor, never by name.
 
-A path through a symlink is refused (:class:`SandboxPathError`), also one that would stay
+A path through a symlink is refused ([`SandboxPathError`][]), also one that would stay
 inside: the tools cannot tell a command's honest link from a swap. ``run_shell`` follows links
 as the sandbox's uid, inside the sandbox's view.
 """
@@ -115,7 +115,7 @@ class WorkdirFiles:
         """``path`` as components below the workdir (``[]``: the workdir itself).
 
         ``..`` is resolved by name, which is exact here because no component may be a symlink.
-        Raises :class:`SandboxPathError` for a path outside the workdir.
+        Raises [`SandboxPathError`][] for a path outside the workdir.
         """
         joined = os.path.normpath(os.path.join(self.workdir, path))
         relative = os.path.relpath(joined, self.workdir)
@@ -159,7 +159,7 @@ class WorkdirFiles:
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a folder, sorted; folders end with ``/`` (a symlink to one does not).
 
-        Names are the command's, shown to the model: each is escaped as by :func:`shown_name`
+        Names are the command's, shown to the model: each is escaped as by [`shown_name`][]
         (control characters, backslashes, undecodable bytes), so none can carry a terminal
         sequence or a line break into the model's context. At most ``list_limit`` names, of at
         most ``output_limit`` bytes in all, come back, like ``read_file``'s cap (a command can
@@ -226,7 +226,7 @@ class WorkdirFiles:
 
     @staticmethod
     def _call(open_: Callable[[], int], path: str) -> int:
-        """Run one open, turning a symlink met on the way into :class:`SandboxPathError`, and
+        """Run one open, turning a symlink met on the way into [`SandboxPathError`][], and
         naming ``path`` (the model's, not a component) in the other errors."""
         try:
             return open_()
@@ -334,8 +334,8 @@ def _read_up_to(fd: int, limit: int) -> bytes:
 
 class WorkdirFileTools:
     """A sandbox's file tools on its workdir (``resolve``, ``read_file``, ``write_file``,
-    ``list_files``: the :class:`~cancellable_agents.toolsets.sandbox.protocol.SandboxFiles`
-    protocol), each through a :class:`WorkdirFiles`; mixed into ``LocalSandbox``, whose workdir,
+    ``list_files``: the [`SandboxFiles`][cancellable_agents.toolsets.sandbox.protocol.SandboxFiles]
+    protocol), each through a [`WorkdirFiles`][]; mixed into ``LocalSandbox``, whose workdir,
     output limit and boundary (the uid its commands run as) they read."""
 
     workdir: Path
@@ -346,7 +346,7 @@ class WorkdirFileTools:
         """``path`` (relative to the workdir, or absolute inside it) with symlinks resolved, for
         showing; the file tools never open what this returns (a command may swap it meanwhile).
 
-        Raises :class:`SandboxPathError` if it points outside the workdir.
+        Raises [`SandboxPathError`][] if it points outside the workdir.
         """
         resolved = self.workdir.joinpath(*self._files().parts(path)).resolve()
         if resolved != self.workdir and self.workdir not in resolved.parents:
@@ -368,6 +368,6 @@ class WorkdirFileTools:
 
     def list_files(self, path: str = ".") -> list[str]:
         """Names in a directory, sorted; directories end with ``/``. Escaped and capped as
-        :meth:`WorkdirFiles.list_files
-        <cancellable_agents.toolsets.sandbox.local.files.WorkdirFiles.list_files>` says."""
+        [`WorkdirFiles.list_files`][cancellable_agents.toolsets.sandbox.local.files.WorkdirFiles.list_files]
+        says."""
         return self._files().list_files(path)

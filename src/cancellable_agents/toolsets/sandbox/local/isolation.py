@@ -1,8 +1,9 @@
-"""Which isolation a :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox` gets here.
+"""Which isolation a
+[`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox] gets here.
 
 ``isolation="auto"`` gets a boundary or nothing: ``"namespace"`` when bubblewrap can give the
 chosen profile on this host, else ``"landlock"`` (boundary profile) where the kernel has
-Landlock, else :class:`SandboxUnavailable` naming what is missing and the fix. Never, silently,
+Landlock, else [`SandboxUnavailable`][] naming what is missing and the fix. Never, silently,
 ``"process-group"``, which stops commands but is no boundary: a DAG author asks for it by name,
 and it is still said once per task, loudly. This module imports no Airflow.
 
@@ -13,14 +14,14 @@ Isolation modes (``isolation=``):
     double forks, daemons) can leave it, when the namespace's init dies the kernel kills every
     process in it, and ``--die-with-parent`` ends it even when the task process is SIGKILLed.
     With the default ``profile="boundary"`` it is also a boundary (see
-    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.bwrap`): no home folders, no Airflow config, no
-    network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
+    [`bwrap`][cancellable_agents.toolsets.sandbox.local.boundary.bwrap]): no home folders, no
+    Airflow config, no network, not root, limits. ``profile="host"`` shows the whole host read-only instead.
 ``"landlock"`` (Linux 5.13+, no privilege, no namespaces)
     Each command restricts itself before it runs (Landlock, ``no_new_privs``, the seccomp filter
     with ``AF_UNIX`` sockets only unless ``network=True``): it reads the system folders and the
     interpreter, reads and writes only its workdir and a private tmp, has no network, and (ABI
     6+) signals nothing outside itself; see
-    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`. Processes are tracked and
+    [`landlock`][cancellable_agents.toolsets.sandbox.local.boundary.landlock]. Processes are tracked and
     stopped as in process-group mode. For unprivileged pods, where bubblewrap has no namespaces.
 ``"process-group"`` (any POSIX; only when asked for by name)
     Each command starts a new session. A watcher thread records the pid and start time of every
@@ -31,7 +32,7 @@ Isolation modes (``isolation=``):
     task's user sees, and a SIGKILL of the task leaves commands running. Warned once per task.
 ``"auto"`` (default)
     Namespace mode when bubblewrap can give the chosen profile here, else landlock mode (the
-    boundary profile only), else :class:`SandboxUnavailable`.
+    boundary profile only), else [`SandboxUnavailable`][].
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ __all__ = ["Isolation", "Mode", "Profile", "choose_mode", "enforceable_egress", 
 log = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespace", "landlock", "process-group"]
-#: The isolation a sandbox got: what :data:`Isolation` resolves to here.
+#: The isolation a sandbox got: what [`Isolation`][] resolves to here.
 Mode = Literal["namespace", "landlock", "process-group"]
 Profile = Literal["boundary", "host"]
 
 
 def choose_mode(isolation: str, profile: str) -> Mode:
-    """The mode for ``isolation`` and ``profile``; :class:`SandboxUnavailable` (saying how to
+    """The mode for ``isolation`` and ``profile``; [`SandboxUnavailable`][] (saying how to
     fix it) if the mode required, or for ``"auto"`` any boundary, cannot be had;
     ``ConfigurationError`` (a ``ValueError``) for nonsense."""
     if isolation not in ("auto", "namespace", "landlock", "process-group"):
@@ -96,7 +97,7 @@ def choose_mode(isolation: str, profile: str) -> Mode:
 
 
 def _landlock(profile: str) -> Mode:
-    """Landlock mode, or :class:`SandboxUnavailable` naming what is missing and the fix."""
+    """Landlock mode, or [`SandboxUnavailable`][] naming what is missing and the fix."""
     if profile != "boundary":
         raise ConfigurationError("isolation='landlock' has the boundary profile only (not 'host')")
     why_not = _landlock_missing()

@@ -1,22 +1,22 @@
 """The egress allowlist: a sandbox without a network that reaches listed hosts through a proxy.
 
-``LocalSandbox(network=["pypi.org", "*.githubusercontent.com"])`` (or an :class:`EgressPolicy`)
+``LocalSandbox(network=["pypi.org", "*.githubusercontent.com"])`` (or an [`EgressPolicy`][])
 keeps the boundary profile's network namespace, where only ``lo`` exists, and gives commands an
 HTTP proxy (``CONNECT`` for HTTPS and anything else over TCP, absolute-form requests for plain
 HTTP):
 
-- :class:`EgressProxy` runs in the task process, outside the sandbox, on a unix socket that is
-  bind-mounted into the sandbox (a unix socket needs no network). It allows only hosts and ports
-  the policy lists, resolves names itself and connects to the address it checked (so a name
-  that resolves to a public address for the check and a private one for the connection — DNS
-  rebinding — gets nowhere), and refuses loopback, link-local, private, multicast and reserved
-  addresses unless the policy lists the address (or its network) itself, on that entry's ports.
-  A request it cannot read for certain
-  (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_request`) is answered 400
-  before anything is resolved or connected. Each refusal is one log line (rate-limited) and an
-  ``egress_denied`` event on the task's timeline (bounded); no request, however malformed,
+- [`EgressProxy`][] runs in the task process, outside the sandbox, on a unix socket that is
+  bind-mounted into the sandbox (a unix socket needs no network). It allows only hosts and ports the
+  policy lists, resolves names itself and connects to the address it checked (so a name that
+  resolves to a public address for the check and a private one for the connection — DNS rebinding —
+  gets nowhere), and refuses loopback, link-local, private, multicast and reserved addresses unless
+  the policy lists the address (or its network) itself, on that entry's ports. A request it cannot
+  read for certain
+  ([`egress_request`][cancellable_agents.toolsets.sandbox.local.boundary.egress_request]) is
+  answered 400 before anything is resolved or connected. Each refusal is one log line (rate-limited)
+  and an ``egress_denied`` event on the task's timeline (bounded); no request, however malformed,
   ends in a traceback or leaves a connection open.
-- :data:`FORWARDER` runs inside the sandbox, before the command: it listens on
+- ``FORWARDER`` runs inside the sandbox, before the command: it listens on
   ``127.0.0.1:PROXY_PORT`` in the sandbox's own namespace and carries each connection to the
   unix socket, then the command runs with ``HTTP(S)_PROXY``/``ALL_PROXY`` pointing there.
 
@@ -108,7 +108,7 @@ class _Refused(Exception):
 class EgressProxy:
     """The policy's proxy on a unix socket, on an event loop of its own thread. Thread-safe.
 
-    :meth:`start` returns once it listens; :meth:`close` closes every connection and the socket
+    [`start`][] returns once it listens; [`close`][] closes every connection and the socket
     (idempotent, bounded). Refusals go to the log and, where ``scope_of()`` names a scope (its
     sandbox's, read at each refusal: the sandbox may attach after its proxy started), to that
     scope's timeline (``egress_denied``).
@@ -262,7 +262,7 @@ class EgressProxy:
 
     async def _request(self, reader: asyncio.StreamReader) -> ProxyRequest | None:
         """The request head, read and parsed; ``None`` if the client sent nothing at all.
-        Raises :class:`_Refused` (counted as a denial) for a head it will not read."""
+        Raises [`_Refused`][] (counted as a denial) for a head it will not read."""
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
         except asyncio.LimitOverrunError:
@@ -463,7 +463,7 @@ class _Proxied(Protocol):
 
 class SandboxEgress:
     """A sandbox's side of its egress proxy (mixed into
-    :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox`): the proxy is
+    [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox]): the proxy is
     started when the sandbox has an allowlist, its socket is shown inside the sandbox, its
     refusals are recorded on the sandbox's scope."""
 

@@ -6,7 +6,7 @@ reads only RFC 9112's grammar, narrowed to what a forward proxy needs: a request
 ``token`` method, a target of visible ASCII and ``HTTP/1.0`` or ``HTTP/1.1``; header lines of a
 ``token`` name and a value without control characters (no line folding, no bare CR or LF); a
 target that is either ``CONNECT``'s ``host:port`` or an absolute ``http://`` URL, without user
-info or fragment. The host is read by :func:`~.egress_policy.canonical_host`, so every
+info or fragment. The host is read by [`canonical_host`][], so every
 spelling of an address is that address before the policy sees it.
 
 Why not ``h11`` (installed with httpx): it would check the same two lines, but it refuses an
@@ -48,7 +48,7 @@ class BadRequest(ValueError):
 @dataclass(frozen=True)
 class ProxyRequest:
     """One request, read: where it goes (``host`` and ``address`` as
-    :func:`~.egress_policy.canonical_host` returns them) and, for plain HTTP, the head to send
+    [`canonical_host`][] returns them) and, for plain HTTP, the head to send
     the origin (``forward``; ``None`` for a ``CONNECT`` tunnel)."""
 
     method: str
@@ -59,7 +59,7 @@ class ProxyRequest:
 
 
 def parse_head(head: bytes) -> ProxyRequest:
-    """Read a request head (through its blank line). Raises :class:`BadRequest`."""
+    """Read a request head (through its blank line). Raises [`BadRequest`][]."""
     lines = head.decode("latin-1").split("\r\n")
     if len(lines) < 3 or lines[-2:] != ["", ""]:
         raise BadRequest("the request head does not end with an empty line")
@@ -137,7 +137,7 @@ def _origin_head(
 def shown(text: str) -> str:
     """``text`` as a refusal quotes it: ASCII only (``ascii()`` escapes control characters, so
     nothing a client sent can move a terminal's cursor or split a log line), at most
-    :data:`SHOWN_LIMIT` characters."""
+    ``SHOWN_LIMIT`` characters."""
     if len(text) > SHOWN_LIMIT:
         return ascii(text[:SHOWN_LIMIT]) + f" (+{len(text) - SHOWN_LIMIT} characters)"
     return ascii(text)
