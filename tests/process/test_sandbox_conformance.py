@@ -23,17 +23,5 @@ def sandbox_factory(request: pytest.FixtureRequest) -> SandboxFactory:
     return lambda: LocalSandbox(isolation=request.param, stop_grace=0.5)
 
 
-@pytest.fixture(autouse=True)
-def _known_gap(request: pytest.FixtureRequest) -> None:
-    """Found by this suite: a command stopped before its wrapper (bubblewrap in namespace mode,
-    the command's init in landlock mode) started it has only the wrapper's processes, which
-    ``CommandTree`` leaves out of the record as plumbing, so the kill writes no record. Fixed in
-    ``local/command.py``, these pass (not strict: a command the tracker saw first is recorded)."""
-    for mode in ("namespace", "landlock"):
-        if request.node.name == f"test_a_kill_is_recorded_on_the_scope[{mode}]":
-            reason = f"{mode} mode writes no record for a command killed before its wrapper started it"
-            request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
-
-
 class TestConformance(SandboxConformance):
     pass

@@ -423,6 +423,11 @@ class CommandTree:
             # SIGKILL of the emptied namespace ended it.
             torn_down = {key: int(signal.SIGKILL) for key in workers if key not in sent}
             self._record(torn_down, tree, reason=self.stop_reason or "stopped", source="namespace teardown")
+            if not workers and self.main in sent:
+                # Stopped before bubblewrap started the command: bubblewrap stands for it.
+                self._record(
+                    {self.main: sent[self.main]}, tree, reason=self.stop_reason or "stopped", stand_in=True
+                )
 
     def _stop_through_init(self) -> None:
         """Landlock mode: the init stops its tree, which it alone sees whole (a daemon that left
@@ -432,7 +437,8 @@ class CommandTree:
         to the task process, a subreaper, and found by the descendant reaper)."""
         grace = self._grace()
         self.final_signal = signal.SIGTERM
-        send_signal(self.main, signal.SIGTERM if grace > 0 else signal.SIGUSR1)
+        command = command_line(self.main.pid)
+        delivered = send_signal(self.main, signal.SIGTERM if grace > 0 else signal.SIGUSR1)
         if not wait_gone([self.main], grace):
             send_signal(self.main, signal.SIGUSR1)
             if not wait_gone([self.main], KILL_WAIT + STOP_SLACK):
@@ -443,13 +449,18 @@ class CommandTree:
                     KILL_WAIT + STOP_SLACK,
                 )
                 send_signal(self.main, signal.SIGKILL)
-        self._record_report(self.stop_reason or "stopped")
+        reason = self.stop_reason or "stopped"
+        if self._record_report(reason) == 0 and delivered:
+            # Stopped before the init started the command (a signal at its start ends it): the
+            # init stands for the command.
+            self._record({self.main: self.final_signal}, {self.main: command}, reason=reason, stand_in=True)
 
-    def _record_report(self, reason: str) -> None:
-        """Record what the init signalled, once (the command's end and a stop may both ask)."""
+    def _record_report(self, reason: str) -> int | None:
+        """Record what the init signalled, once (the command's end and a stop may both ask);
+        how many processes that was (``None``: recorded already, or no report)."""
         with self.lock:
             if self.report_fd is None or self.report_read:
-                return
+                return None
             self.report_read = True
         size = os.fstat(self.report_fd).st_size
         kills = parse_report(os.pread(self.report_fd, size, 0))
@@ -457,6 +468,7 @@ class CommandTree:
             self.final_signal = signal.SIGKILL
         sent = {ProcKey(k.pid, k.start): k.signal for k in kills}
         self._record(sent, {ProcKey(k.pid, k.start): k.command for k in kills}, reason=reason)
+        return len(kills)
 
     def _kill_everything(self, tree: dict[ProcKey, str]) -> dict[ProcKey, int]:
         # Namespace init first: its death makes the kernel SIGKILL the whole namespace at once.
@@ -496,10 +508,13 @@ class CommandTree:
         tree: Mapping[ProcKey, str],
         reason: str,
         source: str = "sandbox",
+        stand_in: bool = False,
     ) -> None:
+        """One record per process in ``sent``; a wrapper (bubblewrap) only as the ``stand_in``
+        for a command it had not started yet."""
         scope = self.owner.scope
         for key, sig in sent.items():
-            if self.mode == "namespace" and (key in self.infra or key == self.main):
+            if not stand_in and self.mode == "namespace" and (key in self.infra or key == self.main):
                 continue  # bubblewrap's own processes are plumbing, not the command's work
             entry = KillRecord(
                 source=source,
