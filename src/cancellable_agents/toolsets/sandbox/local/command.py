@@ -1,10 +1,12 @@
 """One sandbox command's process tree: watched while it runs, stopped whole, reaped, recorded.
 
-:class:`CommandTree` is everything :class:`~cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox`
+[`CommandTree`][cancellable_agents.toolsets.sandbox.local.command.CommandTree] is everything
+[`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox]
 knows about one command once it was spawned: its main process, every descendant the watcher has
 seen, its bounded output, its result. It decides how that tree ends: on its own (whatever it left
 running in the background is killed), at its timeout, or by a stop (SIGTERM to the whole tree,
-the grace, SIGKILL, reap, one :class:`KillRecord` per process on the sandbox's scope). The sandbox
+the grace, SIGKILL, reap, one [`KillRecord`][cancellable_agents.core.timeline.KillRecord] per process on the
+sandbox's scope). The sandbox
 keeps the workdir, the profile and the registry of its commands. This module imports no Airflow.
 
 One module of ~500 lines: a tree's watcher, its stop and its reaping change the same state under
@@ -71,11 +73,14 @@ KILL_RESERVE = 0.3
 KILL_WAIT = 1.0
 #: How long output readers may take to drain once the tree is gone.
 READER_JOIN = 1.0
-#: Scheduling slack on top of the parts of a stop (see :meth:`CommandTree.stop_bound`).
+#: Scheduling slack on top of the parts of a stop (see
+#: [`CommandTree.stop_bound`][cancellable_agents.toolsets.sandbox.local.command.CommandTree.stop_bound]).
 STOP_SLACK = 2.0
 #: Environment variable carrying the owner tag of the task process that started a command
-#: (:func:`~cancellable_agents.procs.owner.owner_tag`), where no namespace ends the command with
-#: the task: after a SIGKILL of the task, :func:`kill_orphaned_commands` finds what it left.
+#: ([`owner_tag`][cancellable_agents.procs.owner.owner_tag]), where no namespace ends the command with
+#: the task: after a SIGKILL of the task,
+#: [`kill_orphaned_commands`][cancellable_agents.toolsets.sandbox.local.command.kill_orphaned_commands]
+#: finds what it left.
 OWNER_VAR = "CANCELLABLE_AGENTS_OWNER"
 
 
@@ -103,7 +108,7 @@ def stop_bound(stop_grace: float) -> float:
 class CommandTree:
     """One spawned command and every process it started, until its result is recorded.
 
-    :meth:`watch` starts the watcher thread; :meth:`terminate` stops the whole tree (once,
+    ``watch`` starts the watcher thread; ``terminate`` stops the whole tree (once,
     whoever asks first; later callers wait for that stop). ``done`` is set, and ``result``
     filled, once the tree is gone and reaped.
     """
@@ -551,8 +556,9 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
 
 def kill_orphaned_commands() -> list[ProcKey]:
     """SIGKILL the processes of commands whose task process is gone: a SIGKILLed task could not
-    stop them. Found by :data:`OWNER_VAR` in their initial environment, naming an owner in this
-    pid namespace that is gone for sure (:func:`owner_gone`; another namespace's is never
+    stop them. Found by ``OWNER_VAR`` in their initial environment, naming an owner in this
+    pid namespace that is gone for sure ([`owner_gone`][cancellable_agents.procs.owner.owner_gone]; another
+    namespace's is never
     touched). Returns the processes killed. A command that re-executes itself with a scrubbed
     environment is not found: only a cgroup holds such a process (its orphan is killed whole)."""
     needle = f"{OWNER_VAR}=".encode()

@@ -1,26 +1,31 @@
 """The local backend: commands run as process trees on this host that a cancel really stops.
 
-:class:`LocalSandbox` gives one task a working directory and a command runner. Every command is
+[`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox] gives one task a working
+directory and a command runner. Every command is
 a *process tree*: stopping it (``stop``, a per-command timeout, or the task being cancelled)
 sends SIGTERM to the whole tree, waits ``stop_grace`` (never past the scope's budget), SIGKILLs
-what is left, reaps it and records each kill on the task's :class:`TaskCancellation`. When a
+what is left, reaps it and records each kill on the task's
+[`TaskCancellation`][cancellable_agents.core.scope.TaskCancellation]. When a
 command's main process ends, whatever it left running in the background is killed too: a
 command never outlives itself.
 
 Isolation modes (``isolation=``: ``"namespace"``, ``"landlock"``, ``"process-group"``, ``"auto"``) are
-described in :mod:`~cancellable_agents.toolsets.sandbox.local.isolation`.
+described in [`isolation`][cancellable_agents.toolsets.sandbox.local.isolation].
 
 Commands get the environment by allowlist in every mode (``PATH``, the locale, ``TERM``, ``TZ``,
-``HOME`` = the workdir, and what ``env=`` passes; see :mod:`~cancellable_agents.toolsets.sandbox.local.env`).
+``HOME`` = the workdir, and what ``env=`` passes; see [`env`][cancellable_agents.toolsets.sandbox.local.env]).
 The file tools open paths below the workdir without following symlinks, so a command swapping
-folders under them cannot redirect them (:mod:`~cancellable_agents.toolsets.sandbox.local.files`).
+folders under them cannot redirect them ([`files`][cancellable_agents.toolsets.sandbox.local.files]).
 
-The sandbox reaches its scope one way, as any backend: the attachment :func:`attach_sandbox` gave
+The sandbox reaches its scope one way, as any backend: the attachment
+[`attach_sandbox`][cancellable_agents.toolsets.sandbox.attach.attach_sandbox] gave
 it; its commands and its egress proxy read the scope there. This module is the sandbox's life:
 ``__init__``, starting, stopping, destroying, whose parts share its state (workdir, mode,
 profile, commands, attachment). Beside it, mixed into the class, each idea on its own: the
-boundary's set-up at creation (:mod:`.provision`), the results (``wait``, ``run``, ``arun``:
-:mod:`.results`), the file tools (:mod:`.files`) and the egress proxy's start
+boundary's set-up at creation ([`provision`][cancellable_agents.toolsets.sandbox.local.provision]), the
+results (``wait``, ``run``, ``arun``:
+[`results`][cancellable_agents.toolsets.sandbox.local.results]), the file tools
+([`files`][cancellable_agents.toolsets.sandbox.local.files]) and the egress proxy's start
 (``boundary.egress_proxy``); so do the Landlock rules (``boundary.landlock``) and spawning
 (``spawn``). This module imports no Airflow.
 """
@@ -112,8 +117,11 @@ KEEP_RESULTS = 256
 COMMAND_TAG = "CANCELLABLE_AGENTS_COMMAND"
 #: The first landlock sandbox of a task process kills what SIGKILLed tasks' commands left.
 _orphans_swept = Once()
-#: The ``env=`` of the command this thread is starting: :meth:`LocalSandbox.launch` sets it
-#: around the spawn, and :attr:`LocalSandbox._explicit_env` adds it to the sandbox's own.
+#: The ``env=`` of the command this thread is starting:
+#: [`LocalSandbox.launch`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox.launch] sets it
+#: around the spawn, and
+#: ``LocalSandbox._explicit_env``
+#: adds it to the sandbox's own.
 _starting_env: ContextVar[Mapping[str, str] | None] = ContextVar("_starting_env", default=None)
 
 
@@ -124,19 +132,24 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
     r"""A per-task working directory and a runner whose commands a cancel really stops.
 
     ``workdir`` defaults to a fresh temporary directory; it is created if missing and removed
-    by :meth:`destroy` only if this sandbox created it. ``env`` is passed to commands on top of
+    by ``destroy`` only if this sandbox created it. ``env`` is passed to commands on top of
     the allowlisted environment (so what the DAG author hands over explicitly does reach them).
-    With a ``scope`` (or the :func:`current_cancellation` found at creation or first use) the
-    sandbox attaches itself to it (:func:`attach_sandbox`, as any backend): a cancel stops all
+    With a ``scope`` (or the [`current_cancellation`][cancellable_agents.core.scope.current_cancellation]
+    found at creation or first use) the
+    sandbox attaches itself to it
+    ([`attach_sandbox`][cancellable_agents.toolsets.sandbox.attach.attach_sandbox], as any backend): a
+    cancel stops all
     commands (``Phase.IN_FLIGHT``) before destroying the sandbox (``Phase.TEARDOWN``), inside the
-    scope's budget, and :meth:`start` goes through that attachment (race-free against the cancel).
+    scope's budget, and ``start`` goes through that attachment (race-free against the cancel).
 
     Namespace mode, ``profile="boundary"`` (default): commands see the system folders, the
     interpreter, ``read_only_paths``, ``writable_paths`` and the workdir (read-write, also their
     ``HOME``) and nothing else; no network, except through the egress proxy to the hosts of an
-    allowlist (``network=["pypi.org", ...]`` or an :class:`EgressPolicy`, see
-    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy`), or the host's
-    network with ``network=True`` (no boundary for the network); ``limits`` (a :class:`Limits`,
+    allowlist (``network=["pypi.org", ...]`` or an
+    [`EgressPolicy`][cancellable_agents.toolsets.sandbox.egress_policy.EgressPolicy], see
+    [`egress_proxy`][cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy]), or the host's
+    network with ``network=True`` (no boundary for the network); ``limits`` (a
+    [`Limits`][cancellable_agents.toolsets.sandbox.limits.Limits],
     defaults when ``None``). On a root worker the workdir is handed to the
     sandbox's own uid, and ``writable_paths`` must be writable by it. ``profile="host"``: the
     old view (whole host read-only, host network, no limits), for commands that need it.
@@ -145,9 +158,9 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
     enforced by the kernel's Landlock on each command (plus a private tmp, ``TMPDIR``), no
     network (``network=True``: the host's; no egress allowlist yet), limits as in namespace mode
     where the worker has a cgroup, else per process (no process count); see
-    :mod:`~cancellable_agents.toolsets.sandbox.local.boundary.landlock`. Each command runs under
+    [`landlock`][cancellable_agents.toolsets.sandbox.local.boundary.landlock]. Each command runs under
     its own init, a subreaper outside the Landlock domain, so nothing it starts outlives it
-    (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.command_init`). Commands create no
+    ([`command_init`][cancellable_agents.toolsets.sandbox.local.boundary.command_init]). Commands create no
     unix socket but connected ``socketpair``\ s: with ``unix_sockets=True`` they may, and then
     ``connect()`` reaches **every named unix socket the worker's user can open** (Docker's,
     D-Bus's, other tools' control sockets), since nothing hides them in this mode; opt in only for
@@ -217,7 +230,7 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
     def _landlock_boundary(
         self, read_only: Iterable[str | os.PathLike[str]], writable: Iterable[str | os.PathLike[str]]
     ) -> None:
-        """The ruleset (built once, closed by :meth:`destroy`), the private tmp and the limits;
+        """The ruleset (built once, closed by ``destroy``), the private tmp and the limits;
         at the first landlock sandbox of this process, the sweep of what SIGKILLed tasks left."""
         support = landlock.landlock_support()
         if _orphans_swept.first():
@@ -241,7 +254,7 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
 
     def _totals_watcher(self) -> TotalsWatcher:
         """The sandbox's totals the kernel does not keep (no cgroup, no tmpfs), counted over its
-        commands' trees (:mod:`~cancellable_agents.toolsets.sandbox.local.totals`); boundary
+        commands' trees ([`totals`][cancellable_agents.toolsets.sandbox.local.totals]); boundary
         modes only (process-group mode cannot see a detached process as its command's)."""
         counted = self.cgroup is None and (self._boundary is not None or self._landlock is not None)
         folders: dict[str, tuple[Path, int]] = {}
@@ -327,7 +340,9 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
         return self._attachment or self._attach(current_cancellation())
 
     def _attach(self, scope: TaskCancellation | None) -> SandboxAttachment | None:
-        """Attach to ``scope`` through :func:`attach_sandbox` (once: the first scope stays)."""
+        """Attach to ``scope`` through
+        [`attach_sandbox`][cancellable_agents.toolsets.sandbox.attach.attach_sandbox] (once: the first scope
+        stays)."""
         if self.mode == "process-group":
             warn_no_boundary(scope)
         with self._lock:
@@ -359,9 +374,12 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
         """Start ``command`` (an argv list, or a string run by ``/bin/sh -c``); return its id.
         ``env`` is added to this command's environment (on top of the sandbox's ``env=``; wins).
 
-        Attached, through the attachment (:meth:`SandboxAttachment.start`): ``TaskCancelled`` if
+        Attached, through the attachment
+        ([`SandboxAttachment.start`][cancellable_agents.toolsets.sandbox.attach.SandboxAttachment.start]):
+        ``TaskCancelled`` if
         the scope was already cancelled (no command starts after a kill), and a start racing the
-        cancel is stopped. Raises :class:`SandboxClosed` after :meth:`destroy`.
+        cancel is stopped. Raises
+        [`SandboxClosed`][cancellable_agents.toolsets.sandbox.protocol.SandboxClosed] after ``destroy``.
         """
         attachment = self._attached()
         if attachment is None:
@@ -376,9 +394,9 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
         stdin: str | bytes | None = None,
         env: Mapping[str, str] | None = None,
     ) -> str:
-        """Start ``command`` unguarded: what :meth:`start` and any attachment of this sandbox
-        call (:class:`ScopedSandbox`); nothing else should. Attaches at first use, as ``start``.
-        ``env`` reaches the spawn through :data:`_starting_env` (this thread's, so concurrent
+        """Start ``command`` unguarded: what ``start`` and any attachment of this sandbox
+        call (``ScopedSandbox``); nothing else should. Attaches at first use, as ``start``.
+        ``env`` reaches the spawn through ``_starting_env`` (this thread's, so concurrent
         starts never see each other's)."""
         token = _starting_env.set(command_env(env))
         try:
@@ -399,7 +417,7 @@ class LocalSandbox(BoundaryProvision, CommandResults, WorkdirFileTools, SandboxE
         timeout: float | None = None,
         stdin: str | bytes | None = None,
     ) -> str:
-        """The spawn of :meth:`launch`, with the command's ``env=`` in :attr:`_explicit_env`."""
+        """The spawn of ``launch``, with the command's ``env=`` in ``_explicit_env``."""
         self._attached()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         command_id = uuid.uuid4().hex[:12]

@@ -8,8 +8,9 @@ of the worker's user, the task's and other tasks' included, so no value of it bo
 
 But the sandbox owns its whole tree (each Landlock-mode command runs under a subreaper init that
 no process can leave; a namespace-mode command's tree is bubblewrap's), so it can count it:
-:class:`TotalsWatcher` samples the trees of the running commands every :data:`INTERVAL` (the
-workdir and tmp every :data:`DISK_INTERVAL`) and, at the first total past its limit, calls the
+[`TotalsWatcher`][cancellable_agents.toolsets.sandbox.local.totals.TotalsWatcher] samples the trees of the
+running commands every ``INTERVAL`` (the
+workdir and tmp every ``DISK_INTERVAL``) and, at the first total past its limit, calls the
 sandbox back, which SIGKILLs every running command at once and names the limit in each result
 and kill record. This is reactive: a fork storm or a fast writer can pass the limit by what it
 does between two samples (the reaction time is measured in ``benchmarks/sandbox_kill_latency.py``);
@@ -42,7 +43,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 @dataclass(frozen=True)
 class LimitBreach:
-    """A sandbox total past its limit: which (a :class:`Limits` field name), by how much."""
+    """A sandbox total past its limit: which (a ``Limits`` field name), by how much."""
 
     limit: str
     value: int

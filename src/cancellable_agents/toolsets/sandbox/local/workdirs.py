@@ -1,12 +1,13 @@
 """Sandbox working directories that outlive a SIGKILLed task are removed by the next sandbox.
 
 A task killed with SIGKILL (the pod's grace ran out, the OOM killer) cannot remove the workdir
-its :class:`LocalSandbox` created, and a sandbox's files can be large. So a workdir we create is
+its ``LocalSandbox`` created, and a sandbox's files can be large. So a workdir we create is
 named after its owner: the pid namespace, pid and start time of the process that created it.
 Creating a workdir first removes those whose owner is gone (same namespace, that pid is not that
 process any more). A directory without that name (someone else's, an older version's), or
 whose owner lives in another pid namespace sharing this ``/tmp``, is never touched: its owner
-cannot be checked from here (:mod:`cancellable_agents.procs.owner`). Nor, unless we are root, is
+cannot be checked from here ([`cancellable_agents.procs.owner`][cancellable_agents.procs.owner]). Nor,
+unless we are root, is
 another user's: a sticky ``/tmp`` refuses its removal and only root may unmount its tmpfs (a
 non-root worker beside a root one would otherwise log a failed unmount at every start).
 """
@@ -47,7 +48,9 @@ def new_workdir() -> Path:
 
 
 def prepare_workdir(workdir: str | os.PathLike[str] | None) -> tuple[Path, bool]:
-    """The resolved workdir (a :func:`new_workdir` if ``None``, created if missing) and whether
+    """The resolved workdir (a
+    [`new_workdir`][cancellable_agents.toolsets.sandbox.local.workdirs.new_workdir] if ``None``, created if
+    missing) and whether
     we created it (and so may delete it)."""
     if workdir is None:
         return new_workdir(), True

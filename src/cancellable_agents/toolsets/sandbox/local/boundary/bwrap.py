@@ -4,10 +4,10 @@ Two profiles in namespace mode:
 
 ``"boundary"`` (default)
     A new root with only ``/usr``, ``/bin``, ``/sbin``, ``/lib*``, ``/etc`` (minus the secrets in
-    :data:`HIDDEN_ETC`), the interpreter's installation, ``/dev``, a fresh ``/proc``, a private
+    ``HIDDEN_ETC``), the interpreter's installation, ``/dev``, a fresh ``/proc``, a private
     size-capped ``/tmp``, the paths the author listed and the workdir (read-write). New PID, IPC,
     UTS and (unless ``network=True``) network namespaces, no new privileges, no capabilities,
-    and the :class:`~cancellable_agents.toolsets.sandbox.limits.Limits` (memory
+    and the [`Limits`][cancellable_agents.toolsets.sandbox.limits.Limits] (memory
     and processes in the sandbox's cgroup where it has one, the rest set with ``prlimit`` just
     before the command runs). Not root: a
     non-root worker gets its own user namespace; a root worker cannot (a user namespace made by
@@ -241,7 +241,7 @@ def boundary_argv(
 ) -> list[str]:
     """The boundary profile's command line, up to the command. ``seccomp_fd``: a descriptor the
     child inherits holding the seccomp filter
-    (:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.seccomp`), which bubblewrap loads
+    ([`seccomp`][cancellable_agents.toolsets.sandbox.local.boundary.seccomp]), which bubblewrap loads
     last, right before the command runs."""
     assert support.path is not None
     argv = [support.path, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent"]

@@ -7,15 +7,19 @@ the private ``/tmp`` (a tmpfs is memory) and bubblewrap's own two processes per 
 Where: a child of the worker's own cgroup, in cgroup v2 (where the worker's cgroup delegates
 ``memory`` and ``pids`` to its children, as with systemd's ``Delegate=yes``) or in the v1
 ``memory`` and ``pids`` hierarchies (where the worker may create folders, as root in most
-containers). :func:`cgroup_support` probes once per process; where neither works, sandboxes
-keep the per-process limits and :func:`note_if_missing` says so once.
+containers). [`cgroup_support`][cancellable_agents.toolsets.sandbox.local.boundary.cgroups.cgroup_support]
+probes once per process; where neither works, sandboxes
+keep the per-process limits and
+[`note_if_missing`][cancellable_agents.toolsets.sandbox.local.boundary.cgroups.note_if_missing] says so
+once.
 
 Placement: each command starts as ``/bin/sh -c 'echo $$ > .../cgroup.procs ... && exec bwrap
 ...'``, so its first process is in the cgroup before it execs anything, and all it starts is
 born inside (there is no window in which a fork escapes). A failed write ends the command
 (exit 125) rather than running it unconfined. The command cannot move itself out: the boundary
 profile shows no ``/sys``, and its uid may not write the cgroup's files. Removed by
-:meth:`SandboxCgroup.remove` once every command is dead. This module imports no Airflow.
+[`SandboxCgroup.remove`][cancellable_agents.toolsets.sandbox.local.boundary.cgroups.SandboxCgroup.remove]
+once every command is dead. This module imports no Airflow.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ log = logging.getLogger(__name__)
 
 #: The exit code of a command that could not be placed in its sandbox's cgroup (it never ran).
 PLACEMENT_FAILED = 125
-#: How long :meth:`SandboxCgroup.remove` waits for the kernel to let go of exited processes.
+#: How long
+#: [`SandboxCgroup.remove`][cancellable_agents.toolsets.sandbox.local.boundary.cgroups.SandboxCgroup.remove]
+#: waits for the kernel to let go of exited processes.
 REMOVE_WAIT = 2.0
 _NAME_PREFIX = "cancellable-agents-"
 
@@ -65,7 +71,7 @@ class CgroupSupport:
 @dataclass(frozen=True)
 class LimitHits:
     """How often the kernel enforced a sandbox's totals: counters that only grow, so the hits
-    during one command are the difference of two readings (:meth:`since`)."""
+    during one command are the difference of two readings (``since``)."""
 
     oom_kills: int
     """Processes the OOM killer ended at the memory total."""

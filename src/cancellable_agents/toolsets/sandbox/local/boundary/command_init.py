@@ -24,7 +24,9 @@ Killing is freeze-then-kill: ``SIGSTOP`` every process found, scan again until n
 appears (a stopped process cannot fork), then signal them all, so a fork storm cannot outrun it.
 
 Standard library only, no ``site``: it runs as a script with the sandbox's interpreter and
-imports nothing of the package. :func:`parse_report` is the task's side of ``REPORT_FD``.
+imports nothing of the package.
+[`parse_report`][cancellable_agents.toolsets.sandbox.local.boundary.command_init.parse_report] is the task's
+side of ``REPORT_FD``.
 """
 
 from __future__ import annotations

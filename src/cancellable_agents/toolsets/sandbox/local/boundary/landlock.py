@@ -5,20 +5,25 @@ Where bubblewrap cannot make namespaces (an unprivileged Kubernetes pod: no capa
 restrict itself and everything it starts, for good, once it has ``no_new_privs``:
 
 - **files** (ABI 1+): commands read the system folders, the interpreter's installation, the
-  parts of ``/etc`` the namespace profile shows (not :data:`~.bwrap.HIDDEN_ETC`), a few device
+  parts of ``/etc`` the namespace profile shows (not
+  ``HIDDEN_ETC``), a few device
   nodes and global ``/proc`` files, the paths the author listed; they read and write only their
   workdir and a private tmp folder (``TMPDIR``). Nothing else: no home, no ``AIRFLOW_HOME``, no
   DAGs folder, no ``/var/run/secrets``, no ``/proc/<pid>`` (the task's environ included);
 - **network** (off unless ``network=True``): the seccomp filter refuses ``socket()`` for every
-  family but ``AF_UNIX`` (:class:`~.seccomp.SocketRule`), and from ABI 4 Landlock refuses every
+  family but ``AF_UNIX``
+  ([`SocketRule`][cancellable_agents.toolsets.sandbox.local.boundary.seccomp.SocketRule]), and from ABI 4
+  Landlock refuses every
   TCP bind and connect too;
 - **processes** (ABI 6+): a command can signal only processes of its own domain, and reach no
   abstract unix socket made outside it; ptrace of anything outside its domain is refused at
   every ABI; plus the sandbox's seccomp filter.
 
-How the child applies it: the sandbox builds the ruleset once (:class:`LandlockRuleset`, a file
-descriptor) and each command starts under its init (:func:`init_argv`,
-:mod:`~cancellable_agents.toolsets.sandbox.local.boundary.command_init`): a tiny exec'd program,
+How the child applies it: the sandbox builds the ruleset once
+([`LandlockRuleset`][cancellable_agents.toolsets.sandbox.local.boundary.landlock.LandlockRuleset], a file
+descriptor) and each command starts under its init
+([`init_argv`][cancellable_agents.toolsets.sandbox.local.boundary.landlock.init_argv],
+[`command_init`][cancellable_agents.toolsets.sandbox.local.boundary.command_init]): a tiny exec'd program,
 a child subreaper outside the domain, that forks the command; the child sets ``no_new_privs``
 and its parent-death signal, restricts itself with the inherited ruleset, loads the seccomp
 program from the inherited memfd, closes both and ``execvp``\\ s the command. The init keeps the
@@ -26,11 +31,13 @@ whole tree: nothing the command starts outlives it, its stop, or the task's deat
 ``preexec_fn``: it runs Python between ``fork`` and ``exec`` in a process with many threads (a
 lock held by another thread at the fork, logging's or the import lock, deadlocks the child), and
 CPython documents it as unsafe with threads. The init costs one interpreter start (no ``site``)
-per command; if the child cannot apply every rule it exits :data:`BOUNDARY_FAILED` and the
+per command; if the child cannot apply every rule it exits ``BOUNDARY_FAILED`` and the
 command never runs.
 
 On an older ABI the sandbox applies what there is and says, once and in its record, what is
-missing (:meth:`LandlockSupport.missing`). This module imports no Airflow and loads no library
+missing
+([`LandlockSupport.missing`][cancellable_agents.toolsets.sandbox.local.boundary.landlock.LandlockSupport.missing]).
+This module imports no Airflow and loads no library
 at import; the ABI is probed once per process.
 """
 
@@ -209,7 +216,7 @@ def _shown_beneath(root: str, hidden: tuple[str, ...]) -> Iterator[str]:
 
 class LandlockRuleset:
     """A sandbox's ruleset, built once: a file descriptor each command restricts
-    itself with (inherited, never modified after :meth:`build`, so concurrent starts share it).
+    itself with (inherited, never modified after ``build``, so concurrent starts share it).
 
     ``network``: ``True`` leaves TCP unhandled (the host's network, as ``network=True`` in
     namespace mode); ``False`` handles bind and connect and grants no port.
@@ -278,7 +285,9 @@ def _checked(result: int) -> int:
 def init_argv(
     python: str, ruleset: LandlockRuleset, seccomp_fd: int | None, *, report_fd: int = -1, grace: float = 1.0
 ) -> list[str]:
-    """What goes before a command's argv: its init (:mod:`.command_init`), with the descriptors
+    """What goes before a command's argv: its init
+    ([`command_init`][cancellable_agents.toolsets.sandbox.local.boundary.command_init]), with the
+    descriptors
     it inherits (``seccomp_fd`` ``None``: no filter; the sandbox refuses that when it needs one;
     ``report_fd`` -1: no kill report) and the SIGTERM grace of a stop."""
     seccomp = -1 if seccomp_fd is None else seccomp_fd

@@ -1,6 +1,8 @@
 """The boundary profile's seccomp filter: the system calls a sandboxed command may not make.
 
-Built once per process (per :class:`SocketRule`) with libseccomp and handed to bubblewrap
+Built once per process (per
+[`SocketRule`][cancellable_agents.toolsets.sandbox.local.boundary.seccomp.SocketRule]) with libseccomp and
+handed to bubblewrap
 (``--seccomp FD``) or to Landlock mode's helper, which load it right before the command runs,
 so it binds the command and everything it starts
 (a filter is inherited and cannot be removed). A denied call fails with ``EPERM`` (``clone3``
@@ -10,7 +12,8 @@ Binding: ``pyseccomp`` from PyPI, ctypes over the system's ``libseccomp.so.2``. 
 ``python3-seccomp`` is a C extension built for Debian's own Python, so a venv on another
 interpreter (pyenv, the Airflow image's) cannot import it; the ctypes binding installs anywhere
 and only needs the shared library (Debian's ``libseccomp2``, on every machine with systemd or
-apt). Where the library is missing, commands run without the filter and :func:`warn_if_missing`
+apt). Where the library is missing, commands run without the filter and
+[`warn_if_missing`][cancellable_agents.toolsets.sandbox.local.boundary.seccomp.warn_if_missing]
 says so once, naming the protections that are off.
 
 The filter is a denylist on top of bubblewrap's namespaces, no capabilities and no new
@@ -150,7 +153,7 @@ class SocketRule(Enum):
     (a datagram pair could still ``sendto`` a named socket).
     """
 
-    #: Every family but those in :data:`DENIED_SOCKET_FAMILIES` (a network namespace, or the
+    #: Every family but those in ``DENIED_SOCKET_FAMILIES`` (a network namespace, or the
     #: host's network on purpose, decides the rest).
     NAMESPACED = "namespaced"
     #: ``AF_UNIX`` only (``socket`` and ``socketpair``): no network where no namespace confines
@@ -161,7 +164,7 @@ class SocketRule(Enum):
     #: no network, the default).
     PAIRS_ONLY = "pairs-only"
     #: The host's network (Landlock mode, ``network=True``) but no ``socket(AF_UNIX)``; pairs as
-    #: :attr:`PAIRS_ONLY`.
+    #: ``PAIRS_ONLY``.
     NO_NAMED_UNIX = "no-named-unix"
 
 
