@@ -8,19 +8,26 @@ offered no tools and carried the final instruction.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
+from airflow.sdk.bases.operator import BaseOperator
 from pydantic import BaseModel
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import UsageLimitExceeded
-from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RunUsage, UsageLimits
 
+from cancellable_agents import CancellableAgentMixin, LLMOperator
+from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_records
+from cancellable_agents.airflow.metrics import WIND_DOWN_LINE
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
@@ -31,11 +38,14 @@ from cancellable_agents.core.wind_down import (
     WindDownReport,
     wind_down_of,
 )
+from cancellable_agents.durable import Journal
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.run.final_request import budget_reason
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.testing.records import RequestRecord
+from tests.statsd_receiver import StatsdReceiver, metric_tags, metric_value
+from tests.unit.durable_runs import Counting
 
 #: Each tool call takes this long: the run makes steady progress until it is told to stop.
 STEP = 0.1
@@ -326,3 +336,149 @@ def test_the_report_reads_as_one_line() -> None:
         "the final answer took 3.20s"
     )
     assert report.as_dict()["final_answer_s"] == 3.2
+
+
+# -- durable=True ----------------------------------------------------------------------------
+
+
+def _stepping_agent(calls: list[int]) -> Agent[None, str]:
+    """A model that calls ``step`` while it is offered, and answers once it is not."""
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if info.function_tools:
+            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
+        return ModelResponse(parts=[TextPart(f"best so far after {done} steps")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(model))
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        calls.append(n)
+        return f"step {n} ok"
+
+    return agent
+
+
+def _durable_try(store: Any, try_number: int, calls: list[int], **kwargs: Any) -> tuple[Any, Journal]:
+    scope = TaskCancellation(f"try{try_number}")
+    journal = Journal(store, try_number=try_number, scope=scope)
+    with scope.activate():
+        result = run_agent_in_scope(scope, _stepping_agent(calls), "work", journal=journal, **kwargs)
+    return result, journal
+
+
+def test_a_durable_record_ends_wound_down_and_the_next_try_starts_fresh() -> None:
+    store = Counting()  # like Airflow's task state store, it cannot list keys: the record stays
+    calls: list[int] = []
+    limits = UsageLimits(request_limit=4)
+    result, _ = _durable_try(store, 1, calls, wind_down=WindDown(budget=True), usage_limits=limits)
+    assert result.output == "best so far after 3 steps"
+    kept = [json.loads(v) if isinstance(v, str) else v for v in store.store.data.values()]
+    ended = [e for e in kept if isinstance(e, dict) and e.get("kind") == "end"]
+    assert ended and ended[-1]["state"] == "wound_down", ended
+    assert ended[-1]["wound_down"]["reason"] == "request_limit"
+    # A Clear (or any later try) starts fresh: the wound-down answer was the task's result.
+    calls.clear()
+    result, journal = _durable_try(store, 2, calls, wind_down=WindDown(budget=True), usage_limits=limits)
+    assert journal.resume is None
+    assert calls == [1, 2, 3]
+
+
+# -- the operators ---------------------------------------------------------------------------
+
+
+class Budgeted(CancellableAgentMixin, BaseOperator):
+    """Runs the stepping agent under a request limit of 4 (budget wind-down at request 4)."""
+
+    def execute(self, context: Any) -> Any:
+        calls: list[int] = []
+        return self.run_agent_sync(
+            _stepping_agent(calls), "work", usage_limits=UsageLimits(request_limit=4)
+        ).output
+
+
+def test_an_operator_logs_the_wind_down_and_returns_the_answer(caplog: pytest.LogCaptureFixture) -> None:
+    op = Budgeted(task_id="budgeted", wind_down=WindDown(budget=True))
+    with caplog.at_level(logging.INFO, logger="cancellable_agents"):
+        assert op.execute({}) == "best so far after 3 steps"
+    assert "wound down at the request limit" in caplog.text
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(WIND_DOWN_LINE))
+    logged = json.loads(line.removeprefix(WIND_DOWN_LINE))
+    assert (logged["reason"], logged["requests_made"], logged["requests_left"]) == ("request_limit", 3, 1)
+    assert [r.reason for r in op.task_try().wound_down] == ["request_limit"]
+    assert RECORD_PREFIX not in caplog.text, "a wound-down run is no kill"
+    assert not op.cancellation.cancelled
+
+
+def test_on_wind_down_fail_is_a_timeout_with_the_partial_answer_in_the_record(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    op = Budgeted(task_id="strict", wind_down=WindDown(budget=True), on_wind_down="fail")
+    with caplog.at_level(logging.INFO, logger="cancellable_agents"), pytest.raises(TaskCancelled) as info:
+        op.execute({})
+    assert info.value.cause is CancelCause.TIMEOUT
+    (record,) = parse_records(caplog.text)
+    assert record["cause"] == "timeout"
+    assert "on_wind_down='fail', the partial answer: 'best so far after 3 steps'" in record["detail"]
+    texts = [getattr(part, "content", "") for message in info.value.all_messages() for part in message.parts]
+    assert "best so far after 3 steps" in texts, "the whole answer is in the error's transcript"
+
+
+def test_a_wound_down_run_sends_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("airflow.sdk.observability.stats")
+    from tests.unit.test_metrics import _configure_stats, _reset_stats
+
+    receiver = StatsdReceiver()
+    try:
+        _configure_stats(monkeypatch, receiver.port)
+        assert Budgeted(task_id="metered", wind_down=WindDown(budget=True)).execute({})
+        got = receiver.wait_for(
+            "airflow.cancellable_agents.wind_down.runs",
+            "airflow.cancellable_agents.wind_down.final_answer",
+            "airflow.cancellable_agents.usage.requests",
+        )
+    finally:
+        _reset_stats()
+        receiver.close()
+    assert metric_tags(got["airflow.cancellable_agents.wind_down.runs"])["reason"] == "request_limit"
+    assert metric_value(got["airflow.cancellable_agents.wind_down.runs"]) == "1|c"
+    assert metric_tags(got["airflow.cancellable_agents.usage.requests"])["end"] == "wound_down"
+
+
+def _llm(task_id: str, timeout_s: float | None = None, **kwargs: Any) -> LLMOperator:
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    return LLMOperator(task_id=task_id, prompt="p", model="test", execution_timeout=timeout, **kwargs)
+
+
+def test_an_operator_refuses_a_window_not_below_its_timeout() -> None:
+    with pytest.raises(ConfigurationError, match="lower wind_down or raise execution_timeout"):
+        LLMOperator(
+            task_id="t", prompt="p", model="test", execution_timeout=timedelta(seconds=30), wind_down=28
+        )
+    with pytest.raises(ConfigurationError, match="wind_down must be >= 0"):
+        _llm("u", wind_down=-5)
+    op = LLMOperator(
+        task_id="v", prompt="p", model="test", execution_timeout=timedelta(seconds=30), wind_down=True
+    )
+    assert op.wind_down == WindDown(DEFAULT_WIND_DOWN_SECONDS)
+
+
+def test_the_deployment_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert _llm("off", 300).wind_down is None, "off by default"
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__WIND_DOWN", "15")
+    long = _llm("long", 300)
+    assert long.wind_down == WindDown(15.0)
+    with caplog.at_level(logging.WARNING):
+        short = LLMOperator(
+            task_id="short", prompt="p", model="test", execution_timeout=timedelta(seconds=10)
+        )
+    assert short.wind_down is None, "the deployment's window is left off where it does not fit"
+    assert "no wind-down for this task" in caplog.text
+    own = LLMOperator(
+        task_id="own", prompt="p", model="test", wind_down=0, execution_timeout=timedelta(minutes=5)
+    )
+    assert own.wind_down is None, "an operator's own value wins"
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__WIND_DOWN", "soon")
+    with pytest.raises(ConfigurationError, match="wind_down"):
+        _llm("bad")

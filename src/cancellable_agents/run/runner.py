@@ -249,11 +249,16 @@ def _run_scoped(
             raise run.error(exc) from exc
         raise
     if winding is not None:
-        winding.settle()
+        winding.settle(result)
     if run.end(None):
         report_stragglers(scope, run.tracker)
         raise run.error(None, result)
     return result
+
+
+#: How much of a failed wind-down's answer (``on_wind_down="fail"``) the record's detail keeps; the
+#: error's transcript (``TaskCancelled.all_messages()``) has all of it.
+PARTIAL_ANSWER_CHARS = 500
 
 
 @dataclass
@@ -298,17 +303,21 @@ class _WindingDown:
         with self.state.lock:
             return self.state.report
 
-    def settle(self) -> None:
-        """The run returned: record a wind-down's end; with ``on_wind_down="fail"`` cancel the scope
-        as ``timeout`` first, so the answer is discarded into the error's transcript."""
+    def settle(self, result: Any) -> None:
+        """The run returned ``result``: record a wind-down's end; with ``on_wind_down="fail"`` cancel
+        the scope as ``timeout`` first, so the answer is discarded into the error's transcript and
+        its start (``PARTIAL_ANSWER_CHARS``) into the record's detail."""
         report = self.report()
         if report is None or self.state is None:
             return
         self.scope.record("run_wound_down", **report.as_dict())
         if self.state.options.on_wind_down == "fail":
+            answer = str(getattr(result, "output", ""))
+            if len(answer) > PARTIAL_ANSWER_CHARS:
+                answer = answer[:PARTIAL_ANSWER_CHARS] + "..."
             self.scope.cancel(
                 CancelCause.TIMEOUT,
-                detail=f"{report.summary()}; on_wind_down='fail': the partial answer is in the messages",
+                detail=f"{report.summary()}; on_wind_down='fail', the partial answer: {answer!r}",
             )
 
     def report_to(self, on_wound_down: Callable[[WindDownReport], None] | None) -> None:
