@@ -44,6 +44,7 @@ from cancellable_agents.run.final_request import budget_reason
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.testing.records import RequestRecord
+from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
 from tests.statsd_receiver import StatsdReceiver, metric_tags, metric_value
 from tests.unit.durable_runs import Counting
 
@@ -482,3 +483,42 @@ def test_the_deployment_setting(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
     monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__WIND_DOWN", "soon")
     with pytest.raises(ConfigurationError, match="wind_down"):
         _llm("bad")
+
+
+# -- sub-agents ------------------------------------------------------------------------------
+
+
+def test_a_parent_winds_its_running_child_down_first(model_server: ScriptedModelServer) -> None:
+    """The child loops on its tool; at the parent's wind-down it answers, its answer is the
+    delegation's result, and only then does the parent make its own final, tool-less request."""
+    child = Agent(
+        build_model("openai:loop?name=work&then=child+answer", base_url=model_server.base_url), tools=[work]
+    )
+    delegate = 'tool?name=delegate&args={"agent":"worker","task":"dig"}&then=parent+answer'
+    parent = Agent(
+        build_model(f"openai:{delegate}", base_url=model_server.base_url),
+        toolsets=[SubagentToolset([Subagent("worker", child)])],
+    )
+    scope = TaskCancellation("parent")
+    reports: list[WindDownReport] = []
+    started = time.monotonic()
+    result = run_agent_in_scope(
+        scope, parent, "go", wind_down=WindDown(1.5), on_wound_down=reports.append, timeout=3.0
+    )
+    assert time.monotonic() - started < 3.0
+    assert result.output == "parent answer"
+    records = model_server.requests
+    child_final = next(i for i, r in enumerate(records) if r.model.startswith("loop") and r.tools == [])
+    parent_final = max(i for i, r in enumerate(records) if r.model.startswith("tool"))
+    assert child_final < parent_final, "the child answered before the parent's final request"
+    assert records[parent_final].tools == []
+    returned = [
+        part.content
+        for message in result.all_messages()
+        for part in message.parts
+        if getattr(part, "tool_name", None) == "delegate" and hasattr(part, "content")
+    ]
+    assert any("child answer (after " in str(text) for text in returned), returned
+    (child_scope,) = scope.children
+    assert "run_wound_down" in [e.event for e in child_scope.timeline]
+    assert [r.reason for r in reports] == ["deadline"]

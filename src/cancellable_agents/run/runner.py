@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,13 @@ from cancellable_agents.run.tracker import (
 )
 
 log = logging.getLogger(__name__)
+
+#: The wind-down of the run whose tools are executing in this context: a sub-agent started by one
+#: of them winds down at the same instant, so it answers its parent before the parent's final
+#: request. Tool tasks and sync tools' threads run in copies of the run's context, so they see it.
+_active_wind_down: contextvars.ContextVar[WindDownState | None] = contextvars.ContextVar(
+    "cancellable_agents_wind_down", default=None
+)
 
 
 @dataclass
@@ -240,7 +248,7 @@ def _run_scoped(
     """[`run_agent_in_scope`][] without a journal: the run itself."""
     run = _ScopedRun.start(scope, None, run_kwargs, identity)
     try:
-        with run.context():
+        with run.context(), _winding_context(winding):
             result = agent.run_sync(user_prompt, **run.kwargs)
     except BaseException as exc:
         cancelled = run.end(exc, wound_down=winding is not None and winding.report() is not None)
@@ -296,6 +304,29 @@ class _WindingDown:
         run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), WindDownCapability(state)]
         return cls(scope, state)
 
+    @classmethod
+    def start_child(cls, scope: TaskCancellation, run_kwargs: dict[str, Any]) -> _WindingDown:
+        """A sub-agent's wind-down: its parent's deadline window, from the same instant, so the
+        child answers (its best answer is its delegation's result) before its parent's final
+        request. The budget stays the parent's own: a child's limits are its run's."""
+        parent = _active_wind_down.get()
+        if parent is None or parent.start_at is None:
+            return cls(scope)
+        from dataclasses import replace
+
+        from cancellable_agents.run.final_request import WindDownCapability, WindDownState
+
+        options = replace(parent.options, budget=False, on_wind_down="answer")
+
+        def started(report: WindDownReport) -> None:
+            scope.record("wind_down_started", parent=True, **report.as_dict())
+
+        state = WindDownState(
+            options, parent.start_at, parent.deadline_at, parent.clock, parent.clock(), on_start=started
+        )
+        run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), WindDownCapability(state)]
+        return cls(scope, state)
+
     def report(self) -> WindDownReport | None:
         """How the run wound down, or ``None`` if it did not."""
         if self.state is None:
@@ -327,6 +358,19 @@ class _WindingDown:
             on_wound_down(report)
 
 
+@contextlib.contextmanager
+def _winding_context(winding: _WindingDown | None) -> Iterator[None]:
+    """The run's wind-down as the one its tools' sub-agents follow (``_active_wind_down``)."""
+    if winding is None or winding.state is None:
+        yield
+        return
+    token = _active_wind_down.set(winding.state)
+    try:
+        yield
+    finally:
+        _active_wind_down.reset(token)
+
+
 async def run_agent_in_scope_async(
     scope: TaskCancellation,
     agent: AbstractAgent[Any, Any],
@@ -343,17 +387,22 @@ async def run_agent_in_scope_async(
     ``tracker`` (optional) lets the caller watch the run's ``in_flight_stopped``. An external
     ``CancelledError`` propagates as itself (after the scope was cancelled and settled), never
     as a result. Blocking waits (straggler grace, an undecided cause) run off the event loop.
+    Started by a tool of a run that winds down before its deadline, the run winds down at the
+    same instant (``_WindingDown.start_child``): its answer reaches the parent before the
+    parent's own final request.
     """
+    winding = _WindingDown.start_child(scope, run_kwargs)
     run = _ScopedRun.start(scope, tracker, run_kwargs)
     try:
-        with run.context():
+        with run.context(), _winding_context(winding):
             result = await agent.run(user_prompt, **run.kwargs)
     except BaseException as exc:
-        cancelled = run.end(exc)
+        cancelled = run.end(exc, wound_down=winding.report() is not None)
         await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.running_threads()))
         if cancelled and not isinstance(exc, asyncio.CancelledError):
             raise await _off_loop(run.error, exc, needed=scope.cause is None) from exc
         raise
+    winding.settle(result)
     if run.end(None):
         await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.running_threads()))
         raise await _off_loop(run.error, None, result, needed=scope.cause is None)

@@ -24,11 +24,12 @@ Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?
   apart (as ``slow``), but only the first time the server sees that conversation (its first user message)
   at that step: a retry of the request (a resumed run repeating its in-flight step) is answered at once.
   With ``reason=TEXT`` each response that calls the tool also says ``TEXT`` (the model's reason for it).
-* ``loop?name=TOOL&then=TEXT&final_delay=S&stubborn=1``: keeps calling ``TOOL`` (arguments ``{"n": k}``,
-  ``k`` = tool messages so far + 1) for as long as the request offers a tool named ``TOOL``; once it is
-  offered none (a wound-down run's final request), answers ``TEXT (after K tool results)`` (default ``TEXT``:
-  ``final answer``), after sleeping ``final_delay`` seconds (default 0: a model too slow to answer in time).
-  With ``stubborn=1`` it calls ``TOOL`` even when it is not offered (a model that ignores the wind-down).
+* ``loop?name=TOOL&then=TEXT&final_delay=S&stubborn=1&count=N``: keeps calling ``TOOL`` (arguments
+  ``{"n": k}``, ``k`` = tool messages so far + 1) for as long as the request offers a tool named ``TOOL``;
+  once it is offered none (a wound-down run's final request), answers ``TEXT (after K tool results)``
+  (default ``TEXT``: ``final answer``), after sleeping ``final_delay`` seconds (default 0; more: a model
+  too slow to answer in time). With ``stubborn=1`` it calls ``TOOL`` even when it is not offered (a model
+  that ignores the wind-down); with ``count=N`` it answers on its own after ``N`` tool results.
 * Every behaviour also takes ``delay_first=S``: sleep ``S`` seconds before sending anything (headers
   included), like a slow non-streaming model; and ``cost=USD``: each answer's usage reports that cost
   the way the Pydantic AI Gateway does (``usage.logfire_ai_gateway.cost``), so ``cost_limit`` applies.
@@ -55,7 +56,8 @@ BEHAVIOURS: dict[str, str] = {
     "one per response (saying reason), then TEXT; the first response after K tool results streams slowly "
     "(tokens, delay)",
     "loop": "loop?name=TOOL&then=TEXT&final_delay=S&stubborn=1 - calls TOOL(n=k) while TOOL is offered, "
-    "then answers 'TEXT (after K tool results)' S seconds later; stubborn=1: calls TOOL even unoffered",
+    "then answers 'TEXT (after K tool results)' S seconds later; stubborn=1: calls TOOL even unoffered; "
+    "count=N: answers on its own after N tool results",
 }
 """Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``, ``cost=USD``."""
 
@@ -66,7 +68,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "tool": frozenset({"name", "args", "then"}) | _COMMON,
     "tools": frozenset({"names", "args", "then"}) | _COMMON,
     "steps": frozenset({"name", "count", "then", "stall_at", "tokens", "delay", "reason"}) | _COMMON,
-    "loop": frozenset({"name", "then", "final_delay", "stubborn"}) | _COMMON,
+    "loop": frozenset({"name", "then", "final_delay", "stubborn", "count"}) | _COMMON,
 }
 
 
@@ -90,7 +92,8 @@ class Script:
     tool_names: tuple[str, ...] = ()
     tool_args: str = "{}"
     then: str = "done"
-    count: int = 1
+    #: ``steps``: how many tool calls; ``loop``: after how many it answers on its own (``None``: never).
+    count: int | None = 1
     #: ``steps``: the step whose first response stalls (streams ``tokens`` slowly); ``None``: none.
     stall_at: int | None = None
     #: ``steps``: what a response that calls the tool also says; empty: nothing.
@@ -128,6 +131,7 @@ def _parse_behaviour(name: str, params: dict[str, str], delay_first: float) -> S
             then=params.get("then", "final answer"),
             final_delay=_number(params, "final_delay", 0.0),
             stubborn=params.get("stubborn", "0") not in ("0", "", "false"),
+            count=int(_number(params, "count", 0, integer=True)) if "count" in params else None,
         )
     if name == "slow":
         tokens = int(_number(params, "tokens", 50, integer=True))
@@ -242,6 +246,8 @@ def plan_reply(
     if script.behaviour == "loop":
         done = sum(message.get("role") == "tool" for message in messages)
         tool = script.tool_names[0]
+        if script.count is not None and done >= script.count:
+            return Reply(pieces=_split_tokens(f"{script.then} (after {done} tool results)"))
         if tool in offered or script.stubborn:
             return Reply(
                 tool_calls=(ToolCall(f"call_{uuid.uuid4().hex[:24]}", tool, json.dumps({"n": done + 1})),)
@@ -255,7 +261,7 @@ def plan_reply(
         return Reply(pieces=_slow_pieces(script.tokens), piece_delay=script.delay)
     if script.behaviour == "steps":
         done = sum(message.get("role") == "tool" for message in messages)
-        if done >= script.count:
+        if done >= (script.count or 0):
             return Reply(pieces=_split_tokens(script.then))
         call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", script.tool_names[0], json.dumps({"n": done + 1}))
         if done == script.stall_at and not repeated:
