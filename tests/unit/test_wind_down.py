@@ -522,3 +522,41 @@ def test_a_parent_winds_its_running_child_down_first(model_server: ScriptedModel
     (child_scope,) = scope.children
     assert "run_wound_down" in [e.event for e in child_scope.timeline]
     assert [r.reason for r in reports] == ["deadline"]
+
+
+def test_the_decorators_take_the_options() -> None:
+    from datetime import datetime
+
+    from airflow.sdk import DAG, task
+
+    with DAG("wind_down_decorators", schedule=None, start_date=datetime(2026, 1, 1)) as dag:
+
+        @task.agent(model="test", wind_down=10, execution_timeout=timedelta(seconds=60))
+        def agent_task() -> str:
+            return "go"
+
+        @task.llm(model="test", wind_down=True, on_wind_down="fail", execution_timeout=timedelta(seconds=60))
+        def llm_task() -> str:
+            return "go"
+
+        agent_task()
+        llm_task()
+    found = {t.task_id: getattr(t, "wind_down", None) for t in dag.tasks}
+    assert found == {
+        "agent_task": WindDown(10.0),
+        "llm_task": WindDown(DEFAULT_WIND_DOWN_SECONDS, on_wind_down="fail"),
+    }
+
+
+def test_a_streamed_run_winds_down_too(model_server: ScriptedModelServer) -> None:
+    async def drain(ctx: Any, events: Any) -> None:
+        async for _ in events:
+            pass
+
+    result, reports, _ = _run(
+        model_server, "loop?name=work", WindDown(1.0), timeout=1.6, event_stream_handler=drain
+    )
+    assert result.output.startswith("final answer (after ")
+    records = model_server.requests
+    assert all(r.stream for r in records) and records[-1].tools == []
+    assert [r.reason for r in reports] == ["deadline"]
