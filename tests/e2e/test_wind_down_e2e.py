@@ -63,7 +63,16 @@ def _mark_failed_in_the_wind_down(env: E2EEnv, result: PathResult) -> dict[str, 
 
     wait_until(final_request, SETTLE_S, f"{result.dag_id}'s final request", interval=0.1)
     mark_failed(env, result)
-    return _settled(env, result)
+    ti = _settled(env, result)
+
+    # The PATCH sets the state at once; the task learns of it at its next heartbeat, unwinds and
+    # then writes its record: until that line is in try 1's log.
+    def recorded() -> bool:
+        result.logs[1] = fetch_log(env, result, 1)
+        return bool(result.records(1))
+
+    wait_until(recorded, SETTLE_S, f"{result.dag_id}'s kill record", interval=0.5)
+    return ti
 
 
 def test_wind_down_ends_success_where_the_timeout_fails_and_mark_failed_still_kills(e2e: E2EEnv) -> None:

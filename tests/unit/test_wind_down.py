@@ -25,7 +25,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCall
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RunUsage, UsageLimits
 
-from cancellable_agents import CancellableAgentMixin, LLMOperator
+from cancellable_agents import CancellableAgentMixin, LLMOperator, Subagent, SubagentToolset
 from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_records
 from cancellable_agents.airflow.metrics import WIND_DOWN_LINE
 from cancellable_agents.core.causes import CancelCause
@@ -44,7 +44,6 @@ from cancellable_agents.run.final_request import budget_reason
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.testing.records import RequestRecord
-from cancellable_agents.toolsets.delegation import Subagent, SubagentToolset
 from tests.statsd_receiver import StatsdReceiver, metric_tags, metric_value
 from tests.unit.durable_runs import Counting
 

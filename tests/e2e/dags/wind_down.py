@@ -26,8 +26,9 @@ WIND_DOWN_S = 15
 
 
 def work(n: int) -> str:
-    """One step of work (half a second), as often as the model asks for it."""
-    time.sleep(0.5)
+    """One step of work (a second: 40 s hold fewer than pydantic-ai's default 50 requests, so the
+    run without wind-down meets its deadline, not its request limit), as often as asked for."""
+    time.sleep(1.0)
     return f"result {n}"
 
 
