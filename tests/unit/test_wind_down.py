@@ -28,7 +28,7 @@ from pydantic_ai.usage import RunUsage, UsageLimits
 from cancellable_agents import CancellableAgentMixin, LLMOperator, Subagent, SubagentToolset
 from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_records
 from cancellable_agents.airflow.metrics import WIND_DOWN_LINE
-from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.core.wind_down import (
@@ -38,14 +38,14 @@ from cancellable_agents.core.wind_down import (
     WindDownReport,
     wind_down_of,
 )
-from cancellable_agents.durable import Journal
+from cancellable_agents.durable import Journal, MemoryStore
 from cancellable_agents.hooks.model import build_model
 from cancellable_agents.run.final_request import budget_reason
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.testing.records import RequestRecord
 from tests.statsd_receiver import StatsdReceiver, metric_tags, metric_value
-from tests.unit.durable_runs import Counting
+from tests.unit.durable_runs import Counting, cancel_on
 
 #: Each tool call takes this long: the run makes steady progress until it is told to stop.
 STEP = 0.1
@@ -341,7 +341,7 @@ def test_the_report_reads_as_one_line() -> None:
 # -- durable=True ----------------------------------------------------------------------------
 
 
-def _stepping_agent(calls: list[int]) -> Agent[None, str]:
+def _stepping_agent(calls: list[int], on_call: Any = None) -> Agent[None, str]:
     """A model that calls ``step`` while it is offered, and answers once it is not."""
 
     def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
@@ -355,16 +355,26 @@ def _stepping_agent(calls: list[int]) -> Agent[None, str]:
     @agent.tool_plain
     def step(n: int) -> str:
         calls.append(n)
+        if on_call is not None:
+            on_call(n)
         return f"step {n} ok"
 
     return agent
 
 
-def _durable_try(store: Any, try_number: int, calls: list[int], **kwargs: Any) -> tuple[Any, Journal]:
+def _durable_try(
+    store: Any, try_number: int, calls: list[int], on_call: Any = None, spans: bool = False, **kwargs: Any
+) -> tuple[Any, Journal]:
+    """One try of a durable run: its result, or the ``TaskCancelled`` it raised."""
     scope = TaskCancellation(f"try{try_number}")
-    journal = Journal(store, try_number=try_number, scope=scope)
+    journal = Journal(store, try_number=try_number, scope=scope, usage_spans_tries=spans)
     with scope.activate():
-        result = run_agent_in_scope(scope, _stepping_agent(calls), "work", journal=journal, **kwargs)
+        try:
+            result = run_agent_in_scope(
+                scope, _stepping_agent(calls, on_call), "work", journal=journal, **kwargs
+            )
+        except TaskCancelled as exc:
+            return exc, journal
     return result, journal
 
 
@@ -383,6 +393,31 @@ def test_a_durable_record_ends_wound_down_and_the_next_try_starts_fresh() -> Non
     result, journal = _durable_try(store, 2, calls, wind_down=WindDown(budget=True), usage_limits=limits)
     assert journal.resume is None
     assert calls == [1, 2, 3]
+
+
+def test_budget_wind_down_counts_earlier_tries_where_the_limits_span_them() -> None:
+    """``usage_limits_span_tries``: try 2 resumes with try 1's requests counted, so its final,
+    tool-less request is the fifth of the task, not of the try."""
+    store = MemoryStore()
+    limits = UsageLimits(request_limit=5)
+    evicted = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
+    first, _ = _durable_try(store, 1, [], cancel_on(2, evicted), spans=True, usage_limits=limits)
+    assert isinstance(first, TaskCancelled)
+    reports: list[WindDownReport] = []
+    result, journal = _durable_try(
+        store,
+        2,
+        [],
+        spans=True,
+        usage_limits=limits,
+        wind_down=WindDown(budget=True),
+        on_wound_down=reports.append,
+    )
+    assert journal.resume is not None, "try 2 resumed try 1's record"
+    assert result.output.startswith("best so far after ")
+    (report,) = reports
+    assert (report.reason, report.requests_left) == ("request_limit", 1)
+    assert result.usage.requests == 5, "five requests over both tries: the limit, not passed"
 
 
 # -- the operators ---------------------------------------------------------------------------
