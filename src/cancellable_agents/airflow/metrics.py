@@ -108,7 +108,8 @@ def _log_wound_down(report: WindDownReport) -> None:
 
 def emit_wound_down(task_try: TaskTry, report: WindDownReport) -> None:
     """A wind-down's metrics: ``wind_down.runs`` (tagged ``reason``), ``wind_down.final_answer``
-    (the final request's time) and ``wind_down.requests_left``. Never raises."""
+    (the final request's time), ``wind_down.requests_left`` and ``wind_down.before_deadline``
+    (how long before the deadline it started). Never raises."""
     _safely(_emit_wound_down, tags_of(task_try).common(), report)
 
 
@@ -122,6 +123,8 @@ def _emit_wound_down(tags: dict[str, str], report: WindDownReport) -> None:
         stats.timing(PREFIX + "wind_down.final_answer", timedelta(seconds=report.final_answer_s), tags=tags)
     if report.requests_left is not None:
         stats.gauge(PREFIX + "wind_down.requests_left", report.requests_left, tags=tags)
+    if report.left_s is not None:
+        stats.timing(PREFIX + "wind_down.before_deadline", timedelta(seconds=report.left_s), tags=tags)
 
 
 def step_write_timer(task_try: TaskTry) -> Callable[[float], None]:
