@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ from cancellable_agents.core.wind_down import (
 )
 from cancellable_agents.durable import Journal, MemoryStore
 from cancellable_agents.hooks.model import build_model
-from cancellable_agents.run.final_request import budget_reason
+from cancellable_agents.run.final_request import WindDownState, budget_reason
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.testing.records import RequestRecord
@@ -594,3 +595,33 @@ def test_a_streamed_run_winds_down_too(model_server: ScriptedModelServer) -> Non
     records = model_server.requests
     assert all(r.stream for r in records) and records[-1].tools == []
     assert [r.reason for r in reports] == ["deadline"]
+
+
+class _Clock:
+    """A clock the test moves (the scope's monotonic clock, injected)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_decision_starts_at_the_window_and_is_never_undone() -> None:
+    clock = _Clock()
+    started: list[WindDownReport] = []
+    state = WindDownState(WindDown(15.0), 125.0, 140.0, clock, 100.0, on_start=started.append)
+    ctx: Any = SimpleNamespace(usage=RunUsage(requests=3), usage_limits=UsageLimits(request_limit=10))
+    clock.now = 124.999
+    assert not state.decide(ctx)
+    clock.now = 125.0
+    assert state.decide(ctx)
+    (report,) = started
+    assert (report.reason, report.started_s, report.left_s, report.requests_left) == (
+        "deadline",
+        25.0,
+        15.0,
+        7,
+    )
+    clock.now = 0.0  # whatever the clock says later, the run stays wound down, and starts once
+    assert state.decide(ctx) and len(started) == 1
