@@ -404,6 +404,11 @@ def _wind_down_setting(
     if not explicit:
         given = getattr(type(operator), "wind_down", None) or deployment_setting("wind_down")
     options = wind_down_of(given, on_wind_down)
+    if options is None and on_wind_down is not None:
+        _refuse(
+            f"on_wind_down={on_wind_down!r} does nothing without a wind-down: give wind_down= "
+            "(seconds, True or WindDown(...)) or set [cancellable_agents] wind_down"
+        )
     timeout: timedelta | None = getattr(operator, "execution_timeout", None)
     if options is None or not timeout:
         return options
