@@ -9,6 +9,7 @@ Prints markdown tables and writes ``benchmarks/results/results.json`` and
     --impl ours,common-ai which implementations (default: both when common.ai is importable)
     --overhead-pairs N    interleaved pairs for the overhead measurement (default 200; 0 skips it)
     --durable-pairs N     interleaved pairs for the journal's cost, bare vs durable=True (default 50; 0 skips)
+    --wind-down-runs N    runs of the overrunning workload, without and with wind_down (default 40; 0 skips)
     --out DIR             output folder (default benchmarks/results)
 
 Timing numbers depend on the machine and on what else runs on it; the JSON records the load.
@@ -31,7 +32,7 @@ from tests.airflow_env import airflow_env
 from tests.kill_scenarios import BY_NAME, CONN_ENV, SCENARIOS, WARMUP_ENV, Impl, Scenario
 from tests.taskproc import ROOT
 
-from benchmarks import durable_cost, overhead, report
+from benchmarks import durable_cost, overhead, report, wind_down
 from benchmarks.kill_latency import RepResult, measure_scenario
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--impl", default="", help="ours,common-ai (default: both when available)")
     parser.add_argument("--overhead-pairs", type=int, default=200)
     parser.add_argument("--durable-pairs", type=int, default=50)
+    parser.add_argument("--wind-down-runs", type=int, default=40)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = parser.parse_args(argv)
@@ -116,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.durable_pairs > 0:
         print(f"durable: {args.durable_pairs} interleaved pairs per store ...")
         durable_rows = [durable_cost.measure(kind, args.durable_pairs) for kind in durable_cost.STORES]
+    wind_down_rows: list[dict[str, Any]] = []
+    if args.wind_down_runs > 0:
+        print(f"wind-down: {args.wind_down_runs} overrunning runs, without and with wind_down ...")
+        wind_down_rows = wind_down.measure(args.wind_down_runs)
 
     payload = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead": overhead_rows,
         "task_setup": setup,
         "durable": durable_rows,
+        "wind_down": wind_down_rows,
         "targets": {"raised_p99_ms": report.RAISED_TARGET_MS, "gone_p99_ms": report.GONE_TARGET_MS},
     }
     report.write_json(out / "results.json", payload)
@@ -144,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         print("## The continuity record (durable=True): cost per step")
         print()
         print(durable_cost.table(durable_rows))
+    if wind_down_rows:
+        print()
+        print("## Wind-down: answers instead of kills on an overrunning workload")
+        print()
+        print(wind_down.table(wind_down_rows))
     return 0
 
 

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, task
 from pydantic_ai.usage import UsageLimits
 
-from cancellable_agents import AgentOperator, SandboxToolset
+from cancellable_agents import AgentOperator, SandboxToolset, WindDown
 
 LLM_CONN_ID = os.environ.get("CANCELLABLE_AGENTS_CONN")
 MODEL = None if LLM_CONN_ID else "test"
@@ -39,6 +39,9 @@ with DAG(
         toolsets=[SandboxToolset(command_timeout=60)],  # no single command runs longer than 60 s
         usage_limits=UsageLimits(request_limit=15),  # at most 15 model requests per run
         execution_timeout=timedelta(minutes=10),  # the run gets its own deadline 2 s earlier
+        # 60 s before that deadline, or at the 15th request, the model is offered no more tools and
+        # answers with what it has: the task succeeds with that answer instead of being killed.
+        wind_down=WindDown(60, budget=True),
         llm_conn_id=LLM_CONN_ID,
         model=MODEL,
     )

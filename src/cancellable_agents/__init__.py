@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and li
     from cancellable_agents.core.timeline import KillRecord as KillRecord
     from cancellable_agents.core.timeline import TimelineEvent as TimelineEvent
     from cancellable_agents.core.unwind import Phase as Phase
+    from cancellable_agents.core.wind_down import WindDown as WindDown
     from cancellable_agents.durable.options import DurableOptions as DurableOptions
     from cancellable_agents.operators.agent import AgentOperator as AgentOperator
     from cancellable_agents.operators.llm import LLMOperator as LLMOperator
@@ -62,6 +63,7 @@ _EXPORTS = {
     "CancellableAgentsError": "cancellable_agents.core.exceptions",
     "ConfigurationError": "cancellable_agents.core.exceptions",
     "TaskCancelled": "cancellable_agents.core.exceptions",
+    "WindDown": "cancellable_agents.core.wind_down",
     "DurableOptions": "cancellable_agents.durable.options",
     "ToolCall": "cancellable_agents.run.tool_calls",
     "current_tool_call": "cancellable_agents.run.tool_calls",

@@ -90,7 +90,7 @@ def test_parse_model_rejects(model: str) -> None:
 def test_health_models_and_echo_over_httpx(server: ScriptedModelServer) -> None:
     assert httpx.get(f"{server.url}/health").text == "ok"
     models = httpx.get(f"{server.base_url}/models").json()
-    assert {m["id"] for m in models["data"]} == {"echo", "slow", "tool", "tools", "steps"}
+    assert {m["id"] for m in models["data"]} == {"echo", "slow", "tool", "tools", "steps", "loop"}
     body = httpx.post(
         f"{server.base_url}/chat/completions", json={"model": "echo", "messages": USER_HI}
     ).json()

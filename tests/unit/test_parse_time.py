@@ -80,7 +80,10 @@ def lookup(order_id: str) -> str:
 
 with DAG(dag_id="parse_light", schedule=None, start_date=datetime(2026, 1, 1), catchup=False) as dag:
     policy = CancellationAwareRetryPolicy()
-    LLMOperator(task_id="llm", prompt="hi", model="test", retries=2, retry_policy=policy)
+    LLMOperator(
+        task_id="llm", prompt="hi", model="test", retries=2, retry_policy=policy,
+        execution_timeout=timedelta(minutes=5), wind_down=20,
+    )
     AgentOperator(
         task_id="agent", prompt="hi", llm_conn_id="openai_default", tools=[lookup],
         durable=DurableOptions(flush_after=0), execution_timeout=timedelta(minutes=5), stream=True,

@@ -27,6 +27,8 @@ class Option:
 OPTIONS: dict[str, Option] = {
     "cancellation_budget": Option(float, DEFAULT_BUDGET),
     "timeout_margin": Option(float, 2.0),
+    #: Seconds before the run's deadline its wind-down starts; 0: off (a deployment turns it on).
+    "wind_down": Option(float, 0.0),
     "classify_timeout": Option(float, 1.0),
     "durable_flush_after": Option(float, 1.0),
     "durable_write_ahead": Option(bool, False),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from cancellable_agents.core.usage import USAGE_FIELDS, usage_counts
 
 if TYPE_CHECKING:
     from cancellable_agents.airflow.task_try import TaskTry
+    from cancellable_agents.core.wind_down import WindDownReport
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +84,47 @@ def emit_kill(task_try: TaskTry, report: KillReport) -> None:
     _safely(_emit_kill, tags_of(task_try), report)
 
 
-def emit_run_completed(task_try: TaskTry, usage: Any) -> None:
-    """A completed run's usage and (``durable=True``) how it started. Never raises."""
-    _safely(_emit_completed, tags_of(task_try), task_try, usage)
+def emit_run_completed(task_try: TaskTry, usage: Any, *, wound_down: bool = False) -> None:
+    """A completed run's usage and (``durable=True``) how it started, tagged ``end:completed``, or
+    ``end:wound_down`` for a run that answered at its wind-down. Never raises."""
+    _safely(_emit_completed, tags_of(task_try), task_try, usage, "wound_down" if wound_down else "completed")
+
+
+#: The task log line that carries a wind-down's report as one JSON object (after the human line).
+WIND_DOWN_LINE = "cancellable_agents.wind_down"
+
+
+def log_wound_down(report: WindDownReport) -> None:
+    """The wind-down in the task log: one human line (``wound down ...``), then the report as one
+    ``cancellable_agents.wind_down {json}`` line. Never raises."""
+    _safely(_log_wound_down, report)
+
+
+def _log_wound_down(report: WindDownReport) -> None:
+    task_log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the task log names
+    task_log.info("%s", report.summary())
+    task_log.info("%s %s", WIND_DOWN_LINE, json.dumps(report.as_dict(), sort_keys=True))
+
+
+def emit_wound_down(task_try: TaskTry, report: WindDownReport) -> None:
+    """A wind-down's metrics: ``wind_down.runs`` (tagged ``reason``), ``wind_down.final_answer``
+    (the final request's time), ``wind_down.requests_left`` and ``wind_down.before_deadline``
+    (how long before the deadline it started). Never raises."""
+    _safely(_emit_wound_down, tags_of(task_try).common(), report)
+
+
+def _emit_wound_down(tags: dict[str, str], report: WindDownReport) -> None:
+    stats = _stats()
+    if stats is None:
+        return
+    tags = {**tags, "reason": report.reason}
+    stats.incr(PREFIX + "wind_down.runs", tags=tags)
+    if report.final_answer_s is not None:
+        stats.timing(PREFIX + "wind_down.final_answer", timedelta(seconds=report.final_answer_s), tags=tags)
+    if report.requests_left is not None:
+        stats.gauge(PREFIX + "wind_down.requests_left", report.requests_left, tags=tags)
+    if report.left_s is not None:
+        stats.timing(PREFIX + "wind_down.before_deadline", timedelta(seconds=report.left_s), tags=tags)
 
 
 def step_write_timer(task_try: TaskTry) -> Callable[[float], None]:
@@ -161,11 +201,11 @@ def _emit_kill_metrics(
             stats.incr(PREFIX + name, count, tags=brief)
 
 
-def _emit_completed(tags: Tags, task_try: TaskTry, usage: Any) -> None:
+def _emit_completed(tags: Tags, task_try: TaskTry, usage: Any, ended: str) -> None:
     stats = _stats()
     if stats is None:
         return
-    end = {**tags.common(), "end": "completed"}
+    end = {**tags.common(), "end": ended}
     durable = task_try.scope.attached.get("durable")
     _emit_durable(stats, durable, end)
     this_try = (durable or {}).get("usage_this_try") or usage_counts(usage)

@@ -26,11 +26,13 @@ from cancellable_agents.airflow.adapter import (
 from cancellable_agents.airflow.config import OPTIONS, deployment_setting
 from cancellable_agents.airflow.guard import guard_execute
 from cancellable_agents.airflow.task_try import TaskTry, note_kill_before_try, try_for, try_of
+from cancellable_agents.core.wind_down import OnWindDown, WindDown, wind_down_of
 from cancellable_agents.durable.options import DurableOptions
 
 if TYPE_CHECKING:
     from cancellable_agents.core.exceptions import TaskCancelled
     from cancellable_agents.core.scope import TaskCancellation
+    from cancellable_agents.core.wind_down import WindDownReport
 
 __all__ = ["CancellableAgentMixin"]
 
@@ -73,6 +75,15 @@ class CancellableAgentMixin:
     continuity
         record while runs go, so the next try of a killed task resumes where it stopped
         (docs/content/durable.md). Transcripts may hold sensitive data: off by default.
+    :param wind_down: seconds before the run's deadline (``execution_timeout`` minus
+        ``timeout_margin``) at which the run winds down: the step in flight finishes, the next
+        model request offers no function tools and asks for a final answer, which is the task's
+        result (success). ``True``: the measured default (15 s); a
+        [`WindDown`][cancellable_agents.core.wind_down.WindDown] for the final instruction, budget
+        wind-down (``usage_limits``) and ``on_wind_down``. ``None``: ``[cancellable_agents]
+        wind_down`` (0: off). docs/content/wind-down.md.
+    :param on_wind_down: ``"answer"`` (default) or ``"fail"``: a wound-down answer fails the task
+        as ``timeout``, the partial answer in its record.
     :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for this task's runs (agent run,
         model requests, tool calls), without message content: ``True``, ``False``, or a pydantic-ai
         ``InstrumentationSettings``. See docs/content/metrics.md.
@@ -90,6 +101,8 @@ class CancellableAgentMixin:
     #: ``owns_durable`` is ``False``.
     durable: Any = None
     genai_spans: Any = None
+    #: How the task's runs wind down before their deadline or budget (``None``: they do not).
+    wind_down: WindDown | None = None
     #: Whether ``durable=`` and friends are this provider's. ``False`` where the operator class
     #: has a ``durable`` of its own (common.ai's): then they are passed on to it, untouched.
     owns_durable: ClassVar[bool] = True
@@ -108,6 +121,8 @@ class CancellableAgentMixin:
         cancellation_retry_policy: bool = True,
         genai_spans: Any = None,
         durable: bool | DurableOptions | None = None,
+        wind_down: float | bool | WindDown | None = None,
+        on_wind_down: OnWindDown | None = None,
         **kwargs: Any,
     ) -> None:
         options = None
@@ -125,6 +140,7 @@ class CancellableAgentMixin:
             self.genai_spans = genai_spans
         if self.owns_durable:
             self.durable = options
+        self.wind_down = _wind_down_setting(self, wind_down, on_wind_down)
         _check_settings(self)
         if self.owns_durable and self.durable:
             from cancellable_agents.airflow.durable_task import check_durable
@@ -196,6 +212,7 @@ class CancellableAgentMixin:
             run_kwargs["capabilities"] = [*(run_kwargs.get("capabilities") or ()), spans]
         journal = self._journal(task_try)
         run_key = journal.run_key if journal is not None else task_try.next_run_key()
+        wound_down: list[WindDownReport] = []
         # The runner ends the journal, and logs the kill record (on_cancelled) before its end is written.
         result = run_agent_in_scope(
             task_try.scope,
@@ -204,10 +221,22 @@ class CancellableAgentMixin:
             journal=journal,
             on_cancelled=self._log_record,
             identity=task_try.run_identity(run_key),
+            wind_down=self.wind_down,
+            on_wound_down=wound_down.append,
             **run_kwargs,
         )
-        emit_run_completed(task_try, getattr(result, "usage", None))
+        for report in wound_down:
+            self._wound_down(task_try, report)
+        emit_run_completed(task_try, getattr(result, "usage", None), wound_down=bool(wound_down))
         return result
+
+    def _wound_down(self, task_try: TaskTry, report: WindDownReport) -> None:
+        """A run answered at its wind-down: the summary line, the record line and the metrics."""
+        from cancellable_agents.airflow.metrics import emit_wound_down, log_wound_down
+
+        task_try.wound_down.append(report)
+        log_wound_down(report)
+        emit_wound_down(task_try, report)
 
     def _journal(self, task_try: TaskTry) -> Any:
         """``durable=True``: this run's continuity record ([`cancellable_agents.durable`][])."""
@@ -360,6 +389,41 @@ def _setting(operator: Any, name: str, given: float | None) -> float:
     if value is not None:
         return float(value)
     return float(deployment_setting(name))
+
+
+def _wind_down_setting(
+    operator: CancellableAgentMixin, given: float | bool | WindDown | None, on_wind_down: OnWindDown | None
+) -> WindDown | None:
+    """``wind_down=``: as given, else a subclass's class attribute, else the deployment's seconds.
+
+    Checked against ``execution_timeout`` where the DAG file sets one: a window the author gave
+    that is not below it is refused (the error names the fix); the deployment's window is only
+    left off for such a task (one deployment value must not break every short task's DAG file).
+    """
+    explicit = given is not None
+    if not explicit:
+        given = getattr(type(operator), "wind_down", None) or deployment_setting("wind_down")
+    options = wind_down_of(given, on_wind_down)
+    if options is None and on_wind_down is not None:
+        _refuse(
+            f"on_wind_down={on_wind_down!r} does nothing without a wind-down: give wind_down= "
+            "(seconds, True or WindDown(...)) or set [cancellable_agents] wind_down"
+        )
+    timeout: timedelta | None = getattr(operator, "execution_timeout", None)
+    if options is None or not timeout:
+        return options
+    run_timeout = timeout.total_seconds() - operator.timeout_margin
+    if explicit or not options.seconds or options.seconds < run_timeout:
+        options.check_timeout(run_timeout)
+        return options
+    log.warning(
+        "%s: [cancellable_agents] wind_down=%gs is not below its %gs run (execution_timeout minus "
+        "timeout_margin): no wind-down for this task",
+        getattr(operator, "task_id", type(operator).__name__),
+        options.seconds,
+        run_timeout,
+    )
+    return None
 
 
 def _durable_options(durable: bool | DurableOptions | None, kwargs: dict[str, Any]) -> DurableOptions | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.adapter import TaskInstanceKey, ti_key
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from cancellable_agents.airflow.supervisor import SupervisorWatch
     from cancellable_agents.core.causes import CauseVerdict
     from cancellable_agents.core.scope import TaskCancellation
+    from cancellable_agents.core.wind_down import WindDownReport
     from cancellable_agents.durable.pauses import Decision
     from cancellable_agents.procs.reaper import DescendantReaper
     from cancellable_agents.run.tool_calls import RunIdentity
@@ -65,6 +66,8 @@ class TaskTry:
     durable_runs: int = 0
     #: The kill record is written once per try.
     record_logged: bool = False
+    #: The wind-down report of each run of this try that answered at its wind-down.
+    wound_down: list[WindDownReport] = field(default_factory=list)
     #: Inside the guarded ``execute`` (a subclass's ``execute`` calling ``super()`` is guarded once).
     in_execute: bool = False
 

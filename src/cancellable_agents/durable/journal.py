@@ -317,20 +317,29 @@ class Journal:
         log.info("durable: run stopped %s %s", _waiting_for(request), [c.tool_name for c in request.calls])
         return request
 
-    def completed(self, result: Any) -> None:
+    def completed(self, result: Any, wound_down: Any = None) -> None:
         """The run completed: one entry says so (a later try of the task starts fresh), then the
-        record's keys are dropped where listing them is cheap (see ``Appender.drop_record``)."""
+        record's keys are dropped where listing them is cheap (see ``Appender.drop_record``).
+
+        ``wound_down`` (a ``WindDownReport``): the run answered at its wind-down; the entry's
+        state is ``wound_down`` and holds the report. Like ``completed``, it ends the record: the
+        answer is the task's result, so a Clear starts fresh."""
         usage = self._ended(getattr(result, "usage", None))
         facts = self._facts(usage)
+        state = "wound_down" if wound_down is not None else "completed"
         log.info(
-            "durable: run completed; usage this try %s, all tries %s",
+            "durable: run %s; usage this try %s, all tries %s",
+            state.replace("_", " "),
             facts["usage_this_try"],
             facts["usage_total"],
         )
         if self._appender.off is not None or (self._appender.segment_length == 0 and self.resume is None):
             return  # nothing of this run is where a later try looks
+        end: dict[str, Any] = {"kind": "end", "state": state, "usage": usage.as_dict()}
+        if wound_down is not None:
+            end["wound_down"] = wound_down.as_dict()
         try:
-            self._appender.append({"kind": "end", "state": "completed", "usage": usage.as_dict()})
+            self._appender.append(end)
             self._appender.drop_record()
         except Exception as exc:
             log.warning("durable: could not end the record of a completed run: %r", exc)

@@ -52,6 +52,9 @@ KEY_PREFIX = "cancellable_agents.durable"
 ENTRY_KINDS = ("step", "tool_result", "end", "answer")
 #: The state of an end entry that stops the run until a reviewer answers (not an end of the run).
 AWAITING = "awaiting_approval"
+#: The states of an end entry after which the run is over: it completed, or it answered at its
+#: wind-down (``cancellable_agents.core.wind_down``); the next try starts fresh.
+ENDED_STATES = ("completed", "wound_down")
 
 
 class RecordProblem(Exception):
@@ -202,7 +205,7 @@ def _load_from(store: Store, key: str, owner: int, first: Any, fp: str) -> Loade
         raise RecordProblem(f"entry {len(entries)} is missing")
     segments.append([owner, own])
     last = entries[-1]
-    if last["kind"] == "end" and last.get("state") == "completed":
+    if last["kind"] == "end" and last.get("state") in ENDED_STATES:
         return None
     recorded = [(e["try"], m) for e in entries for m in e.get("messages", ())]
     messages = _parse_messages([m for _, m in recorded])

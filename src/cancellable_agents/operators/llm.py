@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.bases.operator import BaseOperator
 
 from cancellable_agents.airflow.mixin import CancellableAgentMixin
+from cancellable_agents.core.wind_down import OnWindDown, WindDown
 from cancellable_agents.durable.options import DurableOptions
 
 if TYPE_CHECKING:
@@ -40,6 +41,14 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
         (Airflow 3.3+), so kills are decided by cause and never sent to a retry classifier. Default ``True``.
     :param genai_spans: pydantic-ai's OpenTelemetry GenAI spans for the run: ``True``, ``False``, or
         an ``InstrumentationSettings``. ``None``: ``[cancellable_agents] genai_spans`` (off).
+    :param wind_down: with ``execution_timeout``, seconds before the run's deadline at which it
+        winds down: the step in flight finishes, the next request offers no function tools and
+        asks for a final answer, which becomes the result (success, not a timeout). ``True``: the
+        measured default (15 s); a [`WindDown`][cancellable_agents.core.wind_down.WindDown] for the
+        final instruction and the budget wind-down. ``None``: ``[cancellable_agents] wind_down``
+        (0: off). docs/content/wind-down.md.
+    :param on_wind_down: ``"answer"`` (default) or ``"fail"`` (a wound-down answer fails the
+        task as ``timeout``, the partial answer in its record).
     :param durable: ``True`` or [`DurableOptions`][cancellable_agents.durable.options.DurableOptions]:
         journal the run so the next try of a killed task resumes where it stopped (docs/content/durable.md).
         Default off.
@@ -68,6 +77,8 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
         cancellation_retry_policy: bool = True,
         genai_spans: Any = None,
         durable: bool | DurableOptions | None = None,
+        wind_down: float | bool | WindDown | None = None,
+        on_wind_down: OnWindDown | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -78,6 +89,8 @@ class LLMOperator(CancellableAgentMixin, BaseOperator):
             cancellation_retry_policy=cancellation_retry_policy,
             genai_spans=genai_spans,
             durable=durable,
+            wind_down=wind_down,
+            on_wind_down=on_wind_down,
             **kwargs,
         )
         self.prompt = prompt

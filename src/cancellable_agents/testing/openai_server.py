@@ -196,17 +196,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._reject(record, str(exc), "invalid_request", None)
             return
         model, stream, messages = request["model"], request["stream"], request["messages"]
-        record = self._log.open(model, stream, messages)
+        record = self._log.open(model, stream, messages, tools=request["tools"])
         try:
             script = parse_model(model)
         except ScriptError as exc:
             self._reject(record, str(exc), "unknown_behaviour", "model")
             return
-        completion = Completion(model, sum(len(message_text(m).split()) for m in messages))
+        completion = Completion(model, sum(len(message_text(m).split()) for m in messages), script.cost)
         try:
             self._pause(script.delay_first)
             repeated = script.stall_at is not None and self._log.repeats(record)
-            reply = plan_reply(script, messages, repeated=repeated)
+            reply = plan_reply(script, messages, repeated=repeated, offered=tuple(request["tools"]))
             if stream:
                 self._stream(record, completion, reply, include_usage=request["include_usage"])
             else:
@@ -231,7 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _respond(self, record: RequestRecord, completion: Completion, reply: Reply) -> None:
         """Non-streaming: wait for the whole 'generation' while watching the client, then answer."""
-        self._pause(reply.piece_delay * len(reply.pieces))
+        self._pause(reply.wait_first + reply.piece_delay * len(reply.pieces))
         self._send_json(HTTPStatus.OK, completion.body(reply))
         self._log.add_tokens(record, reply.completion_tokens)
 
@@ -244,6 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self._end_headers()
+        if reply.wait_first:
+            self._pause(reply.wait_first)
         if not reply.tool_calls:
             self._send_event(completion.chunk({"role": "assistant", "content": ""}))
         for piece in reply.pieces:
@@ -344,11 +346,20 @@ def _parse_request(raw: bytes) -> dict[str, Any]:
         raise ValueError("'messages' must be a list of objects")
     stream_options = body.get("stream_options") or {}
     return {
+        "tools": _tool_names(body.get("tools")),
         "model": model,
         "stream": bool(body.get("stream", False)),
         "messages": messages,
         "include_usage": bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
     }
+
+
+def _tool_names(tools: Any) -> list[str]:
+    """The names of the function tools a request offers (none: an empty list)."""
+    if not isinstance(tools, list):
+        return []
+    names = (tool.get("function", {}).get("name") for tool in tools if isinstance(tool, dict))
+    return [name for name in names if isinstance(name, str)]
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class RequestRecord:
     disconnected_at: float | None = None
     tokens_sent: int = 0
     error: str | None = None
+    #: The names of the tools the request offered (function and output tools alike).
+    tools: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict of all fields (what ``GET /_records`` returns per record)."""
@@ -62,9 +64,13 @@ class RecordLog:
         self._cond = threading.Condition()
         self._records: list[RequestRecord] = []
 
-    def open(self, model: str, stream: bool, messages: list[dict[str, Any]]) -> RequestRecord:
+    def open(
+        self, model: str, stream: bool, messages: list[dict[str, Any]], tools: list[str] | None = None
+    ) -> RequestRecord:
         with self._cond:
-            record = RequestRecord(len(self._records), model, stream, messages, time.monotonic())
+            record = RequestRecord(
+                len(self._records), model, stream, messages, time.monotonic(), tools=tools or []
+            )
             self._records.append(record)
             self._cond.notify_all()
             return record

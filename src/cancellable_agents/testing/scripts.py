@@ -24,8 +24,15 @@ Model-string grammar: ``NAME`` or ``NAME?k=v&k=v``. The part after the first ``?
   apart (as ``slow``), but only the first time the server sees that conversation (its first user message)
   at that step: a retry of the request (a resumed run repeating its in-flight step) is answered at once.
   With ``reason=TEXT`` each response that calls the tool also says ``TEXT`` (the model's reason for it).
+* ``loop?name=TOOL&then=TEXT&final_delay=S&stubborn=1&count=N``: keeps calling ``TOOL`` (arguments
+  ``{"n": k}``, ``k`` = tool messages so far + 1) for as long as the request offers a tool named ``TOOL``;
+  once it is offered none (a wound-down run's final request), answers ``TEXT (after K tool results)``
+  (default ``TEXT``: ``final answer``), after sleeping ``final_delay`` seconds (default 0; more: a model
+  too slow to answer in time). With ``stubborn=1`` it calls ``TOOL`` even when it is not offered (a model
+  that ignores the wind-down); with ``count=N`` it answers on its own after ``N`` tool results.
 * Every behaviour also takes ``delay_first=S``: sleep ``S`` seconds before sending anything (headers
-  included), like a slow non-streaming model.
+  included), like a slow non-streaming model; and ``cost=USD``: each answer's usage reports that cost
+  the way the Pydantic AI Gateway does (``usage.logfire_ai_gateway.cost``), so ``cost_limit`` applies.
 
 Unknown names or bad parameters get a ``400`` OpenAI-style error listing the supported behaviours.
 """
@@ -36,7 +43,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -48,15 +55,20 @@ BEHAVIOURS: dict[str, str] = {
     "steps": "steps?name=TOOL&count=N&then=TEXT&stall_at=K&reason=TEXT - calls TOOL(n=k) for k = 1..N, "
     "one per response (saying reason), then TEXT; the first response after K tool results streams slowly "
     "(tokens, delay)",
+    "loop": "loop?name=TOOL&then=TEXT&final_delay=S&stubborn=1 - calls TOOL(n=k) while TOOL is offered, "
+    "then answers 'TEXT (after K tool results)' S seconds later; stubborn=1: calls TOOL even unoffered; "
+    "count=N: answers on its own after N tool results",
 }
-"""Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``."""
+"""Supported behaviour names and their usage; every behaviour also accepts ``delay_first=S``, ``cost=USD``."""
 
+_COMMON = frozenset({"delay_first", "cost"})
 _PARAMS: dict[str, frozenset[str]] = {
-    "echo": frozenset({"delay_first"}),
-    "slow": frozenset({"tokens", "delay", "delay_first"}),
-    "tool": frozenset({"name", "args", "then", "delay_first"}),
-    "tools": frozenset({"names", "args", "then", "delay_first"}),
-    "steps": frozenset({"name", "count", "then", "stall_at", "tokens", "delay", "delay_first", "reason"}),
+    "echo": _COMMON,
+    "slow": frozenset({"tokens", "delay"}) | _COMMON,
+    "tool": frozenset({"name", "args", "then"}) | _COMMON,
+    "tools": frozenset({"names", "args", "then"}) | _COMMON,
+    "steps": frozenset({"name", "count", "then", "stall_at", "tokens", "delay", "reason"}) | _COMMON,
+    "loop": frozenset({"name", "then", "final_delay", "stubborn", "count"}) | _COMMON,
 }
 
 
@@ -80,11 +92,18 @@ class Script:
     tool_names: tuple[str, ...] = ()
     tool_args: str = "{}"
     then: str = "done"
-    count: int = 1
+    #: ``steps``: how many tool calls; ``loop``: after how many it answers on its own (``None``: never).
+    count: int | None = 1
     #: ``steps``: the step whose first response stalls (streams ``tokens`` slowly); ``None``: none.
     stall_at: int | None = None
     #: ``steps``: what a response that calls the tool also says; empty: nothing.
     reason: str = ""
+    #: Every behaviour: the cost each answer's usage reports (``None``: none).
+    cost: float | None = None
+    #: ``loop``: seconds before the answer given once the tool is no longer offered.
+    final_delay: float = 0.0
+    #: ``loop``: call the tool even when the request does not offer it.
+    stubborn: bool = False
 
 
 def parse_model(model: str) -> Script:
@@ -98,6 +117,22 @@ def parse_model(model: str) -> Script:
         allowed = ", ".join(sorted(_PARAMS[name]))
         raise ScriptError(f"unknown parameter(s) {unknown} for {name!r} (allowed: {allowed}); {supported()}")
     delay_first = _number(params, "delay_first", 0.0)
+    if "cost" in params:
+        return replace(_parse_behaviour(name, params, delay_first), cost=_number(params, "cost", 0.0))
+    return _parse_behaviour(name, params, delay_first)
+
+
+def _parse_behaviour(name: str, params: dict[str, str], delay_first: float) -> Script:
+    if name == "loop":
+        return Script(
+            name,
+            delay_first=delay_first,
+            tool_names=_tool_names("tool", params),
+            then=params.get("then", "final answer"),
+            final_delay=_number(params, "final_delay", 0.0),
+            stubborn=params.get("stubborn", "0") not in ("0", "", "false"),
+            count=int(_number(params, "count", 0, integer=True)) if "count" in params else None,
+        )
     if name == "slow":
         tokens = int(_number(params, "tokens", 50, integer=True))
         return Script(name, tokens=tokens, delay=_number(params, "delay", 0.1), delay_first=delay_first)
@@ -190,6 +225,8 @@ class Reply:
     pieces: tuple[str, ...] = ()
     piece_delay: float = 0.0
     tool_calls: tuple[ToolCall, ...] = ()
+    #: Seconds to think before the answer starts (headers already sent when streaming).
+    wait_first: float = 0.0
 
     @property
     def finish_reason(self) -> str:
@@ -200,16 +237,31 @@ class Reply:
         return len(self.tool_calls) if self.tool_calls else len(self.pieces)
 
 
-def plan_reply(script: Script, messages: list[dict[str, Any]], *, repeated: bool = False) -> Reply:
+def plan_reply(
+    script: Script, messages: list[dict[str, Any]], *, repeated: bool = False, offered: tuple[str, ...] = ()
+) -> Reply:
     """Decide the answer for ``script`` given the conversation so far (``repeated``: the server
-    already saw this conversation at this step)."""
+    already saw this conversation at this step; ``offered``: the names of the tools the request
+    offers)."""
+    if script.behaviour == "loop":
+        done = sum(message.get("role") == "tool" for message in messages)
+        tool = script.tool_names[0]
+        if script.count is not None and done >= script.count:
+            return Reply(pieces=_split_tokens(f"{script.then} (after {done} tool results)"))
+        if tool in offered or script.stubborn:
+            return Reply(
+                tool_calls=(ToolCall(f"call_{uuid.uuid4().hex[:24]}", tool, json.dumps({"n": done + 1})),)
+            )
+        return Reply(
+            pieces=_split_tokens(f"{script.then} (after {done} tool results)"), wait_first=script.final_delay
+        )
     if script.behaviour == "echo":
         return Reply(pieces=_split_tokens("echo: " + _last_user_text(messages)))
     if script.behaviour == "slow":
         return Reply(pieces=_slow_pieces(script.tokens), piece_delay=script.delay)
     if script.behaviour == "steps":
         done = sum(message.get("role") == "tool" for message in messages)
-        if done >= script.count:
+        if done >= (script.count or 0):
             return Reply(pieces=_split_tokens(script.then))
         call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", script.tool_names[0], json.dumps({"n": done + 1}))
         if done == script.stall_at and not repeated:
@@ -260,15 +312,20 @@ class Completion:
 
     model: str
     prompt_tokens: int
+    #: The cost each answer's usage reports, as the Pydantic AI Gateway does; ``None``: none.
+    cost: float | None = None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
+        if self.cost is not None:
+            usage["logfire_ai_gateway"] = {"cost": str(self.cost)}
+        return usage
 
     def body(self, reply: Reply) -> dict[str, Any]:
         """A complete ``chat.completion`` object for ``reply``."""

@@ -168,6 +168,8 @@ def build_task(scenario: str) -> BaseOperator:
             on_failure_callback=on_failure,
             on_success_callback=on_success,
         )
+    if scenario.startswith("wind_down"):
+        return build_wind_down_task(scenario, common)
     if scenario.startswith("subagent_"):
         return build_subagent_task(scenario, common)
     if scenario.startswith("mcp_"):
@@ -207,6 +209,41 @@ def _block_until_kill_ignored(context: Any, result: Any = None) -> None:
     emit("post_execute", result=result)
     scope = context["task"].cancellation
     _wait_until(lambda: any(e.event == "cancel_ignored" for e in scope.timeline), 20)
+
+
+# -- wind-down scenarios (issue 41) -------------------------------------------------------
+
+#: ``execution_timeout`` and ``wind_down`` of the wind-down scenarios: the wind-down starts
+#: ``WIND_DOWN_TIMEOUT - timeout_margin (2) - WIND_DOWN`` seconds into the try, late enough for a
+#: loaded CI machine to build the agent and make a few steps first.
+WIND_DOWN_TIMEOUT = 24.0
+WIND_DOWN = 10.0
+
+
+def step_work(n: int) -> str:
+    """One step of work the scripted model keeps asking for while it is offered."""
+    emit("step", n=n)
+    time.sleep(0.3)
+    return f"result {n}"
+
+
+def _emit_result(context: Any, result: Any = None) -> None:
+    emit("result", output=result)
+
+
+def build_wind_down_task(scenario: str, common: dict[str, Any]) -> BaseOperator:
+    """``wind_down``: a model that calls its tool while offered it answers at the wind-down;
+    ``wind_down_slow``: its final answer takes 60 s (past the deadline: killed as today)."""
+    behaviour = {"wind_down": "loop?name=step_work", "wind_down_slow": "loop?name=step_work&final_delay=60"}
+    return AgentOperator(
+        prompt="go",
+        model=_model(behaviour[scenario]),
+        tools=[step_work],
+        execution_timeout=timedelta(seconds=WIND_DOWN_TIMEOUT),
+        wind_down=WIND_DOWN,
+        post_execute=_emit_result,
+        **common,
+    )
 
 
 # -- sub-agent scenarios (issue 5) ---------------------------------------------------------
