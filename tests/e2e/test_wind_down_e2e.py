@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.airflow_stack import wait_until
+from tests.e2e.airflow_stack import ADMIN_USER, wait_until
+from tests.e2e.browser import Chromium, ui_cookie
 from tests.e2e.conftest import E2EEnv, _await_dags
 from tests.e2e.driver import E2E_TEST_TIMEOUT, FINISHED, PathResult, _trigger, fetch_log, mark_failed
 
@@ -75,7 +76,12 @@ def _mark_failed_in_the_wind_down(env: E2EEnv, result: PathResult) -> dict[str, 
     return ti
 
 
-def test_wind_down_ends_success_where_the_timeout_fails_and_mark_failed_still_kills(e2e: E2EEnv) -> None:
+WindRuns = tuple[dict[str, PathResult], dict[str, dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def wind_runs(e2e: E2EEnv) -> WindRuns:
+    """The three runs, side by side on the session's stack, settled: each run and its task state."""
     _await_dags(e2e.stack, e2e.rest, dag_ids=DAG_IDS)
     runs = {dag_id: PathResult(dag_id, dag_id, f"{dag_id}-{uuid.uuid4().hex[:8]}") for dag_id in DAG_IDS}
     for result in runs.values():
@@ -84,7 +90,13 @@ def test_wind_down_ends_success_where_the_timeout_fails_and_mark_failed_still_ki
         wound = pool.submit(_settled, e2e, runs["e2e_wind_down"])
         off = pool.submit(_settled, e2e, runs["e2e_wind_down_off"])
         marked = pool.submit(_mark_failed_in_the_wind_down, e2e, runs["e2e_wind_down_slow"])
-        states = {"wound": wound.result(), "off": off.result(), "marked": marked.result()}
+        return runs, {"wound": wound.result(), "off": off.result(), "marked": marked.result()}
+
+
+def test_wind_down_ends_success_where_the_timeout_fails_and_mark_failed_still_kills(
+    e2e: E2EEnv, wind_runs: WindRuns
+) -> None:
+    runs, states = wind_runs
 
     # Wound down: success, the final answer in XCom, a tool-less last request, no kill.
     result = runs["e2e_wind_down"]
@@ -117,3 +129,19 @@ def test_wind_down_ends_success_where_the_timeout_fails_and_mark_failed_still_ki
     timeline = [e["event"] for e in record["timeline"]]
     assert "wind_down_started" in timeline, timeline
     print(f"\n[e2e wind-down] wound: {states['wound']['duration']} s; off: {states['off']['duration']} s")
+
+
+def test_the_log_page_of_a_wound_down_try_says_so(
+    e2e: E2EEnv, wind_runs: WindRuns, chromium: Chromium, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """What a DAG author sees in the UI: the try's log page names the wind-down in words (when,
+    why, what it had left) and shows no timeout."""
+    result = wind_runs[0]["e2e_wind_down"]
+    url = f"{e2e.stack.url}/dags/{result.dag_id}/runs/{result.run_id}/tasks/agent?try_number=1"
+    cookie = ui_cookie(e2e.stack.url, ADMIN_USER, e2e.stack.password)
+    with chromium.page(cookie) as page:
+        page.goto(url)
+        text = page.wait_for_text("wound down", timeout=60)
+        shot = page.screenshot(tmp_path_factory.mktemp("screenshots") / "wound_down_log.png")
+    print(f"\n[e2e-ui] wound-down log page: {shot}")
+    assert "AirflowTaskTimeout" not in text and "TaskCancelled" not in text
