@@ -4,7 +4,7 @@
 repetition (so machine load hits them alike). Each repetition: a fresh operator runs an agent
 whose async tool waits; a real SIGTERM to this process is handled as the Task SDK handles it
 (``on_kill`` on the main thread), the run unwinds, the record is logged, the metrics are sent
-(:mod:`cancellable_agents.airflow.metrics`), and ``execute`` raises. Reported per mode, median
+(:mod:`cancellable_agents.airflow._metrics`), and ``execute`` raises. Reported per mode, median
 and max (ms):
 
 - **signal -> unwound**: ``kill_received`` -> ``run_unwound`` from the kill record;

@@ -58,12 +58,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from cancellable_agents.core._once import Once
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.procs.proc import all_pids, command_line, read_proc
+from cancellable_agents.procs._proc import all_pids, command_line, read_proc
 from cancellable_agents.toolsets.sandbox import EgressPolicy, LocalSandbox, bwrap_support
-from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
+from cancellable_agents.toolsets.sandbox.local.boundary._landlock import landlock_support
 
 TREE = "setsid sleep {m} & (sleep {m} &) ; sleep {m}"
 
@@ -100,7 +100,7 @@ def landlock_as_of(rev: str | None, profile: str) -> Iterator[None]:
         return
     from unittest import mock
 
-    from cancellable_agents.toolsets.sandbox.local.boundary import landlock
+    from cancellable_agents.toolsets.sandbox.local.boundary import _landlock as landlock
 
     path = "src/cancellable_agents/toolsets/sandbox/local/boundary/landlock.py"
     text = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--totals", action="store_true", help="also the sandbox's own count of its totals")
     args = parser.parse_args()
     # The process-group rows would print the "not a boundary" warning once per run.
-    logging.getLogger("cancellable_agents.toolsets.sandbox.local.isolation").setLevel(logging.ERROR)
+    logging.getLogger("cancellable_agents.toolsets.sandbox.local._isolation").setLevel(logging.ERROR)
     logging.getLogger("cancellable_agents.toolsets.sandbox.local").setLevel(logging.ERROR)
     support = bwrap_support()
     setups = [("process-group", "boundary")]
@@ -321,8 +321,8 @@ def totals_cost(runs: int) -> None:
     from unittest import mock
 
     from cancellable_agents.toolsets.sandbox import Limits
-    from cancellable_agents.toolsets.sandbox.local import sandbox as sandbox_module
-    from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
+    from cancellable_agents.toolsets.sandbox.local import _sandbox as sandbox_module
+    from cancellable_agents.toolsets.sandbox.local.boundary import _cgroups as cgroups
 
     off = cgroups.CgroupSupport(None, reason="off for the benchmark")
     limits = Limits(max_processes=32, memory_bytes=256 * 2**20, workdir_bytes=16 * 2**20)
@@ -377,7 +377,7 @@ def filter_cost(runs: int) -> None:
     both share the same load: what the filter adds to each command's start."""
     from unittest import mock
 
-    from cancellable_agents.toolsets.sandbox.local.boundary import seccomp
+    from cancellable_agents.toolsets.sandbox.local.boundary import _seccomp as seccomp
 
     if seccomp.seccomp_filter().program is None:
         print(f"seccomp filter cost skipped: {seccomp.seccomp_filter().reason}")
@@ -405,7 +405,7 @@ def limits_cost(runs: int) -> None:
     from unittest import mock
 
     from cancellable_agents.toolsets.sandbox import Limits
-    from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
+    from cancellable_agents.toolsets.sandbox.local.boundary import _cgroups as cgroups
 
     if cgroups.cgroup_support().version is None:
         print(f"limits per sandbox cost skipped: {cgroups.cgroup_support().reason}")

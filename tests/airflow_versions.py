@@ -5,7 +5,7 @@ exist only from 3.3. Tests that need them skip on older Airflow with this module
 the tests of the older-Airflow contract skip on 3.3+ (``make compat-airflow`` runs them).
 The version comes from the installed distribution's metadata; the retry-policy check imports
 Airflow (finding a submodule imports its parent packages), so import this module from tests,
-not at conftest load. The facts themselves are the provider's (``cancellable_agents.airflow.adapter``).
+not at conftest load. The facts themselves are the provider's (``cancellable_agents.airflow._adapter``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-from cancellable_agents.airflow.adapter import (
+from cancellable_agents.airflow._adapter import (
     RETRY_POLICY_MODULE,
     has_retry_policies,
 )
-from cancellable_agents.airflow.adapter import (
+from cancellable_agents.airflow._adapter import (
     execution_timeout_type as airflow_task_timeout,
 )
 

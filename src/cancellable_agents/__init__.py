@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cancellable_agents.core.lazy import lazy_exports
-from cancellable_agents.core.renamed import renamed_modules
+from cancellable_agents.core._lazy import lazy_exports
+from cancellable_agents.core._renamed import renamed_modules
 
 if TYPE_CHECKING:  # ``X as X``: an explicit re-export, for type checkers and linters alike
     from cancellable_agents.airflow.deferral import defer_to as defer_to

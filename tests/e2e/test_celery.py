@@ -32,13 +32,13 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_record
-from cancellable_agents.airflow.supervisor import (
+from cancellable_agents.airflow._supervisor import (
     SUPERVISOR_LOST,
     TaskIdentity,
     fallback_record_path,
     records_root,
 )
+from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_record
 from tests.e2e.airflow_stack import Component
 from tests.e2e.celery_stack import REDIS_SERVER, CeleryStack, kill_tree, worker_of
 from tests.e2e.conftest import DAGS_FOLDER, E2E_DAG_IDS, E2EEnv, _await_dags, e2e_world, stopped_after

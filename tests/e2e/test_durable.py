@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.durable.record_format import KEY_PREFIX, segment_key
+from cancellable_agents.durable._record_format import KEY_PREFIX, segment_key
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.conftest import E2EEnv
 from tests.e2e.driver import (

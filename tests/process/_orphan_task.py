@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from cancellable_agents import LocalSandbox, TaskCancellation
-from cancellable_agents.airflow.supervisor import SupervisorWatch
+from cancellable_agents.airflow._supervisor import SupervisorWatch
 from cancellable_agents.core.scope import Outcome
-from cancellable_agents.procs.reaper import DescendantReaper
+from cancellable_agents.procs._reaper import DescendantReaper
 
 TREE = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.fork()\ntime.sleep(300)\n"
 

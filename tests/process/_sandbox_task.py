@@ -44,8 +44,8 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.procs.proc import become_subreaper, children_of, read_proc
-from cancellable_agents.procs.reaper import DescendantReaper
+from cancellable_agents.procs._proc import become_subreaper, children_of, read_proc
+from cancellable_agents.procs._reaper import DescendantReaper
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
 from cancellable_agents.toolsets.sandbox.sandbox_tools import _for_model

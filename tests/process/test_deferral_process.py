@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.airflow.adapter import has_trigger_on_kill
+from cancellable_agents.airflow._adapter import has_trigger_on_kill
 from cancellable_agents.testing import jobs as deferred_jobs
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.taskproc import SETTLE, STARTUP

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cancellable_agents import TaskCancellation
-from cancellable_agents.procs.proc import read_proc
+from cancellable_agents.procs._proc import read_proc
 from tests.process.test_mcp_kill import HAVE_MCP, server_events
 from tests.process.trees import eventually, survivors
 
@@ -35,7 +35,7 @@ async def _spawn_and_watch(
     ``timeout`` for it to stop; return its pid and whether it still runs."""
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
-    from cancellable_agents.run.mcp_servers import watch_spawns
+    from cancellable_agents.run._mcp_servers import watch_spawns
 
     assert watch_spawns()
     params = StdioServerParameters(command=sys.executable, args=[str(SERVER), "child", str(events), marker])

@@ -1,4 +1,4 @@
-"""The /proc and signal helpers (``procs/proc.py``) against real processes."""
+"""The /proc and signal helpers (``procs/_proc.py``) against real processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from cancellable_agents.procs.proc import ProcKey, read_proc, reap_zombie
+from cancellable_agents.procs._proc import ProcKey, read_proc, reap_zombie
 from tests.process.trees import eventually
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
@@ -18,7 +18,7 @@ def test_reap_zombie_collects_exactly_that_exited_child(
     pidfd: bool, marker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not pidfd:
-        monkeypatch.setattr("cancellable_agents.procs.proc._pidfd_open", lambda pid: None)
+        monkeypatch.setattr("cancellable_agents.procs._proc._pidfd_open", lambda pid: None)
 
     def zombie(proc: subprocess.Popen[bytes]) -> ProcKey:
         info = eventually(lambda: (i := read_proc(proc.pid)) is not None and i.exited and i)

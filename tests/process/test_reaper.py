@@ -1,4 +1,4 @@
-"""The descendant reaper (``procs/reaper.py``) in a real task process that is a subreaper:
+"""The descendant reaper (``procs/_reaper.py``) in a real task process that is a subreaper:
 what a run started without a sandbox is killed and reaped on a real SIGTERM, what existed
 before the run is spared, orphans are reaped at once and owned children left to their owner.
 """

@@ -20,7 +20,7 @@ import pytest
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox, bwrap_support
-from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BoundaryProfile, boundary_argv
+from cancellable_agents.toolsets.sandbox.local.boundary._bwrap import BoundaryProfile, boundary_argv
 from cancellable_agents.toolsets.sandbox.sandbox_tools import _for_model
 
 pytestmark = [
@@ -158,7 +158,7 @@ def test_process_group_mode_warns_once_per_task_that_it_is_no_boundary(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     scope, other = TaskCancellation("a"), TaskCancellation("b")
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.isolation"):
+    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local._isolation"):
         boxes = [LocalSandbox(isolation="process-group", scope=s) for s in (scope, scope, other)]
     warnings = [r.getMessage() for r in caplog.records if "NOT a security boundary" in r.getMessage()]
     assert len(warnings) == 2, warnings  # a once, b once
@@ -208,7 +208,7 @@ def test_files_the_task_writes_stay_changeable_by_the_command() -> None:
 @pytest.fixture
 def unprobed(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The bwrap module with its cached answer forgotten for this test (restored after)."""
-    from cancellable_agents.toolsets.sandbox.local.boundary import bwrap
+    from cancellable_agents.toolsets.sandbox.local.boundary import _bwrap as bwrap
 
     monkeypatch.setattr(bwrap, "_bwrap_cache", None)
     return bwrap

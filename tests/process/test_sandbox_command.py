@@ -1,4 +1,4 @@
-"""One sandbox command's process tree (``toolsets/sandbox/local/command.py``), for real, in both
+"""One sandbox command's process tree (``toolsets/sandbox/local/_command.py``), for real, in both
 isolation modes: bounded output, the per-command timeout, leftovers killed when the command
 ends, stops of the whole tree (setsid, double forks, the tag) and SIGKILL at the grace.
 """

@@ -24,9 +24,9 @@ import pytest
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox
-from cancellable_agents.toolsets.sandbox.local.boundary import landlock
-from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import interpreter_paths
-from cancellable_agents.toolsets.sandbox.local.boundary.landlock import (
+from cancellable_agents.toolsets.sandbox.local.boundary import _landlock as landlock
+from cancellable_agents.toolsets.sandbox.local.boundary._bwrap import interpreter_paths
+from cancellable_agents.toolsets.sandbox.local.boundary._landlock import (
     BOUNDARY_FAILED,
     LandlockRuleset,
     LandlockSupport,

@@ -29,7 +29,7 @@ pytestmark = [
     ),
 ]
 #: The proxy's refusals, one line each (other loggers may log at INFO here, as Airflow's config sets).
-EGRESS_LOGGER = "cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy"
+EGRESS_LOGGER = "cancellable_agents.toolsets.sandbox.local.boundary._egress_proxy"
 
 #: Test names -> addresses, for the proxy's resolver: servers on loopback, a private address.
 NAMES = {"allowed.test": ["127.0.0.1"], "denied.test": ["127.0.0.1"], "private.test": ["10.20.30.40"]}

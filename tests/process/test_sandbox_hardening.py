@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.core.once import Once
+from cancellable_agents.core._once import Once
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
-from cancellable_agents.toolsets.sandbox.local.boundary import seccomp as seccomp_module
-from cancellable_agents.toolsets.sandbox.local.files import WorkdirFiles, openat2_supported
+from cancellable_agents.toolsets.sandbox.local._files import WorkdirFiles, openat2_supported
+from cancellable_agents.toolsets.sandbox.local.boundary import _seccomp as seccomp_module
 from cancellable_agents.toolsets.sandbox.protocol import SandboxPathError
 from tests.process.trees import BOUNDARY_MODES, LANDLOCK, NAMESPACE_BOUNDARY
 
@@ -229,7 +229,7 @@ def test_without_libseccomp_the_sandbox_says_once_which_protections_are_off(
     no_libseccomp: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(
-        logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.boundary.seccomp"
+        logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.boundary._seccomp"
     ):
         first = _run(NESTED)
         second = _run("true")

@@ -21,8 +21,8 @@ import pytest
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import LocalSandbox, bwrap_support
-from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import cgroup_support
-from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
+from cancellable_agents.toolsets.sandbox.local.boundary._cgroups import cgroup_support
+from cancellable_agents.toolsets.sandbox.local.boundary._landlock import landlock_support
 from tests.process.trees import (
     MODES,
     NAMESPACE_BOUNDARY,

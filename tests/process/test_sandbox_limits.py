@@ -13,14 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from cancellable_agents.core._once import Once
 from cancellable_agents.core.causes import CancelCause
-from cancellable_agents.core.once import Once
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.toolsets.sandbox import Limits, LocalSandbox
 from cancellable_agents.toolsets.sandbox.limits import CPU_KILL_GRACE, MiB
-from cancellable_agents.toolsets.sandbox.local import provision
-from cancellable_agents.toolsets.sandbox.local.boundary import cgroups
-from cancellable_agents.toolsets.sandbox.local.boundary.cgroups import (
+from cancellable_agents.toolsets.sandbox.local import _provision as provision
+from cancellable_agents.toolsets.sandbox.local.boundary import _cgroups as cgroups
+from cancellable_agents.toolsets.sandbox.local.boundary._cgroups import (
     PLACEMENT_FAILED,
     CgroupSupport,
     cgroup_support,
@@ -225,7 +225,7 @@ def test_without_a_cgroup_sandboxes_say_so_once_and_keep_the_per_process_limits(
     boxes: Boxes, without_cgroups: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(
-        logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.boundary.cgroups"
+        logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.boundary._cgroups"
     ):
         first, second = _box(boxes, Limits()), _box(boxes, Limits())
     notes = [r.getMessage() for r in caplog.records if "no cgroup per sandbox" in r.getMessage()]

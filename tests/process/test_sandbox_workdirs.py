@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cancellable_agents.toolsets.sandbox import LocalSandbox
-from cancellable_agents.toolsets.sandbox.local.workdirs import WORKDIR_PREFIX, remove_orphaned_workdirs
+from cancellable_agents.toolsets.sandbox.local._workdirs import WORKDIR_PREFIX, remove_orphaned_workdirs
 from tests.process.restricted_pod import POD_GID, POD_UID, pod_env, restricted_argv, unavailable_reason
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
@@ -94,7 +94,7 @@ def _a_dead_pid() -> int:
 SWEEP = (
     "import logging, sys\n"
     "logging.basicConfig()\n"
-    "from cancellable_agents.toolsets.sandbox.local.workdirs import remove_orphaned_workdirs\n"
+    "from cancellable_agents.toolsets.sandbox.local._workdirs import remove_orphaned_workdirs\n"
     "print([p.name for p in remove_orphaned_workdirs(sys.argv[1])])\n"
 )
 

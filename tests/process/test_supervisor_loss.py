@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from cancellable_agents.airflow.kill_record.document import parse_record
-from cancellable_agents.airflow.supervisor import (
+from cancellable_agents.airflow._supervisor import (
     SUPERVISOR_LOST,
     TaskIdentity,
     fallback_record_path,
     supervisor_pid,
     watch_supervisor,
 )
+from cancellable_agents.airflow.kill_record.document import parse_record
 from cancellable_agents.core.scope import TaskCancellation
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.procs import is_alive, kill_marked, marked_processes

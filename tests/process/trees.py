@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from cancellable_agents.toolsets.sandbox import bwrap_support
-from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
-from cancellable_agents.toolsets.sandbox.local.boundary.seccomp import SocketRule, seccomp_filter
+from cancellable_agents.toolsets.sandbox.local.boundary._landlock import landlock_support
+from cancellable_agents.toolsets.sandbox.local.boundary._seccomp import SocketRule, seccomp_filter
 
 TASK_SCRIPT = Path(__file__).with_name("_sandbox_task.py")
 SRC = Path(__file__).parents[2] / "src"

@@ -33,9 +33,9 @@ from typing import Any
 from pydantic_ai import Agent
 from pydantic_ai.toolsets import FunctionToolset
 
-import cancellable_agents.airflow.adapter as adapter
+import cancellable_agents.airflow._adapter as adapter
 from cancellable_agents import AgentOperator, TaskCancelled, current_cancellation
-from cancellable_agents.airflow.adapter import verdict_for_state
+from cancellable_agents.airflow._adapter import verdict_for_state
 from cancellable_agents.airflow.task_try import cancellation_of, try_of
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.scope import Outcome

@@ -16,7 +16,7 @@ from cancellable_agents.core.causes import CauseVerdict
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.durable import Journal, MemoryStore, current_resume
-from cancellable_agents.durable.record_format import KEY_PREFIX
+from cancellable_agents.durable._record_format import KEY_PREFIX
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.run.tool_calls import ToolCall, current_tool_call
 

@@ -23,9 +23,9 @@ from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.durable import FreshStart, Journal, MemoryStore, current_resume
-from cancellable_agents.durable.fingerprint import tools_requiring_approval
-from cancellable_agents.durable.pauses import ApprovalRequest, AwaitingApproval, Decision
-from cancellable_agents.durable.record_format import AWAITING, load_record
+from cancellable_agents.durable._fingerprint import tools_requiring_approval
+from cancellable_agents.durable._pauses import ApprovalRequest, AwaitingApproval, Decision
+from cancellable_agents.durable._record_format import AWAITING, load_record
 from cancellable_agents.run.runner import run_agent_in_scope
 from tests.unit.durable_runs import RECORD
 

@@ -27,10 +27,10 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, DurableOptions
-from cancellable_agents.airflow.adapter import has_task_awaiting_input
-from cancellable_agents.airflow.approval import LATER_PAUSES_NOTE, RESUME_METHOD, decisions_from_event
+from cancellable_agents.airflow._adapter import has_task_awaiting_input
+from cancellable_agents.airflow._approval import LATER_PAUSES_NOTE, RESUME_METHOD, decisions_from_event
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.durable.pauses import ApprovalRequest, PendingCall
+from cancellable_agents.durable._pauses import ApprovalRequest, PendingCall
 
 needs_3_3 = pytest.mark.skipif(not has_task_awaiting_input(), reason="TaskAwaitingInput is Airflow 3.3+")
 

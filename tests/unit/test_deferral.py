@@ -30,7 +30,7 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, DurableOptions, PollTrigger, defer_to
-from cancellable_agents.airflow.adapter import has_trigger_on_kill
+from cancellable_agents.airflow._adapter import has_trigger_on_kill
 from cancellable_agents.airflow.deferral import RESUME_METHOD, answers_from_event
 from cancellable_agents.airflow.triggers import DeferredCallsTrigger
 from cancellable_agents.core.exceptions import ConfigurationError

@@ -21,8 +21,8 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, DurableOptions, LLMOperator, TaskCancelled
 from cancellable_agents.airflow import mixin
-from cancellable_agents.airflow.adapter import has_task_state_store
-from cancellable_agents.airflow.durable_task import journal_for
+from cancellable_agents.airflow._adapter import has_task_state_store
+from cancellable_agents.airflow._durable_task import journal_for
 from cancellable_agents.core.exceptions import ConfigurationError
 
 STEPS = 4

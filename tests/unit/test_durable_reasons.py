@@ -1,5 +1,5 @@
 """Why a durable try started fresh and why it stopped recording: the journal names each case with
-one :mod:`cancellable_agents.durable.reasons` value (its properties and the run's facts, which
+one :mod:`cancellable_agents.durable._reasons` value (its properties and the run's facts, which
 the metrics tag), and hands each recorded step's write time to its ``on_step_written`` hook."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from cancellable_agents.durable import MemoryStore
-from cancellable_agents.durable.record_format import RecordProblem, chain, load_record, segment_key
+from cancellable_agents.durable._record_format import RecordProblem, chain, load_record, segment_key
 from tests.unit.durable_runs import RECORD, STEPS, Task, killed_at
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.airflow.adapter import has_task_state_store
+from cancellable_agents.airflow._adapter import has_task_state_store
 from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_records
 from tests.airflow_env import airflow_env as throwaway_airflow_env
 from tests.airflow_env import migrate

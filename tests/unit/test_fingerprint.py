@@ -8,7 +8,7 @@ import pytest
 from pydantic_ai.toolsets import CombinedToolset, FunctionToolset, WrapperToolset
 
 from cancellable_agents.durable import MemoryStore
-from cancellable_agents.durable.fingerprint import workspace_lost_on_retry
+from cancellable_agents.durable._fingerprint import workspace_lost_on_retry
 from cancellable_agents.toolsets.sandbox import SandboxToolset
 from tests.unit.durable_runs import STEPS, Task, killed_at
 
@@ -37,7 +37,7 @@ def test_an_mcp_toolset_without_an_id_is_fingerprinted_by_its_server_not_its_add
     transports = pytest.importorskip("fastmcp.client.transports", reason="the mcp extra")
     from pydantic_ai import Agent
 
-    from cancellable_agents.durable.fingerprint import fingerprint
+    from cancellable_agents.durable._fingerprint import fingerprint
 
     def agent(*args: str) -> Agent[None, str]:
         toolset = mcp.MCPToolset(transports.StdioTransport("python", ["server.py", *args]))

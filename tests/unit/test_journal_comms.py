@@ -22,7 +22,7 @@ from pydantic_ai import Agent, RunContext
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from cancellable_agents.airflow.adapter import comms_used_from_a_loop
+from cancellable_agents.airflow._adapter import comms_used_from_a_loop
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import Journal, MemoryStore
 from cancellable_agents.run.runner import run_agent_in_scope

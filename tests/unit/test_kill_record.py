@@ -214,7 +214,7 @@ def test_a_task_killed_mid_run_writes_the_line_the_record_and_a_short_traceback(
 
 
 def test_the_noise_table_names_what_airflow_logs_after_each_user_stop() -> None:
-    from cancellable_agents.airflow.kill_record.outlook import airflow_logs_next
+    from cancellable_agents.airflow.kill_record._outlook import airflow_logs_next
     from cancellable_agents.core.causes import CancelCause
 
     def texts(cause: CancelCause, action: UserAction | None) -> list[str]:
@@ -232,7 +232,7 @@ def test_the_noise_table_names_what_airflow_logs_after_each_user_stop() -> None:
 def test_the_retry_outlook_follows_the_cause_and_the_servers_word() -> None:
     from types import SimpleNamespace
 
-    from cancellable_agents.airflow.kill_record.outlook import retry_outlook
+    from cancellable_agents.airflow.kill_record._outlook import retry_outlook
     from cancellable_agents.core.causes import CancelCause
 
     class Op(CancellableAgentMixin, BaseOperator):

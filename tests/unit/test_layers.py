@@ -10,6 +10,7 @@ room) but not for cycles (they never run). Nothing below ``airflow/`` imports Ai
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,6 +221,42 @@ def test_the_map_check_finds_a_module_the_document_leaves_out(tmp_path: Path) ->
     assert unmapped(root, "- `core/scope.py`: the scope") == ["core/unwind.py"]
 
 
+#: Packages whose every module is public: the test kit a user runs and the demo's DAGs folder.
+PUBLIC_PACKAGES = ("testing", "demo_dags")
+
+
+def public_declarations(repository: Path) -> str:
+    """What declares an import path public: the user docs (the API summary included, the
+    architecture map and the changelog not: they name internals too), the README, the packaging."""
+    content = repository / "docs" / "content"
+    pages = [page for page in content.glob("*.md") if page.name not in {"architecture.md", "changelog.md"}]
+    others = [content / "api" / "index.md", repository / "README.md", repository / "provider.yaml"]
+    return "\n".join(path.read_text() for path in [*pages, *others, repository / "pyproject.toml"])
+
+
+def unmarked_internals(root: Path, declarations: str) -> list[str]:
+    """Modules without a leading ``_`` whose import path nothing public names (mark them ``_name.py``)."""
+    found = []
+    for name, path in modules(root).items():
+        parts = name.split(".")
+        if path.name == "__init__.py" or path.stem.startswith("_") or parts[1] in PUBLIC_PACKAGES:
+            continue
+        if not re.search(rf"{re.escape(name)}(?![\w])", declarations):
+            found.append(path.relative_to(root).as_posix())
+    return found
+
+
+def test_every_unmarked_module_is_public() -> None:
+    missing = unmarked_internals(ROOT, public_declarations(ROOT.parents[1]))
+    assert missing == [], f"internal modules are named _name.py; or document the import path: {missing}"
+
+
+def test_the_marking_check_finds_an_undocumented_public_module(tmp_path: Path) -> None:
+    files = {"core/scope.py": "", "core/shield.py": "", "core/_once.py": "", "testing/jobs.py": ""}
+    root = _tree(tmp_path, files)
+    assert unmarked_internals(root, "from cancellable_agents.core.scope import x") == ["core/shield.py"]
+
+
 def test_every_room_has_a_layer() -> None:
     rooms = {name.split(".")[1] for name in modules(ROOT) if "." in name}
     missing = sorted(rooms - set(LAYERS))
@@ -244,18 +281,18 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     ("files", "expected"),
     [
         pytest.param(
-            {"durable/stores.py": "def _path(v):\n    from airflow.sdk import ObjectStoragePath\n"},
-            "cancellable_agents.durable.stores:2 imports Airflow (airflow.sdk) below airflow/",
+            {"durable/_stores.py": "def _path(v):\n    from airflow.sdk import ObjectStoragePath\n"},
+            "cancellable_agents.durable._stores:2 imports Airflow (airflow.sdk) below airflow/",
             id="lazy-airflow-import-in-durable",
         ),
         pytest.param(
             {
-                "durable/journal.py": (
+                "durable/_journal.py": (
                     "def has_sandbox(t):\n    from cancellable_agents.toolsets.sandbox import X\n"
                 ),
                 "toolsets/sandbox/__init__.py": "X = 1\n",
             },
-            "cancellable_agents.durable.journal:2 imports cancellable_agents.toolsets.sandbox,"
+            "cancellable_agents.durable._journal:2 imports cancellable_agents.toolsets.sandbox,"
             " a layer above it",
             id="durable-reaches-up-to-toolsets",
         ),

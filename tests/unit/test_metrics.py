@@ -25,7 +25,7 @@ from pydantic_ai import Agent
 from pydantic_ai.models.test import TestModel
 
 from cancellable_agents import CancellableAgentMixin, DurableOptions, TaskCancelled
-from cancellable_agents.airflow import metrics
+from cancellable_agents.airflow import _metrics as metrics
 from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX
 from tests.statsd_receiver import StatsdReceiver, airflow_statsd_env, metric_tags, metric_value
 

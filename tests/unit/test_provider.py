@@ -294,7 +294,7 @@ def test_the_package_is_typed_and_its_lazy_exports_are_visible_to_type_checkers(
 
 def test_the_providers_errors_have_one_base_and_a_kill_is_not_one() -> None:
     from cancellable_agents import CancellableAgentsError, ConfigurationError, TaskCancelled
-    from cancellable_agents.durable.pauses import ApprovalNotPossible
+    from cancellable_agents.durable._pauses import ApprovalNotPossible
     from cancellable_agents.toolsets.sandbox import SandboxClosed, SandboxError, SandboxUnavailable
 
     for error in (ConfigurationError, SandboxError, SandboxUnavailable, SandboxClosed, ApprovalNotPossible):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import cancellable_agents
-from cancellable_agents.core.renamed import CancellableAgentsDeprecationWarning
+from cancellable_agents.core.exceptions import CancellableAgentsDeprecationWarning
 
 SRC = Path(cancellable_agents.__file__).parent
 OLD_PATHS = sorted(cancellable_agents._RENAMED_MODULES)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from cancellable_agents.durable import FreshStart, MemoryStore
-from cancellable_agents.durable.record_format import LoadedRecord, RecordProblem, load_record, segment_key
-from cancellable_agents.durable.resume_plan import LIVE_WINDOW_S, Resume, StartFresh, plan_resume
+from cancellable_agents.durable._record_format import LoadedRecord, RecordProblem, load_record, segment_key
+from cancellable_agents.durable._resume_plan import LIVE_WINDOW_S, Resume, StartFresh, plan_resume
 from tests.unit.durable_runs import RECORD, killed_at
 
 

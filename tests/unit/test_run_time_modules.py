@@ -22,10 +22,10 @@ from tests.airflow_env import airflow_env
 UNUSED = (
     "cancellable_agents.toolsets.sandbox",
     "cancellable_agents.toolsets.subagent_tools",
-    "cancellable_agents.durable.journal",
-    "cancellable_agents.durable.appender",
-    "cancellable_agents.durable.stores",
-    "cancellable_agents.durable.steps",
+    "cancellable_agents.durable._journal",
+    "cancellable_agents.durable._appender",
+    "cancellable_agents.durable._stores",
+    "cancellable_agents.durable._steps",
     "cancellable_agents.airflow.triggers",
     "mcp",
     "pyseccomp",
@@ -138,8 +138,8 @@ def test_a_plain_agent_task_loads_no_feature_it_does_not_use(tmp_path: Path) -> 
 
 
 def test_the_check_sees_a_feature_loaded_eagerly(tmp_path: Path) -> None:
-    assert "cancellable_agents.toolsets.sandbox.local.sandbox" in _loaded(
-        tmp_path, "cancellable_agents.toolsets.sandbox.local.sandbox"
+    assert "cancellable_agents.toolsets.sandbox.local._sandbox" in _loaded(
+        tmp_path, "cancellable_agents.toolsets.sandbox.local._sandbox"
     )
 
 
@@ -150,5 +150,5 @@ def test_a_task_on_another_backend_loads_no_local_sandbox_code(tmp_path: Path) -
 
 
 def test_the_check_sees_the_local_backend_loaded_eagerly_beside_another(tmp_path: Path) -> None:
-    modules = _modules(tmp_path, OTHER_BACKEND_CHILD, "cancellable_agents.toolsets.sandbox.local.sandbox")
-    assert "cancellable_agents.toolsets.sandbox.local.boundary.bwrap" in _among(modules, LOCAL_BACKEND)
+    modules = _modules(tmp_path, OTHER_BACKEND_CHILD, "cancellable_agents.toolsets.sandbox.local._sandbox")
+    assert "cancellable_agents.toolsets.sandbox.local.boundary._bwrap" in _among(modules, LOCAL_BACKEND)

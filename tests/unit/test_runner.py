@@ -17,8 +17,8 @@ from pydantic_ai.toolsets import FunctionToolset
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
+from cancellable_agents.run._tracker import current_run_tracker
 from cancellable_agents.run.runner import run_agent_in_scope
-from cancellable_agents.run.tracker import current_run_tracker
 from tests.unit.scopes import cancel_when
 
 

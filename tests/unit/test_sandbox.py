@@ -31,8 +31,8 @@ from cancellable_agents.toolsets.sandbox import (
     attach_sandbox,
     scrubbed_environment,
 )
-from cancellable_agents.toolsets.sandbox.local.boundary.landlock import landlock_support
-from cancellable_agents.toolsets.sandbox.local.files import LIST_LIMIT, WorkdirFiles, shown_name
+from cancellable_agents.toolsets.sandbox.local._files import LIST_LIMIT, WorkdirFiles, shown_name
+from cancellable_agents.toolsets.sandbox.local.boundary._landlock import landlock_support
 from cancellable_agents.toolsets.sandbox.protocol import command_env
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,19 +23,19 @@ from cancellable_agents.toolsets.sandbox.egress_policy import (
     HostRule,
     canonical_host,
 )
-from cancellable_agents.toolsets.sandbox.local.boundary import egress_proxy
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy import (
+from cancellable_agents.toolsets.sandbox.local.boundary import _egress_proxy as egress_proxy
+from cancellable_agents.toolsets.sandbox.local.boundary._egress_proxy import (
     LOG_BURST,
     TIMELINE_LIMIT,
     EgressProxy,
     proxy_env,
 )
-from cancellable_agents.toolsets.sandbox.local.boundary.egress_request import BadRequest, parse_head
+from cancellable_agents.toolsets.sandbox.local.boundary._egress_request import BadRequest, parse_head
 
 pytestmark = pytest.mark.timeout(60)
 
 #: The proxy's refusals (other loggers may log at INFO here, as Airflow's config sets).
-EGRESS_LOGGER = "cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy"
+EGRESS_LOGGER = "cancellable_agents.toolsets.sandbox.local.boundary._egress_proxy"
 
 
 # -- the policy -----------------------------------------------------------------------------
@@ -522,7 +522,7 @@ def test_the_host_profile_refuses_an_allowlist() -> None:
 
 
 def test_process_group_mode_says_the_allowlist_is_not_enforced(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="cancellable_agents.toolsets.sandbox.local._sandbox"):
         box = LocalSandbox(isolation="process-group", network=["pypi.org"])
     try:
         assert box.egress is None and box.network is False

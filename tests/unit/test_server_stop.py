@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.airflow import adapter, server_stop, task_try
-from cancellable_agents.airflow.server_stop import open_task_logs, server_stop_verdict
+from cancellable_agents.airflow import _adapter as adapter
+from cancellable_agents.airflow import _server_stop as server_stop
+from cancellable_agents.airflow import task_try
+from cancellable_agents.airflow._server_stop import open_task_logs, server_stop_verdict
 from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
 from cancellable_agents.core.scope import TaskCancellation
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.core._shield import wait_shielded
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.core.shield import wait_shielded
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -133,7 +133,7 @@ def test_a_timeout_bounds_the_wait_from_the_start_and_leaves_the_work_running(
         work = Work()
         loop = asyncio.get_running_loop()
         began = loop.time()
-        with caplog.at_level(logging.WARNING, logger="cancellable_agents.core.shield"):
+        with caplog.at_level(logging.WARNING, logger="cancellable_agents.core._shield"):
             await asyncio.wait_for(wait_shielded(work(), "the stop of command c1", timeout=0.05), 5)
         assert loop.time() - began >= 0.05
         assert work.started.is_set() and not work.finished
@@ -164,7 +164,7 @@ def test_after_a_cancel_the_scopes_remaining_budget_bounds_the_wait_then_the_can
         cancelled_at = loop.time()
         caller.cancel()
         with (
-            caplog.at_level(logging.WARNING, logger="cancellable_agents.core.shield"),
+            caplog.at_level(logging.WARNING, logger="cancellable_agents.core._shield"),
             pytest.raises(asyncio.CancelledError),
         ):
             await asyncio.wait_for(caller, 5)

@@ -18,8 +18,9 @@ def named_test_files(tests: Path) -> set[str]:
 
 
 def has_a_file_of_its_name(relative: Path, names: set[str]) -> bool:
-    """``test_<name>.py``, or ``test_<package>_<name>.py`` for a package the module is in."""
-    stem = relative.stem
+    """``test_<name>.py``, or ``test_<package>_<name>.py`` for a package the module is in (a private
+    module's leading underscore is not part of its name here: ``_journal.py`` -> ``test_journal.py``)."""
+    stem = relative.stem.lstrip("_")
     return bool({f"test_{stem}", *(f"test_{package}_{stem}" for package in relative.parts[:-1])} & names)
 
 
@@ -56,9 +57,9 @@ def test_every_file_the_table_names_exists() -> None:
 def test_a_module_without_a_file_or_a_row_is_found(tmp_path: Path) -> None:
     root = tmp_path / "cancellable_agents"
     (root / "core").mkdir(parents=True)
-    for name in ("__init__.py", "core/__init__.py", "core/scope.py", "core/once.py", "core/lazy.py"):
+    for name in ("__init__.py", "core/__init__.py", "core/scope.py", "core/_once.py", "core/_lazy.py"):
         (root / name).touch()
     (tmp_path / "unit").mkdir()
     (tmp_path / "unit" / "test_scope.py").touch()
-    readme = "## Where each module is tested\n\n| module | tested in |\n|---|---|\n| `core/once.py` | x |\n"
-    assert unplaced(root, tmp_path, readme) == ["core/lazy.py"]
+    readme = "## Where each module is tested\n\n| module | tested in |\n|---|---|\n| `core/_once.py` | x |\n"
+    assert unplaced(root, tmp_path, readme) == ["core/_lazy.py"]

@@ -12,8 +12,8 @@ from pydantic_ai import Agent
 from pydantic_ai.models.test import TestModel
 from pydantic_ai.toolsets import FunctionToolset
 
-from cancellable_agents.durable.fingerprint import tools_requiring_approval, walk_toolsets
-from cancellable_agents.toolsets.toolset_description import ToolsetDescription, built
+from cancellable_agents.durable._fingerprint import tools_requiring_approval, walk_toolsets
+from cancellable_agents.toolsets._toolset_description import ToolsetDescription, built
 
 CALLS: list[str] = []
 

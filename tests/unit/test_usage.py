@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic_ai.usage import RunUsage
 
-from cancellable_agents.core.usage import USAGE_FIELDS, usage_counts, usage_dict
-from cancellable_agents.durable.try_usage import TryUsage, add_usage, minus_usage
+from cancellable_agents.core._usage import USAGE_FIELDS, usage_counts, usage_dict
+from cancellable_agents.durable._try_usage import TryUsage, add_usage, minus_usage
 
 
 def test_a_run_usage_reads_as_its_four_counts() -> None:

@@ -27,8 +27,8 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RunUsage, UsageLimits
 
 from cancellable_agents import CancellableAgentMixin, LLMOperator, Subagent, SubagentToolset
+from cancellable_agents.airflow._metrics import WIND_DOWN_LINE
 from cancellable_agents.airflow.kill_record.document import RECORD_PREFIX, parse_records
-from cancellable_agents.airflow.metrics import WIND_DOWN_LINE
 from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
@@ -41,7 +41,7 @@ from cancellable_agents.core.wind_down import (
 )
 from cancellable_agents.durable import Journal, MemoryStore
 from cancellable_agents.hooks.model import build_model
-from cancellable_agents.run.final_request import WindDownState, budget_reason
+from cancellable_agents.run._final_request import WindDownState, budget_reason
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from cancellable_agents.testing.records import RequestRecord

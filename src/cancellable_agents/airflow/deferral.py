@@ -3,8 +3,8 @@ with an Airflow trigger; the durable run stops at that step (its record holds th
 pending call), the task defers (no worker slot, no process), and when the trigger fires the task
 resumes and the run continues from the record with the trigger's event as the call's result.
 
-The Airflow side of [`cancellable_agents.durable.deferred_calls`][], on the path approvals take
-([`cancellable_agents.airflow.approval`][]): the execute guard turns the paused run into
+The Airflow side of [`cancellable_agents.durable._deferred_calls`][], on the path approvals take
+([`cancellable_agents.airflow._approval`][]): the execute guard turns the paused run into
 ``TaskDeferred`` here instead of ``TaskAwaitingInput`` there. The task defers to one
 [`DeferredCallsTrigger`][cancellable_agents.airflow.triggers.DeferredCallsTrigger] that waits
 for every call of the step; Airflow hands its event to [`CancellableAgentMixin.resume_after_deferral`][].
@@ -17,12 +17,12 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from cancellable_agents.airflow.adapter import has_trigger_on_kill
+from cancellable_agents.airflow._adapter import has_trigger_on_kill
 from cancellable_agents.core.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
     from cancellable_agents.airflow.task_try import TaskTry
-    from cancellable_agents.durable.pauses import ApprovalRequest, Decision
+    from cancellable_agents.durable._pauses import ApprovalRequest, Decision
 
 __all__ = ["defer_to"]
 
@@ -52,7 +52,7 @@ def defer_to(trigger: Any, *, timeout: timedelta | float | None = None, on_timeo
     keyword arguments. Raises [`ConfigurationError`][] naming the fix where any of that is
     missing.
     """
-    from cancellable_agents.durable.deferred_calls import ON_TIMEOUT, Wait, check_journaled, defer_call
+    from cancellable_agents.durable._deferred_calls import ON_TIMEOUT, Wait, check_journaled, defer_call
 
     if on_timeout not in ON_TIMEOUT:
         raise ConfigurationError(f"defer_to(on_timeout={on_timeout!r}): must be one of {ON_TIMEOUT}")
@@ -92,7 +92,7 @@ def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
     from airflow.sdk.exceptions import TaskDeferred
 
     from cancellable_agents.airflow.triggers import DeferredCallsTrigger
-    from cancellable_agents.durable.deferred_calls import Wait
+    from cancellable_agents.durable._deferred_calls import Wait
 
     waits = {c.tool_call_id: Wait.from_dict(c.wait) for c in request.calls if c.wait is not None}
     calls = [
@@ -135,7 +135,7 @@ def answers_from_event(event: Any) -> tuple[str, dict[str, Decision]]:
     [`DeferredCallsTrigger`][cancellable_agents.airflow.triggers.DeferredCallsTrigger] event
     Airflow hands the resumed task. Raises [`ConfigurationError`][] for a result that is not
     JSON (the record keeps it, the model reads it)."""
-    from cancellable_agents.durable.deferred_calls import results_as_decisions
+    from cancellable_agents.durable._deferred_calls import results_as_decisions
 
     if not isinstance(event, dict) or not isinstance(event.get("results"), dict):
         raise ConfigurationError(f"resumed after a deferral without the trigger's results: {event!r}")
@@ -168,7 +168,7 @@ def note_wait(task_try: TaskTry, event: dict[str, Any]) -> None:
     """The wait that just ended, named where a try's facts go: one log line, the try's facts
     (``attached["deferred"]``, in the kill record of a later kill) and the metrics
     (``deferred.wait``: the seconds the task held no worker slot)."""
-    from cancellable_agents.airflow.metrics import emit_deferred_wait
+    from cancellable_agents.airflow._metrics import emit_deferred_wait
 
     fired = float(event.get("fired_at") or time.time())
     waited = max(0.0, fired - float(event.get("deferred_at") or fired))

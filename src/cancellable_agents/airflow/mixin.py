@@ -17,14 +17,14 @@ import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
-from cancellable_agents.airflow.adapter import (
+from cancellable_agents.airflow._adapter import (
     GRACE_SECONDS,
     base_operator,
     has_retry_policies,
     is_execution_timeout,
 )
+from cancellable_agents.airflow._guard import guard_execute
 from cancellable_agents.airflow.config import OPTIONS, deployment_setting
-from cancellable_agents.airflow.guard import guard_execute
 from cancellable_agents.airflow.task_try import TaskTry, note_kill_before_try, try_for, try_of
 from cancellable_agents.core.wind_down import OnWindDown, WindDown, wind_down_of
 from cancellable_agents.durable.options import DurableOptions
@@ -143,7 +143,7 @@ class CancellableAgentMixin:
         self.wind_down = _wind_down_setting(self, wind_down, on_wind_down)
         _check_settings(self)
         if self.owns_durable and self.durable:
-            from cancellable_agents.airflow.durable_task import check_durable
+            from cancellable_agents.airflow._durable_task import check_durable
 
             check_durable(self)
         if cancellation_retry_policy:
@@ -201,7 +201,7 @@ class CancellableAgentMixin:
         [`TaskCancelled`][] (with cause, transcript, usage and timeline) when the task is
         killed or its execution timeout is near.
         """
-        from cancellable_agents.airflow.metrics import emit_run_completed, genai_spans_capability
+        from cancellable_agents.airflow._metrics import emit_run_completed, genai_spans_capability
         from cancellable_agents.run.runner import run_agent_in_scope  # pydantic-ai: at run time only
 
         task_try = self.task_try()
@@ -232,7 +232,7 @@ class CancellableAgentMixin:
 
     def _wound_down(self, task_try: TaskTry, report: WindDownReport) -> None:
         """A run answered at its wind-down: the summary line, the record line and the metrics."""
-        from cancellable_agents.airflow.metrics import emit_wound_down, log_wound_down
+        from cancellable_agents.airflow._metrics import emit_wound_down, log_wound_down
 
         task_try.wound_down.append(report)
         log_wound_down(report)
@@ -242,7 +242,7 @@ class CancellableAgentMixin:
         """``durable=True``: this run's continuity record ([`cancellable_agents.durable`][])."""
         if not (self.owns_durable and self.durable):
             return None
-        from cancellable_agents.airflow.durable_task import journal_for
+        from cancellable_agents.airflow._durable_task import journal_for
 
         return journal_for(self, task_try)
 
@@ -250,8 +250,8 @@ class CancellableAgentMixin:
         """Airflow calls this instead of ``execute`` once the reviewer answered (or the wait timed
         out): ``execute`` runs again, and the run that stopped continues from its record with
         the answer (``durable.pauses``); runs before it in ``execute`` start afresh."""
-        from cancellable_agents.airflow.approval import decisions_from_event
-        from cancellable_agents.durable.pauses import ApprovalRequest
+        from cancellable_agents.airflow._approval import decisions_from_event
+        from cancellable_agents.durable._pauses import ApprovalRequest
 
         paused = ApprovalRequest.from_dict(request)
         self.task_try(context).answers = (paused.run_key, decisions_from_event(event, paused))
@@ -325,13 +325,13 @@ class CancellableAgentMixin:
         """The [`TaskCancelled`][] to raise for this killed task (cause, transcript, usage,
         timeline), with the kill record logged first (once per task instance). For subclasses
         whose own waits notice the kill (``raise self.cancelled_error("killed while ...")``)."""
-        from cancellable_agents.airflow.kill_record.task_log import cancelled_error
+        from cancellable_agents.airflow.kill_record._task_log import cancelled_error
 
         return cancelled_error(self.task_try(), getattr(self, "retry_policy", None), message)
 
     def _log_record(self, exc: TaskCancelled | None = None) -> None:
         """Once per task instance, after the unwind: the kill record into the task log."""
-        from cancellable_agents.airflow.kill_record.task_log import log_kill_record
+        from cancellable_agents.airflow.kill_record._task_log import log_kill_record
 
         log_kill_record(self.task_try(), getattr(self, "retry_policy", None), exc)
 

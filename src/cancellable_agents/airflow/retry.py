@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from cancellable_agents.airflow.adapter import is_execution_timeout
+from cancellable_agents.airflow._adapter import is_execution_timeout
 from cancellable_agents.airflow.task_try import cancellation_of
 from cancellable_agents.core.causes import CancelCause, UserAction
 

@@ -16,15 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cancellable_agents.airflow.adapter import TaskInstanceKey, ti_key
+from cancellable_agents.airflow._adapter import TaskInstanceKey, ti_key
 
 if TYPE_CHECKING:
-    from cancellable_agents.airflow.supervisor import SupervisorWatch
+    from cancellable_agents.airflow._supervisor import SupervisorWatch
     from cancellable_agents.core.causes import CauseVerdict
     from cancellable_agents.core.scope import TaskCancellation
     from cancellable_agents.core.wind_down import WindDownReport
-    from cancellable_agents.durable.pauses import Decision
-    from cancellable_agents.procs.reaper import DescendantReaper
+    from cancellable_agents.durable._pauses import Decision
+    from cancellable_agents.procs._reaper import DescendantReaper
     from cancellable_agents.run.tool_calls import RunIdentity
 
 __all__ = ["TaskTry", "cancellation_of"]
@@ -81,14 +81,14 @@ class TaskTry:
     def start_reaper(self) -> None:
         """Watch for processes the task starts (once per try)."""
         if self.reaper is None:
-            from cancellable_agents.procs.reaper import DescendantReaper
+            from cancellable_agents.procs._reaper import DescendantReaper
 
             self.reaper = DescendantReaper.start(self.scope)
 
     def watch_supervisor(self, context: Any) -> None:
         """Watch for the loss of the supervisor (once per try)."""
         if self.supervisor_watch is None:
-            from cancellable_agents.airflow.supervisor import watch_supervisor
+            from cancellable_agents.airflow._supervisor import watch_supervisor
 
             self.supervisor_watch = watch_supervisor(self.scope, context)
 
@@ -185,7 +185,7 @@ def _classify(key: TaskInstanceKey) -> CauseVerdict:
     logs a refused heartbeat before it signals (``server_stop``); only where that cannot tell,
     the server's view through ``classify_sigterm`` (a round trip that queues behind every other
     task's requests at a busy API server, so the cause must not depend on it)."""
-    from cancellable_agents.airflow.adapter import classify_sigterm
-    from cancellable_agents.airflow.server_stop import server_stop_verdict
+    from cancellable_agents.airflow._adapter import classify_sigterm
+    from cancellable_agents.airflow._server_stop import server_stop_verdict
 
     return server_stop_verdict() or classify_sigterm(*key)

@@ -1,7 +1,7 @@
 """Why a scope was cancelled: the cause, what the user did, and a bounded way to decide it.
 
 Airflow-free. How an Airflow task-instance state maps to a cause lives in
-[`cancellable_agents.airflow.adapter`][].
+[`cancellable_agents.airflow._adapter`][].
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@
 - [`CancellableAgentsError`][]: the base of everything else the provider raises: a
   configuration that cannot work ([`ConfigurationError`][]), a sandbox that cannot be had or
   used (``SandboxError`` and its kinds), an approval that cannot be waited for.
+- [`CancellableAgentsDeprecationWarning`][]: a public name used through the name that a later
+  version removes (the policy: ``docs/content/versioning.md``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ if TYPE_CHECKING:
     from pydantic_ai.messages import ModelMessage
     from pydantic_ai.usage import RunUsage
 
-__all__ = ["CancellableAgentsError", "ConfigurationError", "TaskCancelled"]
+__all__ = [
+    "CancellableAgentsDeprecationWarning",
+    "CancellableAgentsError",
+    "ConfigurationError",
+    "TaskCancelled",
+]
 
 
 class TaskCancelled(Exception):
@@ -74,3 +81,7 @@ class ConfigurationError(CancellableAgentsError, ValueError):
 
     The message names the fix.
     """
+
+
+class CancellableAgentsDeprecationWarning(DeprecationWarning):
+    """Something of this provider is used through a name that goes away in a later version."""

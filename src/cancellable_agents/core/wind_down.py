@@ -2,7 +2,7 @@
 
 What a DAG author gives ([`WindDown`][]) and what a wound-down run reports ([`WindDownReport`][]).
 Light on purpose (no pydantic-ai): a DAG file builds a ``WindDown`` at parse time. The pydantic-ai
-hook that makes the last request tool-less is ``cancellable_agents.run.final_request``.
+hook that makes the last request tool-less is ``cancellable_agents.run._final_request``.
 
 The contract, in the run's terms:
 

@@ -9,7 +9,7 @@ from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_d
 from airflow.sdk.definitions._internal.types import SET_DURING_EXECUTION
 from airflow.sdk.definitions.context import Context, context_merge
 
-from cancellable_agents.airflow.adapter import determine_kwargs
+from cancellable_agents.airflow._adapter import determine_kwargs
 from cancellable_agents.operators.llm import LLMOperator
 
 __all__ = ["llm_task"]

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from cancellable_agents.airflow.approval import check_approvals
+from cancellable_agents.airflow._approval import check_approvals
 from cancellable_agents.operators.llm import LLMOperator
-from cancellable_agents.toolsets.toolset_description import built
+from cancellable_agents.toolsets._toolset_description import built
 
 __all__ = ["AgentOperator"]
 

@@ -26,15 +26,15 @@ from pydantic_ai.exceptions import RunCancelled, RunTimedOut, UnexpectedModelBeh
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
-from cancellable_agents.durable.pauses import AwaitingApproval
+from cancellable_agents.durable._pauses import AwaitingApproval
 from cancellable_agents.run.tool_calls import RunIdentity, run_identity
 
 if TYPE_CHECKING:
     from cancellable_agents.core.wind_down import WindDown, WindDownReport
-    from cancellable_agents.durable.journal import Journal
-    from cancellable_agents.run.final_request import WindDownState
+    from cancellable_agents.durable._journal import Journal
+    from cancellable_agents.run._final_request import WindDownState
 
-from cancellable_agents.run.tracker import (
+from cancellable_agents.run._tracker import (
     CancellationCapability,
     RunTracker,
     ToolThreadExecutor,
@@ -167,7 +167,7 @@ def run_agent_in_scope(
     ``journal`` (``durable=True``, opened by the caller): attached before the run, appended to
     after each step, and ended here as the run ends (see `_run_journaled`). A journaled
     run whose model calls a tool that requires approval stops there and raises
-    [`AwaitingApproval`][cancellable_agents.durable.pauses.AwaitingApproval] instead of returning.
+    [`AwaitingApproval`][cancellable_agents.durable._pauses.AwaitingApproval] instead of returning.
     ``on_cancelled``: called with the [`TaskCancelled`][] before it is raised (an operator
     logs its kill record there), before the journal's end is written. ``identity``: who the run
     is (task instance, run key, try), from which its tool calls' idempotency keys derive
@@ -288,7 +288,7 @@ class _WindingDown:
         """
         if options is None or not options.active:
             return cls(scope)
-        from cancellable_agents.run.final_request import WindDownCapability, WindDownState
+        from cancellable_agents.run._final_request import WindDownCapability, WindDownState
 
         timeout = run_kwargs.get("timeout")
         now = scope.now()
@@ -314,7 +314,7 @@ class _WindingDown:
             return cls(scope)
         from dataclasses import replace
 
-        from cancellable_agents.run.final_request import WindDownCapability, WindDownState
+        from cancellable_agents.run._final_request import WindDownCapability, WindDownState
 
         options = replace(parent.options, budget=False, on_wind_down="answer")
 

@@ -32,10 +32,10 @@ response with new ids, and its call gets a new key (and ``is_rerun`` is ``False`
 ``write_ahead=True`` closes that window.
 
 Light: no pydantic-ai. The key of the call in progress is set by the run's toolset wrapper
-([`cancellable_agents.run.tracker`][]) and read here by tools, sandbox commands (the environment
+([`cancellable_agents.run._tracker`][]) and read here by tools, sandbox commands (the environment
 variable `IDEMPOTENCY_KEY_ENV`) and HTTP clients ([`idempotency_headers`][]); a call to an
 MCP server's tool carries it in the request's ``_meta`` under `IDEMPOTENCY_META_KEY`
-([`cancellable_agents.run.mcp_servers.carry_idempotency_keys`][]).
+([`cancellable_agents.run._mcp_servers.carry_idempotency_keys`][]).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import contextvars
 import hashlib
 from dataclasses import dataclass, replace
 
-from cancellable_agents.durable.fingerprint import canonical
+from cancellable_agents.durable._fingerprint import canonical
 
 __all__ = [
     "IDEMPOTENCY_HEADER",

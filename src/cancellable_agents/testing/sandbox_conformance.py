@@ -41,7 +41,7 @@ import pytest
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
-from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox._attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.protocol import (
     CommandResult,
     Sandbox,

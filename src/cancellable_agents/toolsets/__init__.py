@@ -6,7 +6,7 @@
   delegation to sub-agents as a DAG file describes it;
   [`cancellable_agents.toolsets.subagent_tools`][] runs them (``SubagentTools``), each under a
   child scope that the task's cancel reaches first.
-- [`cancellable_agents.toolsets.toolset_description`][]: what makes ``SandboxToolset`` and
+- [`cancellable_agents.toolsets._toolset_description`][]: what makes ``SandboxToolset`` and
   ``SubagentToolset`` light descriptions, made into pydantic-ai toolsets when the task runs.
 
 One naming rule for every toolset a DAG file can describe: ``<Feature>Toolset`` is the light

@@ -52,13 +52,13 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter
 from pydantic_ai.toolsets import FunctionToolset
 from pydantic_ai.usage import RunUsage
 
+from cancellable_agents.core._shield import wait_shielded
+from cancellable_agents.core._usage import usage_dict
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, TaskCancellation, current_cancellation
-from cancellable_agents.core.shield import wait_shielded
-from cancellable_agents.core.usage import usage_dict
+from cancellable_agents.run._tracker import RunTracker, current_run_tracker
 from cancellable_agents.run.runner import run_agent_in_scope_async
-from cancellable_agents.run.tracker import RunTracker, current_run_tracker
 from cancellable_agents.toolsets.subagent_toolset import Subagent, by_name
 
 __all__ = ["SubagentTools", "run_subagent", "run_subagent_sync"]

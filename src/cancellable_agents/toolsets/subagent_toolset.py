@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.core.exceptions import ConfigurationError
-from cancellable_agents.toolsets.toolset_description import ToolsetDescription, built
+from cancellable_agents.toolsets._toolset_description import ToolsetDescription, built
 
 if TYPE_CHECKING:
     from pydantic_ai.agent import AbstractAgent

@@ -31,7 +31,7 @@ from pydantic_ai import RunContext
 
 from cancellable_agents import AgentOperator, DurableOptions, LocalSandbox, current_cancellation
 from cancellable_agents.durable import current_resume
-from cancellable_agents.durable.record_format import KEY_PREFIX, segment_key
+from cancellable_agents.durable._record_format import KEY_PREFIX, segment_key
 
 log = logging.getLogger("e2e")
 

@@ -2,9 +2,9 @@
 
 One room for the record as a document: [`document`][cancellable_agents.airflow.kill_record.document]
 renders and parses it (Airflow-free; every reader of a task log uses its parser),
-[`outlook`][cancellable_agents.airflow.kill_record.outlook] holds the Airflow facts it names (the
+[`outlook`][cancellable_agents.airflow.kill_record._outlook] holds the Airflow facts it names (the
 retry outlook, Airflow's own lines that follow it), and
-[`task_log`][cancellable_agents.airflow.kill_record.task_log] writes it. What it is made of, the scope's
+[`task_log`][cancellable_agents.airflow.kill_record._task_log] writes it. What it is made of, the scope's
 timeline and the processes its unwind stopped, is the scope's own
 ([`cancellable_agents.core.timeline`][]), below every layer that records a kill.
 """

@@ -6,7 +6,7 @@ Three floors, each importing only the ones below it:
   protocol, its result and errors), the policies any backend may honour
   ([`egress_policy`][cancellable_agents.toolsets.sandbox.egress_policy]: [`EgressPolicy`][], the
   hosts a command may reach; [`limits`][cancellable_agents.toolsets.sandbox.limits]: [`Limits`][]),
-  [`attach`][cancellable_agents.toolsets.sandbox.attach] ([`attach_sandbox`][], the one way a
+  [`attach`][cancellable_agents.toolsets.sandbox._attach] ([`attach_sandbox`][], the one way a
   backend is tied to a task's scope, with the one guard against a start racing a cancel),
   [`sandbox_tools`][cancellable_agents.toolsets.sandbox.sandbox_tools] ([`SandboxTools`][], the
   agent's tools on any backend, a pydantic-ai toolset) and
@@ -30,20 +30,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cancellable_agents.core.lazy import lazy_exports
+from cancellable_agents.core._lazy import lazy_exports
 
 if TYPE_CHECKING:  # ``X as X``: explicit re-exports, for type checkers and linters alike
-    from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment as SandboxAttachment
-    from cancellable_agents.toolsets.sandbox.attach import attach_sandbox as attach_sandbox
+    from cancellable_agents.toolsets.sandbox._attach import SandboxAttachment as SandboxAttachment
+    from cancellable_agents.toolsets.sandbox._attach import attach_sandbox as attach_sandbox
     from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy as EgressPolicy
     from cancellable_agents.toolsets.sandbox.limits import Limits as Limits
-    from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import BwrapSupport as BwrapSupport
-    from cancellable_agents.toolsets.sandbox.local.boundary.bwrap import bwrap_support as bwrap_support
-    from cancellable_agents.toolsets.sandbox.local.env import is_sensitive as is_sensitive
-    from cancellable_agents.toolsets.sandbox.local.env import scrubbed_environment as scrubbed_environment
-    from cancellable_agents.toolsets.sandbox.local.sandbox import COMMAND_TAG as COMMAND_TAG
-    from cancellable_agents.toolsets.sandbox.local.sandbox import DEFAULT_OUTPUT_LIMIT as DEFAULT_OUTPUT_LIMIT
-    from cancellable_agents.toolsets.sandbox.local.sandbox import LocalSandbox as LocalSandbox
+    from cancellable_agents.toolsets.sandbox.local._env import is_sensitive as is_sensitive
+    from cancellable_agents.toolsets.sandbox.local._env import scrubbed_environment as scrubbed_environment
+    from cancellable_agents.toolsets.sandbox.local._sandbox import COMMAND_TAG as COMMAND_TAG
+    from cancellable_agents.toolsets.sandbox.local._sandbox import (
+        DEFAULT_OUTPUT_LIMIT as DEFAULT_OUTPUT_LIMIT,
+    )
+    from cancellable_agents.toolsets.sandbox.local._sandbox import LocalSandbox as LocalSandbox
+    from cancellable_agents.toolsets.sandbox.local.boundary._bwrap import BwrapSupport as BwrapSupport
+    from cancellable_agents.toolsets.sandbox.local.boundary._bwrap import bwrap_support as bwrap_support
     from cancellable_agents.toolsets.sandbox.protocol import CommandResult as CommandResult
     from cancellable_agents.toolsets.sandbox.protocol import Sandbox as Sandbox
     from cancellable_agents.toolsets.sandbox.protocol import SandboxCapabilities as SandboxCapabilities
@@ -57,11 +59,11 @@ if TYPE_CHECKING:  # ``X as X``: explicit re-exports, for type checkers and lint
     from cancellable_agents.toolsets.sandbox.sandbox_toolset import SandboxToolset as SandboxToolset
 
 _EXPORTS = {
-    "COMMAND_TAG": "cancellable_agents.toolsets.sandbox.local.sandbox",
-    "DEFAULT_OUTPUT_LIMIT": "cancellable_agents.toolsets.sandbox.local.sandbox",
-    "LocalSandbox": "cancellable_agents.toolsets.sandbox.local.sandbox",
-    "BwrapSupport": "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
-    "bwrap_support": "cancellable_agents.toolsets.sandbox.local.boundary.bwrap",
+    "COMMAND_TAG": "cancellable_agents.toolsets.sandbox.local._sandbox",
+    "DEFAULT_OUTPUT_LIMIT": "cancellable_agents.toolsets.sandbox.local._sandbox",
+    "LocalSandbox": "cancellable_agents.toolsets.sandbox.local._sandbox",
+    "BwrapSupport": "cancellable_agents.toolsets.sandbox.local.boundary._bwrap",
+    "bwrap_support": "cancellable_agents.toolsets.sandbox.local.boundary._bwrap",
     "CommandResult": "cancellable_agents.toolsets.sandbox.protocol",
     "Sandbox": "cancellable_agents.toolsets.sandbox.protocol",
     "SandboxCapabilities": "cancellable_agents.toolsets.sandbox.protocol",
@@ -73,10 +75,10 @@ _EXPORTS = {
     "ScopedSandbox": "cancellable_agents.toolsets.sandbox.protocol",
     "EgressPolicy": "cancellable_agents.toolsets.sandbox.egress_policy",
     "Limits": "cancellable_agents.toolsets.sandbox.limits",
-    "is_sensitive": "cancellable_agents.toolsets.sandbox.local.env",
-    "scrubbed_environment": "cancellable_agents.toolsets.sandbox.local.env",
-    "SandboxAttachment": "cancellable_agents.toolsets.sandbox.attach",
-    "attach_sandbox": "cancellable_agents.toolsets.sandbox.attach",
+    "is_sensitive": "cancellable_agents.toolsets.sandbox.local._env",
+    "scrubbed_environment": "cancellable_agents.toolsets.sandbox.local._env",
+    "SandboxAttachment": "cancellable_agents.toolsets.sandbox._attach",
+    "attach_sandbox": "cancellable_agents.toolsets.sandbox._attach",
     "SandboxToolset": "cancellable_agents.toolsets.sandbox.sandbox_toolset",
     "SandboxTools": "cancellable_agents.toolsets.sandbox.sandbox_tools",
 }

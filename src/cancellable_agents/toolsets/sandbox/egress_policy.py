@@ -8,7 +8,7 @@ IPv4-mapped, 6to4 and NAT64 forms). Every host, in a rule or a request, is read 
 [`canonical_host`][]: a spelling ``inet_aton`` takes as an IPv4 address (``127.1``, ``2130706433``,
 ``0x7f000001``, ``0177.0.0.1``) *is* that address, never a name. The proxy that enforces the policy
 is the local backend's
-[`egress_proxy`][cancellable_agents.toolsets.sandbox.local.boundary.egress_proxy]; the policy itself
+[`egress_proxy`][cancellable_agents.toolsets.sandbox.local.boundary._egress_proxy]; the policy itself
 is any backend's (a pod backend may turn it into a NetworkPolicy). Imports no Airflow.
 """
 

@@ -3,7 +3,7 @@
 The values say what a sandbox's commands may use (memory, processes, CPU time, file sizes, open
 files, the sizes of ``/tmp`` and the workdir), whatever enforces them: the local backend enforces
 them with a cgroup, ``prlimit`` and tmpfs sizes
-([`quotas`][cancellable_agents.toolsets.sandbox.local.boundary.quotas]); another backend may map
+([`quotas`][cancellable_agents.toolsets.sandbox.local.boundary._quotas]); another backend may map
 them onto a pod's resources or a service's quotas. This module imports nothing of a backend.
 """
 
@@ -29,7 +29,7 @@ class Limits:
 
     ``memory_bytes`` and ``max_processes`` are totals for the whole sandbox (all its commands, their
     ``/tmp``, bubblewrap's two processes per command) where the worker can create a cgroup per
-    sandbox ([`cgroups`][cancellable_agents.toolsets.sandbox.local.boundary.cgroups]); the kernel's
+    sandbox ([`cgroups`][cancellable_agents.toolsets.sandbox.local.boundary._cgroups]); the kernel's
     OOM killer ends a process of a sandbox at its memory total (SIGKILL), a fork past the count
     fails (``EAGAIN``). Elsewhere (logged once) they bind each process: address space
     (``RLIMIT_AS``; a runtime reserving much more than it uses, the JVM or Go, needs more) and
@@ -38,7 +38,7 @@ class Limits:
     SIGKILL ``CPU_KILL_GRACE`` CPU seconds later. ``file_size_bytes`` caps each file (SIGXFSZ),
     ``workdir_bytes`` the workdir's total (a tmpfs, on a workdir the sandbox created, where the
     worker is root; see
-    [`mount_workdir`][cancellable_agents.toolsets.sandbox.local.boundary.quotas.mount_workdir]),
+    [`mount_workdir`][cancellable_agents.toolsets.sandbox.local.boundary._quotas.mount_workdir]),
     ``tmp_bytes`` the private ``/tmp`` (a tmpfs per command): writes past them fail with ``ENOSPC``.
     Output is capped separately (``output_limit``).
     """

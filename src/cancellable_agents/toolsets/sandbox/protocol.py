@@ -6,15 +6,15 @@ does beyond it in one typed value, [`SandboxCapabilities`][] (who writes the kil
 backend by ``getattr``. Two more optional capabilities are protocols of their own, checked with
 ``isinstance``: file access ([`SandboxFiles`][]) and a ``start`` that goes through the backend's own
 attachment ([`ScopedSandbox`][]).
-[`attach_sandbox`][cancellable_agents.toolsets.sandbox.attach.attach_sandbox] ties any backend to a
+[`attach_sandbox`][cancellable_agents.toolsets.sandbox._attach.attach_sandbox] ties any backend to a
 task's scope (a backend never needs to know its scope otherwise; one that writes its own kill
-records finds it with [`attachment_of`][cancellable_agents.toolsets.sandbox.attach.attachment_of]),
+records finds it with [`attachment_of`][cancellable_agents.toolsets.sandbox._attach.attachment_of]),
 and [`SandboxToolset`][cancellable_agents.toolsets.sandbox.sandbox_toolset.SandboxToolset] gives any
 of them to an agent. ``cancellable_agents.testing.sandbox_conformance`` is the contract as tests,
 for any backend.
 
 Ownership, stated once (the toolset,
-[`attach_sandbox`][cancellable_agents.toolsets.sandbox.attach.attach_sandbox] and the docs follow
+[`attach_sandbox`][cancellable_agents.toolsets.sandbox._attach.attach_sandbox] and the docs follow
 it):
 
 - **on a kill**, every backend attached to the task's scope is stopped (``Phase.IN_FLIGHT``) and
@@ -111,9 +111,9 @@ class SandboxCapabilities:
 
     - ``records_kills``: the backend writes its own kill records (one
       [`KillRecord`][cancellable_agents.core.timeline.KillRecord] per process, with pids, as
-      [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox] does) on the
+      [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local._sandbox.LocalSandbox] does) on the
       scope of its attachment, whoever attached it
-      ([`attachment_of`][cancellable_agents.toolsets.sandbox.attach.attachment_of]); the attachment
+      ([`attachment_of`][cancellable_agents.toolsets.sandbox._attach.attachment_of]); the attachment
       then writes none. ``False``: the attachment writes one record per command it stopped (no pid).
     - ``stops_all_at_once``: ``stop_all`` stops every running command concurrently, so N commands
       cost one grace; on a kill the attachment then calls ``stop_all`` alone. ``False``: the
@@ -208,11 +208,11 @@ class SandboxFiles(Protocol):
 @runtime_checkable
 class ScopedSandbox(Sandbox, Protocol):
     """A backend whose own ``start`` goes through its attachment
-    ([`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox]).
+    ([`LocalSandbox`][cancellable_agents.toolsets.sandbox.local._sandbox.LocalSandbox]).
 
     Such a backend attaches itself (``attach_sandbox``) to the scope it is given or finds, and its
     ``start`` is
-    [`SandboxAttachment.start`][cancellable_agents.toolsets.sandbox.attach.SandboxAttachment.start],
+    [`SandboxAttachment.start`][cancellable_agents.toolsets.sandbox._attach.SandboxAttachment.start],
     so the one start-race guard covers its direct callers too. The attachment starts its commands
     with ``launch``: the unguarded start, which nothing else calls.
     """

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from pydantic_ai import ModelRetry
 from pydantic_ai.toolsets import FunctionToolset
 
+from cancellable_agents.core._shield import wait_shielded
+from cancellable_agents.core._workers import JobThread
 from cancellable_agents.core.scope import current_cancellation
-from cancellable_agents.core.shield import wait_shielded
-from cancellable_agents.core.workers import JobThread
 from cancellable_agents.run.tool_calls import current_tool_call
-from cancellable_agents.toolsets.sandbox.attach import SandboxAttachment, attach_sandbox
+from cancellable_agents.toolsets.sandbox._attach import SandboxAttachment, attach_sandbox
 from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.limits import Limits
 from cancellable_agents.toolsets.sandbox.protocol import (
@@ -36,7 +36,7 @@ from cancellable_agents.toolsets.sandbox.protocol import (
 from cancellable_agents.toolsets.sandbox.sandbox_toolset import refuse_local_options
 
 if TYPE_CHECKING:
-    from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
+    from cancellable_agents.toolsets.sandbox.local._isolation import Isolation, Profile
 
 __all__ = ["SandboxTools"]
 
@@ -78,7 +78,7 @@ class SandboxTools(FunctionToolset[Any]):
     """
 
     #: The workspace is created per try and gone on the next: a durable run resumed in a later
-    #: try is told so (``cancellable_agents.durable.fingerprint.WORKSPACE_SURVIVES_A_RETRY``).
+    #: try is told so (``cancellable_agents.durable._fingerprint.WORKSPACE_SURVIVES_A_RETRY``).
     workspace_survives_a_retry: ClassVar[bool] = False
 
     def __init__(
@@ -141,7 +141,7 @@ class SandboxTools(FunctionToolset[Any]):
     def _local_sandbox(self) -> Sandbox:
         """The toolset's own [`LocalSandbox`][], imported only now: a task with another
         backend never loads the local one (its boundary code is most of the sandbox package)."""
-        from cancellable_agents.toolsets.sandbox.local.sandbox import LocalSandbox
+        from cancellable_agents.toolsets.sandbox.local._sandbox import LocalSandbox
 
         options: dict[str, Any] = {} if self.output_limit is None else {"output_limit": self.output_limit}
         return LocalSandbox(

@@ -12,13 +12,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.toolsets._toolset_description import ToolsetDescription
 from cancellable_agents.toolsets.sandbox.egress_policy import EgressPolicy
 from cancellable_agents.toolsets.sandbox.protocol import require_sandbox
-from cancellable_agents.toolsets.toolset_description import ToolsetDescription
 
 if TYPE_CHECKING:
     from cancellable_agents.toolsets.sandbox.limits import Limits
-    from cancellable_agents.toolsets.sandbox.local.isolation import Isolation, Profile
+    from cancellable_agents.toolsets.sandbox.local._isolation import Isolation, Profile
     from cancellable_agents.toolsets.sandbox.protocol import Sandbox
 
 __all__ = ["LOCAL_OPTIONS", "SandboxToolset", "refuse_local_options"]
@@ -47,7 +47,7 @@ class SandboxToolset(ToolsetDescription):
         destroys it (a kill does, as it destroys every backend attached to the task), and the
         options below that configure the local sandbox are refused with it (set them on your
         backend). Default: a
-        [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local.sandbox.LocalSandbox] made on
+        [`LocalSandbox`][cancellable_agents.toolsets.sandbox.local._sandbox.LocalSandbox] made on
         first use, destroyed on the toolset's exit.
     :param isolation: the local sandbox's isolation: ``"auto"`` (default), ``"namespace"``,
         ``"landlock"`` (a boundary without namespaces, for unprivileged pods) or ``"process-group"``.

@@ -1,0 +1,73 @@
+"""What a killed task writes at the end of its log, once, after the unwind: one human line, the
+structured record ([`document`][cancellable_agents.airflow.kill_record.document] renders it), its
+metrics; then the task process exits promptly."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import TYPE_CHECKING, Any
+
+from cancellable_agents.airflow._metrics import emit_kill
+from cancellable_agents.airflow._supervisor import notice_exit_at_once
+from cancellable_agents.airflow.kill_record._outlook import airflow_logs_next, retry_outlook
+from cancellable_agents.airflow.kill_record.document import KillReport, render_record, summary_line
+from cancellable_agents.core._usage import usage_dict
+from cancellable_agents.core.exceptions import TaskCancelled
+from cancellable_agents.procs._proc import read_proc
+
+if TYPE_CHECKING:
+    from cancellable_agents.airflow.task_try import TaskTry
+
+log = logging.getLogger("cancellable_agents.airflow.mixin")  # the logger the task log has always named
+
+
+def cancelled_error(task_try: TaskTry, retry_policy: Any, message: str) -> TaskCancelled:
+    """The [`TaskCancelled`][] to raise for a killed try, with its kill record logged first."""
+    exc = task_try.scope.cancelled_error(message)
+    log_kill_record(task_try, retry_policy, exc)
+    return exc
+
+
+def log_kill_record(task_try: TaskTry, retry_policy: Any, exc: TaskCancelled | None = None) -> None:
+    """Once per try: wait for the unwind (within the budget), then write what happened for the
+    task log in the UI: one human line, then the structured record. ``retry_policy`` is the
+    operator's (what happens next is decided as the Task SDK will decide it)."""
+    if task_try.record_logged:
+        return
+    task_try.record_logged = True
+    scope = task_try.scope
+    scope.wait_released(scope.remaining())
+    task_try.finish_reaper()
+    record = scope.summary()
+    record["usage"] = usage_dict(exc.usage if exc else None)
+    record["messages"] = len(exc.messages) if exc else 0
+    cause, action = scope.cause, scope.user_action
+    report = KillReport(
+        record,
+        action=action,
+        processes_left=_still_running(record["killed"]),
+        retry=retry_outlook(retry_policy, task_try.ti, cause, action),
+        airflow_logs_next=airflow_logs_next(cause, action),
+    )
+    log.warning("%s", summary_line(report))
+    log.warning("%s", render_record(report.full_record()))
+    emit_kill(task_try, report)  # after the record: metrics can never delay or hide it
+    _exit_promptly()
+
+
+def _exit_promptly() -> None:
+    """Spare the killed task process the interpreter's final garbage collection.
+
+    With Airflow, pydantic-ai and the model SDKs imported, that last collection takes 1.5-5 s
+    (measured on 2 cores): enough to push a cancelled task past Airflow's 5 s SIGKILL even
+    though its unwind took milliseconds. Frozen objects are left to the OS at exit.
+    """
+    gc.freeze()
+    notice_exit_at_once()  # and spare it Airflow's supervisor sleeping through its exit
+
+
+def _still_running(killed: list[dict[str, Any]]) -> int:
+    """How many of the processes the unwind signalled still run code (zombies count as gone)."""
+    pids = {k["pid"] for k in killed if isinstance(k.get("pid"), int)}
+    return sum(1 for pid in pids if (info := read_proc(pid)) is not None and not info.exited)
