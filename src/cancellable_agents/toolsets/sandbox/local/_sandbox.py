@@ -1,34 +1,30 @@
 """The local backend: commands run as process trees on this host that a cancel really stops.
 
-[`LocalSandbox`][cancellable_agents.toolsets.sandbox.local._sandbox.LocalSandbox] gives one task a working
-directory and a command runner. Every command is
-a *process tree*: stopping it (``stop``, a per-command timeout, or the task being cancelled)
-sends SIGTERM to the whole tree, waits ``stop_grace`` (never past the scope's budget), SIGKILLs
-what is left, reaps it and records each kill on the task's
-[`TaskCancellation`][cancellable_agents.core.scope.TaskCancellation]. When a
-command's main process ends, whatever it left running in the background is killed too: a
-command never outlives itself.
+[`LocalSandbox`][] gives one task a working directory and a command runner. Every command is a
+*process tree*: stopping it (``stop``, a per-command timeout, or the task being cancelled) sends
+SIGTERM to the whole tree, waits ``stop_grace`` (never past the scope's budget), SIGKILLs what is
+left, reaps it and records each kill on the task's
+[`TaskCancellation`][cancellable_agents.core.scope.TaskCancellation]. When a command's main
+process ends, whatever it left running in the background is killed too: a command never
+outlives itself.
 
-Isolation modes (``isolation=``: ``"namespace"``, ``"landlock"``, ``"process-group"``, ``"auto"``) are
-described in [`isolation`][cancellable_agents.toolsets.sandbox.local._isolation].
-
+Isolation modes (``isolation=``: ``"namespace"``, ``"landlock"``, ``"process-group"``,
+``"auto"``) are described in [`isolation`][cancellable_agents.toolsets.sandbox.local._isolation].
 Commands get the environment by allowlist in every mode (``PATH``, the locale, ``TERM``, ``TZ``,
 ``HOME`` = the workdir, and what ``env=`` passes; see
-[`env`][cancellable_agents.toolsets.sandbox.local._env]).
-The file tools open paths below the workdir without following symlinks, so a command swapping
-folders under them cannot redirect them ([`files`][cancellable_agents.toolsets.sandbox.local._files]).
+[`env`][cancellable_agents.toolsets.sandbox.local._env]). The file tools open paths below the
+workdir without following symlinks, so a command swapping folders under them cannot redirect
+them ([`files`][cancellable_agents.toolsets.sandbox.local._files]).
 
 The sandbox reaches its scope one way, as any backend: the attachment
-[`attach_sandbox`][cancellable_agents.toolsets.sandbox._attach.attach_sandbox] gave
-it; its commands and its egress proxy read the scope there. This module is the sandbox's life:
+[`attach_sandbox`][cancellable_agents.toolsets.sandbox._attach.attach_sandbox] gave it; its
+commands and its egress proxy read the scope there. This module is the sandbox's life:
 ``__init__``, starting, stopping, destroying, whose parts share its state (workdir, mode,
 profile, commands, attachment). Beside it, mixed into the class, each idea on its own: the
-boundary's set-up at creation ([`provision`][cancellable_agents.toolsets.sandbox.local._provision]), the
-results (``wait``, ``run``, ``arun``:
-[`results`][cancellable_agents.toolsets.sandbox.local._results]), the file tools
-([`files`][cancellable_agents.toolsets.sandbox.local._files]) and the egress proxy's start
-(``boundary.egress_proxy``); so do the Landlock rules (``boundary.landlock``) and spawning
-(``spawn``). This module imports no Airflow.
+boundary's set-up at creation ([`provision`][cancellable_agents.toolsets.sandbox.local._provision]),
+the results (``wait``, ``run``, ``arun``: [`results`][cancellable_agents.toolsets.sandbox.local._results]),
+the file tools and the egress proxy's start (``boundary._egress_proxy``); so do the Landlock
+rules (``boundary._landlock``) and spawning (``_spawn``). This module imports no Airflow.
 """
 
 from __future__ import annotations
