@@ -335,6 +335,7 @@ class Journal:
         ``wound_down`` (a ``WindDownReport``): the run answered at its wind-down; the entry's
         state is ``wound_down`` and holds the report. Like ``completed``, it ends the record: the
         answer is the task's result, so a Clear starts fresh."""
+        self._appender.settle()  # an entry that failed to store turns the record off (not the end)
         usage = self._ended(getattr(result, "usage", None))
         facts = self._facts(usage)
         state = "wound_down" if wound_down is not None else "completed"
