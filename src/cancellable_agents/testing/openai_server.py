@@ -2,7 +2,8 @@
 
 The server speaks real HTTP/1.1 on ``127.0.0.1`` (an ephemeral port unless one is given) and answers
 ``POST /v1/chat/completions`` in both plain-JSON and SSE streaming form, in the shape the ``openai`` client
-and pydantic-ai's ``OpenAIChatModel`` accept. What it answers is chosen by the request's ``model`` string.
+and pydantic-ai's ``OpenAIChatModel`` accept (also under the paths Azure OpenAI, Groq and Mistral's SDKs
+use for the same API). What it answers is chosen by the request's ``model`` string.
 
 What it answers (the model-string grammar) is in [`cancellable_agents.testing.scripts`][].
 
@@ -175,10 +176,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route GET {path}", "not_found"))
 
     def do_POST(self) -> None:
-        """Serve ``/v1/chat/completions`` and ``/_reset``; anything else is a JSON 404."""
+        """Serve chat completions and ``/_reset``; anything else is a JSON 404.
+
+        Chat completions are served under every path the OpenAI-compatible SDKs use: OpenAI's and
+        Mistral's ``/v1/chat/completions``, Groq's ``/openai/v1/chat/completions``, Azure
+        OpenAI's ``/openai/deployments/<deployment>/chat/completions`` (and ``/openai/v1/...``).
+        """
         path = urlsplit(self.path).path.rstrip("/")
         body = self._read_body()
-        if path == "/v1/chat/completions":
+        if path.endswith("/chat/completions"):
             self._chat_completions(body)
         elif path == "/_reset":
             self._send_json(HTTPStatus.OK, {"cleared": self._log.clear()})
