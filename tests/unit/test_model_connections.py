@@ -349,3 +349,80 @@ def test_the_test_button_of_a_blocking_cloud_sdk_does_not_hang(monkeypatch: pyte
         ok, message = ModelHook(llm_conn_id="llm").test_connection()
     assert not ok
     assert "did not answer within" in message and "API server" in message, message
+
+
+def test_the_test_button_says_a_wrong_key_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    with ScriptedModelServer(api_key="the-right-key") as server:
+        _connection(
+            monkeypatch,
+            "llm",
+            conn_type="cancellable_agents_model",
+            schema="openai:echo",
+            host=server.base_url,
+        )
+        for key, expected in (("a-wrong-key", False), ("the-right-key", True)):
+            monkeypatch.setenv(
+                "AIRFLOW_CONN_LLM",
+                json.dumps(
+                    {
+                        "conn_type": "cancellable_agents_model",
+                        "schema": "openai:echo",
+                        "host": server.base_url,
+                    }
+                    | {"password": key}
+                ),
+            )
+            ok, message = ModelHook(llm_conn_id="llm").test_connection()
+            assert ok is expected, message
+            if not ok:
+                assert "401" in message and "Incorrect API key provided" in message, message
+
+
+# -- the Port field (Airflow 3.3.1-3.3.2's Test button needs one stored) --------------------------
+
+
+@pytest.mark.parametrize(
+    ("base_url", "port", "expected"),
+    [
+        ("http://127.0.0.1/v1", 8765, "http://127.0.0.1:8765/v1"),
+        ("http://127.0.0.1:8765/v1", 8765, "http://127.0.0.1:8765/v1"),
+        ("https://api.groq.com", 443, "https://api.groq.com"),
+        ("https://contoso.openai.azure.com", None, "https://contoso.openai.azure.com"),
+        (None, 443, None),
+    ],
+)
+def test_the_port_field_is_the_endpoints_port(
+    base_url: str | None, port: int | None, expected: str | None
+) -> None:
+    from cancellable_agents.hooks.model import with_port
+
+    assert with_port("llm", base_url, port) == expected
+
+
+def test_a_port_that_contradicts_the_base_url_names_both() -> None:
+    from cancellable_agents.hooks.model import with_port
+
+    with pytest.raises(ConfigurationError, match="has port 8765 but the Port field says 9000"):
+        with_port("llm", "http://127.0.0.1:8765/v1", 9000)
+
+
+def test_a_connection_without_a_port_still_works_and_is_told_once_what_to_set(
+    monkeypatch: pytest.MonkeyPatch, model_server: ScriptedModelServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cancellable_agents.hooks import model as model_hook
+
+    monkeypatch.setattr(model_hook, "_TEST_BUTTON_NEEDS_A_PORT", frozenset({_airflow_version()}))
+    monkeypatch.setattr(model_hook, "_PORT_NOTED", model_hook.Once())
+    host = model_server.base_url
+    for _ in range(2):
+        model = _model(monkeypatch, conn_type="cancellable_agents_model", schema="openai:echo", host=host)
+        assert Agent(model).run_sync("hi").output == "echo: hi"
+    notes = [r.getMessage() for r in caplog.records if "has no Port" in r.getMessage()]
+    assert len(notes) == 1, notes
+    assert f"Set its Port to {model_server.port}" in notes[0] and "apache/airflow#73298" in notes[0]
+
+
+def _airflow_version() -> str:
+    from airflow import __version__
+
+    return __version__

@@ -3,7 +3,7 @@
 Connection fields: *Model id* (the standard ``schema`` field, relabelled; connections made before
 it moved there keep it in extra ``model``), *Base URL* (host), *API key* (password), and in the
 extra what a cloud platform needs (region, project, API version, the Airflow AWS or Google Cloud
-connection to take credentials from: [`cancellable_agents.hooks._platforms`][]) and
+connection to take credentials from: `cancellable_agents.hooks._platforms`) and
 ``fallback_conn_ids``, the failover chain.
 Model ids are pydantic-ai's ``provider:name``; ``test`` is pydantic-ai's keyless ``TestModel``
 for demos and tests. A Base URL makes any ``openai:`` model talk to an OpenAI-compatible server
@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from airflow.sdk.bases.hook import BaseHook
 
 from cancellable_agents.core.exceptions import ConfigurationError
+from cancellable_agents.core.once import Once
 from cancellable_agents.hooks._platforms import (
     COMMON_AI_CONN_TYPES,
     OUR_CONN_TYPE,
@@ -34,6 +37,8 @@ from cancellable_agents.hooks._platforms import (
 )
 
 __all__ = ["ModelHook"]
+
+log = logging.getLogger(__name__)
 
 #: Sent to OpenAI-compatible local servers that want *some* key but check none.
 _LOCAL_SERVER_KEY = "not-needed-for-local-servers"
@@ -51,7 +56,7 @@ class ModelHook(BaseHook):
     :param model: model id overriding the connection's (``provider:name`` or ``test``).
     :param fallback_conn_ids: connections to fail over to, in order, when the model is down or
         refuses (overrides the connection's extra ``fallback_conn_ids``; ``[]`` turns a chain
-        off). A kill never moves to the next one ([`cancellable_agents.run._failover`][]).
+        off). A kill never moves to the next one (`cancellable_agents.run._failover`).
     """
 
     conn_name_attr = "llm_conn_id"
@@ -111,7 +116,7 @@ class ModelHook(BaseHook):
         return chain
 
     def _read(self, conn_id: str) -> ModelConnection:
-        """Connection ``conn_id`` as a [`ModelConnection`][], whichever model type it is."""
+        """Connection ``conn_id`` as a ``ModelConnection``, whichever model type it is."""
         try:
             conn = self.get_connection(conn_id)
         except Exception as exc:
@@ -195,7 +200,7 @@ def _test_one(model: Any) -> tuple[bool, str]:
 
 
 def model_connection(conn: Any) -> ModelConnection:
-    """An Airflow connection of a model type read into a [`ModelConnection`][].
+    """An Airflow connection of a model type read into a ``ModelConnection``.
 
     Ours keeps the model id in *Model id* (``schema``; connections made before it moved keep it in
     extra ``model``), common.ai's in extra ``model``; common.ai's Bedrock and Vertex types keep a
@@ -213,14 +218,83 @@ def model_connection(conn: Any) -> ModelConnection:
     model_id = (conn.schema if conn_type == OUR_CONN_TYPE else None) or extra.get("model")
     model_id = model_id or extra.get(f"extra__{OUR_CONN_TYPE}__model")
     in_extra = conn_type in ("pydanticai_bedrock", "pydanticai_vertex")
+    base_url = (extra.get("base_url") if in_extra else conn.host) or None
+    if conn_type == OUR_CONN_TYPE:
+        base_url = with_port(conn.conn_id, base_url, conn.port)
+        if conn.port is None:
+            _note_the_port_the_test_button_needs(conn.conn_id, base_url)
     return ModelConnection(
         conn_id=conn.conn_id,
         conn_type=conn_type,
         model_id=str(model_id).strip() if model_id else None,
-        base_url=(extra.get("base_url") if in_extra else conn.host) or None,
+        base_url=base_url,
         api_key=(extra.get("api_key") if in_extra else conn.password) or None,
         extra=extra,
     )
+
+
+_DEFAULT_PORTS = {"https": 443, "http": 80}
+
+
+def endpoint_port(base_url: str | None) -> int:
+    """The port a Base URL reaches (its own, else its scheme's; 443 without a Base URL: the
+    provider's own HTTPS API)."""
+    if not base_url:
+        return 443
+    parts = urlsplit(base_url)
+    return parts.port or _DEFAULT_PORTS.get(parts.scheme, 443)
+
+
+def with_port(conn_id: str, base_url: str | None, port: int | None) -> str | None:
+    """The Base URL with the connection's *Port* in it.
+
+    The *Port* field holds the endpoint's port, so that Airflow 3.3.1-3.3.2's *Test* button
+    (which sends ``port: 0`` for a connection without one and is refused) passes: a Base URL
+    without a port of its own takes it (unless it is the scheme's default); one with a different
+    port of its own is an error naming both. Without a Base URL the port is only for that button.
+    """
+    if not base_url or port is None:
+        return base_url
+    parts = urlsplit(base_url)
+    if parts.port is not None:
+        if parts.port != port:
+            raise ConfigurationError(
+                f"Connection {conn_id!r}: the Base URL {base_url!r} has port {parts.port} but the Port "
+                f"field says {port}: make them the same (or leave the port out of the Base URL)."
+            )
+        return base_url
+    if port == _DEFAULT_PORTS.get(parts.scheme):
+        return base_url
+    return urlunsplit(parts._replace(netloc=f"{parts.hostname}:{port}"))
+
+
+_PORT_NOTED = Once()
+
+
+def _note_the_port_the_test_button_needs(conn_id: str, base_url: str | None) -> None:
+    """Warn once per process, on Airflow 3.3.1-3.3.2 only, that a connection without a port fails
+    the UI's *Test* button there (apache/airflow#73298), naming the value to set."""
+    from airflow import __version__ as airflow_version
+
+    if airflow_version not in _TEST_BUTTON_NEEDS_A_PORT or not _PORT_NOTED.first():
+        return
+    port = endpoint_port(base_url)
+    log.warning(
+        "Connection %r has no Port: Airflow %s's Test button refuses it ('The host or port to test "
+        "differs from the stored connection', apache/airflow#73298). Set its Port to %d "
+        "(`airflow connections delete %s` and add it again with `--conn-port %d`, or edit it in the "
+        "UI); tasks work either way.",
+        conn_id,
+        airflow_version,
+        port,
+        conn_id,
+        port,
+    )
+
+
+#: Airflow versions whose connection *Test* route refuses ``port: 0`` (what their UI sends for
+#: a connection without a port) when the stored port is empty.
+_TEST_BUTTON_NEEDS_A_PORT = frozenset({"3.3.1", "3.3.2"})
 
 
 def _ask_once(model: Any, timeout: float) -> str:
@@ -307,7 +381,7 @@ def build_model(
 
 def _from_provider(model_id: str, conn: ModelConnection) -> Any:
     """Any other pydantic-ai provider (Bedrock, Vertex AI, Azure OpenAI, Gemini, Mistral, Groq,
-    ...), its provider built from the connection ([`provider_arguments`][]); with nothing in the
+    ...), its provider built from the connection (``provider_arguments``); with nothing in the
     connection, pydantic-ai reads the provider's environment variables."""
     from pydantic_ai.models import infer_model
     from pydantic_ai.providers import infer_provider_class
