@@ -11,13 +11,16 @@ from collections.abc import Iterator
 
 import pytest
 from pydantic_ai import Agent
-from pydantic_ai.messages import ModelMessagesTypeAdapter
+from pydantic_ai.exceptions import ModelHTTPError
+from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import ConfigurationError, TaskCancelled
-from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.core.scope import TaskCancellation, current_cancellation
+from cancellable_agents.durable import Journal, MemoryStore
 from cancellable_agents.hooks.model import ModelHook
-from cancellable_agents.run._failover import ANSWERED_BY, Failover, answered_by
+from cancellable_agents.run._failover import ANSWERED_BY, Failover, answered_by, failover
 from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
@@ -140,3 +143,56 @@ def test_the_operator_argument_overrides_the_connection_chain(monkeypatch: pytes
     assert not isinstance(ModelHook(llm_conn_id="chained", fallback_conn_ids=[]).get_model(), Failover)
     with pytest.raises(ConfigurationError, match="'missing' not found"):
         ModelHook(llm_conn_id="chained").get_model()
+
+
+class Flaky:
+    """A FunctionModel script that fails as a provider outage does (a 503) while ``down``, else
+    calls ``step`` once per response for three steps, then answers; counts its requests."""
+
+    def __init__(self, down: bool) -> None:
+        self.down = down
+        self.requests = 0
+
+    def __call__(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        self.requests += 1
+        if self.down:
+            raise ModelHTTPError(503, "flaky", {"error": "overloaded"})
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < 3:
+            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
+        return ModelResponse(parts=[TextPart("all done")])
+
+
+def test_a_durable_resume_keeps_using_the_model_that_answered() -> None:
+    """Try 1: the primary is down, the backup answers, the worker is evicted in step 2. Try 2
+    resumes from the journal with the primary back up: the backup is asked, not the primary."""
+    primary, backup = Flaky(down=True), Flaky(down=False)
+    chain = failover([("primary", FunctionModel(primary)), ("backup", FunctionModel(backup))])
+    store = MemoryStore()
+
+    def one_try(try_number: int, kill_in_step: int | None) -> object:
+        agent: Agent[None, str] = Agent(chain)
+
+        @agent.tool_plain
+        def step(n: int) -> str:
+            scope = current_cancellation()
+            if n == kill_in_step and scope is not None:  # an eviction: the next try resumes
+                scope.cancel(CancelCause.EVICTION)
+                scope.wait(5)
+            return f"step {n} ok"
+
+        scope = TaskCancellation(f"try{try_number}")
+        journal = Journal(store, try_number=try_number, scope=scope)
+        with scope.activate():
+            try:
+                return run_agent_in_scope(scope, agent, "three steps", journal=journal)
+            except TaskCancelled as exc:
+                return exc
+
+    assert isinstance(one_try(1, kill_in_step=2), TaskCancelled)
+    assert backup.requests == 2
+    primary.down = False
+    asked_before = primary.requests
+    result = one_try(2, kill_in_step=None)
+    assert getattr(result, "output", None) == "all done", result
+    assert primary.requests == asked_before, "the resumed run went back to the primary"

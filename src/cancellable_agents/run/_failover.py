@@ -78,8 +78,17 @@ class FailoverMember(WrapperModel):
         async with self.wrapped.request_stream(
             messages, model_settings, model_request_parameters, run_context
         ) as stream:
+            # The agent takes the response (``get()``) inside this block, and a provider may
+            # replace the stream's ``provider_details`` while it streams: stamp what ``get`` gives.
+            unstamped = stream.get
+
+            def stamped() -> ModelResponse:
+                response = unstamped()
+                self._stamp(response)
+                return response
+
+            stream.get = stamped  # type: ignore[method-assign]
             yield stream
-        self._stamp(stream.get())
 
 
 class Failover(FallbackModel):
