@@ -5,6 +5,7 @@ whose history is the journaled messages)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -196,3 +197,18 @@ def test_a_durable_resume_keeps_using_the_model_that_answered() -> None:
     result = one_try(2, kill_in_step=None)
     assert getattr(result, "output", None) == "all done", result
     assert primary.requests == asked_before, "the resumed run went back to the primary"
+
+
+def test_a_streamed_answer_names_its_model_too(
+    monkeypatch: pytest.MonkeyPatch, servers: tuple[ScriptedModelServer, ScriptedModelServer]
+) -> None:
+    primary, backup = servers
+    chain = _chain(monkeypatch, primary, backup, "openai:no-such-behaviour")
+
+    async def stream() -> list[ModelMessage]:
+        async with Agent(chain).run_stream("hello") as result:
+            assert await result.get_output() == "echo: hello"
+        return result.all_messages()
+
+    assert answered_by(asyncio.run(stream())) == "backup"
+    assert backup.requests[0].stream
