@@ -212,3 +212,27 @@ def test_a_streamed_answer_names_its_model_too(
 
     assert answered_by(asyncio.run(stream())) == "backup"
     assert backup.requests[0].stream
+
+
+def test_a_common_ai_chain_works_unchanged_forwarding_a_bare_model_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """common.ai's Azure connections as they are: the fallback names no model and takes the
+    primary's bare name on its own platform; the primary refuses its key (401), the fallback answers."""
+    with ScriptedModelServer(api_key="primary-key") as primary, ScriptedModelServer() as dr:
+        _connection(
+            monkeypatch,
+            "pydanticai_azure_default",
+            conn_type="pydanticai_azure",
+            host=primary.url + "/openai/v1",
+            password="an-expired-key",
+            extra={"model": "echo", "fallback_conn_ids": ["azure_dr"]},
+        )
+        _connection(
+            monkeypatch, "azure_dr", conn_type="pydanticai_azure", host=dr.url + "/openai/v1", password="k"
+        )
+        chain = ModelHook(llm_conn_id="pydanticai_azure_default").get_model()
+        result = Agent(chain).run_sync("hi")
+        assert result.output == "echo: hi"
+        assert [r.model for r in dr.requests] == ["echo"]
+        assert answered_by(result.all_messages()) == "azure_dr"

@@ -130,6 +130,25 @@ def qualified(model_id: str, conn: ModelConnection) -> str:
     return f"{default}:{model_id}"
 
 
+def forwarded_model_id(
+    model_id: str, primary: ModelConnection | None, fallback: ModelConnection
+) -> str | None:
+    """The primary's model id for a fallback connection that names none, as common.ai forwards
+    it: only a bare name (``gpt-5``, made the fallback type's own, ``azure:gpt-5`` on an Azure
+    connection); a name with a ``:`` of its own (Bedrock's ``...-v1:0``) only between two
+    connections of the same platform. ``None``: nothing to forward."""
+    if model_id == "test":
+        return model_id
+    prefix, sep, _ = model_id.partition(":")
+    if sep and _is_provider(prefix):
+        return None
+    if fallback.bare_name_provider is None:
+        return None
+    if sep and (primary is None or primary.bare_name_provider != fallback.bare_name_provider):
+        return None
+    return model_id
+
+
 def _is_provider(prefix: str) -> bool:
     from pydantic_ai.providers import infer_provider_class
 

@@ -30,6 +30,7 @@ from cancellable_agents.hooks._platforms import (
     COMMON_AI_CONN_TYPES,
     OUR_CONN_TYPE,
     ModelConnection,
+    forwarded_model_id,
     missing_extra,
     provider_arguments,
     provider_of,
@@ -87,18 +88,20 @@ class ModelHook(BaseHook):
                 f"{self.llm_conn_id!r} (e.g. 'openai:gpt-4o-mini', or 'test' for the keyless test model)."
             )
         primary = build_model(model_id, conn=conn)
-        fallbacks = self._fallbacks(conn)
+        fallbacks = self._fallbacks(conn, model_id)
         if not fallbacks:
             return primary
         from cancellable_agents.run._failover import failover
 
         return failover([(self.llm_conn_id or model_id, primary), *fallbacks])
 
-    def _fallbacks(self, conn: ModelConnection | None) -> list[tuple[str, Any]]:
-        """``(connection id, model)`` of each fallback connection, in order; each has a model id."""
-        ids = self.fallback_conn_ids if self.fallback_conn_ids is not None else []
-        if self.fallback_conn_ids is None and conn is not None:
-            ids = conn.fallback_conn_ids()
+    def _fallbacks(self, conn: ModelConnection | None, model_id: str) -> list[tuple[str, Any]]:
+        """``(connection id, model)`` of each fallback connection, in order. A fallback without a
+        model id of its own takes the primary's when that is a bare name, as common.ai does
+        (``forwarded_model_id``)."""
+        ids = self.fallback_conn_ids
+        if ids is None:
+            ids = conn.fallback_conn_ids() if conn is not None else []
         chain: list[tuple[str, Any]] = []
         for conn_id in ids:
             if conn_id == self.llm_conn_id or conn_id in (c for c, _ in chain):
@@ -107,12 +110,13 @@ class ModelHook(BaseHook):
                     f"list each connection once, the primary not at all."
                 )
             fallback = self._read(conn_id)
-            if not fallback.model_id:
+            fallback_model = fallback.model_id or forwarded_model_id(model_id, conn, fallback)
+            if not fallback_model:
                 raise ConfigurationError(
                     f"Fallback connection {conn_id!r} has no model id: set its 'Model id' field "
                     f"(extra 'model' on a common.ai connection)."
                 )
-            chain.append((conn_id, build_model(fallback.model_id, conn=fallback)))
+            chain.append((conn_id, build_model(fallback_model, conn=fallback)))
         return chain
 
     def _read(self, conn_id: str) -> ModelConnection:
