@@ -2,7 +2,8 @@
 
 The server speaks real HTTP/1.1 on ``127.0.0.1`` (an ephemeral port unless one is given) and answers
 ``POST /v1/chat/completions`` in both plain-JSON and SSE streaming form, in the shape the ``openai`` client
-and pydantic-ai's ``OpenAIChatModel`` accept. What it answers is chosen by the request's ``model`` string.
+and pydantic-ai's ``OpenAIChatModel`` accept (also under the paths Azure OpenAI, Groq and Mistral's SDKs
+use for the same API). What it answers is chosen by the request's ``model`` string.
 
 What it answers (the model-string grammar) is in [`cancellable_agents.testing.scripts`][].
 
@@ -107,9 +108,12 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], log: RecordLog, verbose: bool) -> None:
+    def __init__(
+        self, address: tuple[str, int], log: RecordLog, verbose: bool, api_key: str | None = None
+    ) -> None:
         self.log = log
         self.verbose = verbose
+        self.api_key = api_key
         self._connections: set[socket.socket] = set()
         self._connections_changed = threading.Condition()
         super().__init__(address, _Handler)
@@ -175,15 +179,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route GET {path}", "not_found"))
 
     def do_POST(self) -> None:
-        """Serve ``/v1/chat/completions`` and ``/_reset``; anything else is a JSON 404."""
+        """Serve chat completions and ``/_reset``; anything else is a JSON 404.
+
+        Chat completions are served under every path the OpenAI-compatible SDKs use: OpenAI's and
+        Mistral's ``/v1/chat/completions``, Groq's ``/openai/v1/chat/completions``, Azure
+        OpenAI's ``/openai/deployments/<deployment>/chat/completions`` (and ``/openai/v1/...``).
+        """
         path = urlsplit(self.path).path.rstrip("/")
         body = self._read_body()
-        if path == "/v1/chat/completions":
+        if path.endswith("/chat/completions") and not self._key_accepted():
+            message = "Incorrect API key provided"
+            self._send_json(HTTPStatus.UNAUTHORIZED, error_json(message, "invalid_api_key"))
+        elif path.endswith("/chat/completions"):
             self._chat_completions(body)
         elif path == "/_reset":
             self._send_json(HTTPStatus.OK, {"cleared": self._log.clear()})
         else:
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route POST {path}", "not_found"))
+
+    def _key_accepted(self) -> bool:
+        """Any key, unless the server was given one: then OpenAI's bearer token or Azure's
+        ``api-key`` header must be it."""
+        expected = cast(_Server, self.server).api_key
+        if expected is None:
+            return True
+        bearer = self.headers.get("Authorization", "").removeprefix("Bearer ")
+        return expected in (bearer, self.headers.get("api-key"))
 
     # -- chat completions -------------------------------------------------------------------------------
 
@@ -372,12 +393,16 @@ class ScriptedModelServer:
 
     Use as ``with ScriptedModelServer() as server:`` or call `start` / `stop`. ``base_url`` (e.g.
     ``http://127.0.0.1:PORT/v1``) is what an OpenAI client or ``OpenAIProvider(base_url=...)`` needs; any
-    API key is accepted. All waits take a timeout and block on a condition variable, never spin.
+    API key is accepted unless ``api_key`` is given (then any other is answered 401, as OpenAI does).
+    All waits take a timeout and block on a condition variable, never spin.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False, api_key: str | None = None
+    ) -> None:
         self._address = (host, port)
         self._verbose = verbose
+        self._api_key = api_key
         self._log = RecordLog()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -388,7 +413,7 @@ class ScriptedModelServer:
         """Bind the socket and serve on a daemon thread; return ``self``. Raise if already started."""
         if self._httpd is not None:
             raise RuntimeError("ScriptedModelServer is already started")
-        self._httpd = _Server(self._address, self._log, self._verbose)
+        self._httpd = _Server(self._address, self._log, self._verbose, self._api_key)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.1},
