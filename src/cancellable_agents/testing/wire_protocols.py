@@ -119,7 +119,8 @@ class OpenAIChat(WireProtocol):
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("'messages' must be a list of objects")
         options = body.get("stream_options") or {}
-        tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+        tools = body.get("tools")
+        tools = tools if isinstance(tools, list) else []
         names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
         return WireRequest(
             model,
@@ -376,7 +377,7 @@ class AnthropicMessages(WireProtocol):
         return "tool_use" if reply.tool_calls else "end_turn"
 
     def opening(self, completion: Completion, reply: Reply) -> list[bytes]:
-        message = {
+        message: dict[str, Any] = {
             "id": f"msg_{completion.id}",
             "type": "message",
             "role": "assistant",
