@@ -44,6 +44,7 @@ from types import FrameType, TracebackType
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit
 
+from cancellable_agents.testing import wire_protocols
 from cancellable_agents.testing.records import RecordLog, RequestRecord, first_record
 from cancellable_agents.testing.scripts import (
     BEHAVIOURS,
@@ -51,9 +52,7 @@ from cancellable_agents.testing.scripts import (
     Reply,
     Script,
     ScriptError,
-    ToolCall,
     error_json,
-    message_text,
     parse_model,
     plan_reply,
     supported,
@@ -179,59 +178,60 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route GET {path}", "not_found"))
 
     def do_POST(self) -> None:
-        """Serve chat completions and ``/_reset``; anything else is a JSON 404.
-
-        Chat completions are served under every path the OpenAI-compatible SDKs use: OpenAI's and
-        Mistral's ``/v1/chat/completions``, Groq's ``/openai/v1/chat/completions``, Azure
-        OpenAI's ``/openai/deployments/<deployment>/chat/completions`` (and ``/openai/v1/...``).
-        """
+        """Serve every model endpoint of [`wire_protocols`][cancellable_agents.testing.wire_protocols]
+        and ``/_reset``; anything else is a JSON 404. A server given an API key refuses a model
+        request without it (401), as the providers do."""
         path = urlsplit(self.path).path.rstrip("/")
         body = self._read_body()
-        if path.endswith("/chat/completions") and not self._key_accepted():
+        endpoint = wire_protocols.route(path)
+        if endpoint is not None and not self._key_accepted():
             message = "Incorrect API key provided"
             self._send_json(HTTPStatus.UNAUTHORIZED, error_json(message, "invalid_api_key"))
-        elif path.endswith("/chat/completions"):
-            self._chat_completions(body)
+        elif endpoint is not None:
+            self._play(endpoint, body)
         elif path == "/_reset":
             self._send_json(HTTPStatus.OK, {"cleared": self._log.clear()})
         else:
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route POST {path}", "not_found"))
 
     def _key_accepted(self) -> bool:
-        """Any key, unless the server was given one: then OpenAI's bearer token or Azure's
-        ``api-key`` header must be it."""
+        """Any key, unless the server was given one: then the request must carry it the way its
+        SDK sends a key (a bearer token, Azure's ``api-key``, Anthropic's ``x-api-key``, Gemini's
+        ``x-goog-api-key``, or a SigV4 credential's access key id)."""
         expected = cast(_Server, self.server).api_key
         if expected is None:
             return True
-        bearer = self.headers.get("Authorization", "").removeprefix("Bearer ")
-        return expected in (bearer, self.headers.get("api-key"))
+        authorization = self.headers.get("Authorization", "")
+        sent = {authorization.removeprefix("Bearer ")}
+        sent |= {self.headers.get(name) for name in ("api-key", "x-api-key", "x-goog-api-key")}
+        return expected in sent or f"Credential={expected}/" in authorization
 
-    # -- chat completions -------------------------------------------------------------------------------
+    # -- model requests ---------------------------------------------------------------------------------
 
-    def _chat_completions(self, raw: bytes) -> None:
-        """Record the request, play its script, and close the record with the outcome."""
+    def _play(self, endpoint: wire_protocols.Route, raw: bytes) -> None:
+        """Record the request, play its script in the endpoint's protocol, and close the record."""
+        protocol = endpoint.protocol
         try:
-            request = _parse_request(raw)
+            request = _parse_request(protocol, endpoint, raw)
         except ValueError as exc:
             record = self._log.open("", False, [])
-            self._reject(record, str(exc), "invalid_request", None)
+            self._reject(record, f"{exc}; {supported()}", "invalid_request", None)
             return
-        model, stream, messages = request["model"], request["stream"], request["messages"]
-        record = self._log.open(model, stream, messages, tools=request["tools"])
+        record = self._log.open(request.model, request.stream, request.messages, tools=request.tools)
         try:
-            script = parse_model(model)
+            script = parse_model(request.model)
         except ScriptError as exc:
             self._reject(record, str(exc), "unknown_behaviour", "model")
             return
-        completion = Completion(model, sum(len(message_text(m).split()) for m in messages), script.cost)
+        completion = Completion(request.model, wire_protocols.text_of(request.messages), script.cost)
         try:
             self._pause(script.delay_first)
             repeated = script.stall_at is not None and self._log.repeats(record)
-            reply = plan_reply(script, messages, repeated=repeated, offered=tuple(request["tools"]))
-            if stream:
-                self._stream(record, completion, reply, include_usage=request["include_usage"])
+            reply = plan_reply(script, request.messages, repeated=repeated, offered=tuple(request.tools))
+            if request.stream:
+                self._stream(protocol, request, record, completion, reply)
             else:
-                self._respond(record, completion, reply)
+                self._respond(protocol, record, completion, reply)
         except _ClientGone as gone:
             self.close_connection = True
             self._log.close(record, "disconnected", at=gone.at)
@@ -250,42 +250,44 @@ class _Handler(BaseHTTPRequestHandler):
         except _ClientGone:
             self.close_connection = True
 
-    def _respond(self, record: RequestRecord, completion: Completion, reply: Reply) -> None:
+    def _respond(
+        self,
+        protocol: wire_protocols.WireProtocol,
+        record: RequestRecord,
+        completion: Completion,
+        reply: Reply,
+    ) -> None:
         """Non-streaming: wait for the whole 'generation' while watching the client, then answer."""
         self._pause(reply.wait_first + reply.piece_delay * len(reply.pieces))
-        self._send_json(HTTPStatus.OK, completion.body(reply))
+        self._send_json(HTTPStatus.OK, protocol.body(completion, reply))
         self._log.add_tokens(record, reply.completion_tokens)
 
     def _stream(
-        self, record: RequestRecord, completion: Completion, reply: Reply, *, include_usage: bool
+        self,
+        protocol: wire_protocols.WireProtocol,
+        request: wire_protocols.WireRequest,
+        record: RequestRecord,
+        completion: Completion,
+        reply: Reply,
     ) -> None:
-        """Streaming: SSE chunks over chunked transfer encoding, ending with ``data: [DONE]``."""
+        """Streaming: the protocol's frames over chunked transfer encoding, a token per text frame."""
         self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Content-Type", protocol.stream_content_type)
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self._end_headers()
         if reply.wait_first:
             self._pause(reply.wait_first)
-        if not reply.tool_calls:
-            self._send_event(completion.chunk({"role": "assistant", "content": ""}))
+        self._write_frames(protocol.opening(completion, reply))
         for piece in reply.pieces:
             self._pause(reply.piece_delay)
-            self._send_event(completion.chunk({"content": piece}))
+            self._write_frames(protocol.text(completion, reply, piece))
             self._log.add_tokens(record, 1)
         for index, call in enumerate(reply.tool_calls):
             self._pause(0.0)
-            self._send_event(completion.chunk(_tool_call_start(index, call, first=index == 0)))
-            self._send_event(
-                completion.chunk(
-                    {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}
-                )
-            )
+            self._write_frames(protocol.tool_call(completion, reply, index, call))
             self._log.add_tokens(record, 1)
-        self._send_event(completion.chunk({}, finish_reason=reply.finish_reason))
-        if include_usage:
-            self._send_event(completion.usage_chunk(reply.completion_tokens))
-        self._write_chunk(b"data: [DONE]\n\n")
+        self._write_frames(protocol.closing(completion, reply, request))
         self._write(b"0\r\n\r\n")
 
     # -- waiting and writing ----------------------------------------------------------------------------
@@ -320,8 +322,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _write_chunk(self, data: bytes) -> None:
         self._write(b"%X\r\n%s\r\n" % (len(data), data))
 
-    def _send_event(self, payload: dict[str, Any]) -> None:
-        self._write_chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    def _write_frames(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            self._write_chunk(frame)
 
     def _send_body(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
         self.send_response(status)
@@ -338,49 +341,17 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length > 0 else b""
 
 
-def _tool_call_start(index: int, call: ToolCall, *, first: bool) -> dict[str, Any]:
-    """The delta that opens tool call ``index`` (id, type, name; arguments follow in the next chunk)."""
-    start = {
-        "index": index,
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": ""},
-    }
-    delta: dict[str, Any] = {"tool_calls": [start]}
-    if first:
-        delta = {"role": "assistant", "content": None, **delta}
-    return delta
-
-
-def _parse_request(raw: bytes) -> dict[str, Any]:
-    """Validate a chat-completions body; return model, stream, messages and include_usage."""
+def _parse_request(
+    protocol: wire_protocols.WireProtocol, endpoint: wire_protocols.Route, raw: bytes
+) -> wire_protocols.WireRequest:
+    """The request body as JSON, read by ``protocol``; a `ValueError` says what is wrong with it."""
     try:
         body = json.loads(raw or b"{}")
     except json.JSONDecodeError as exc:
         raise ValueError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
-    model, messages = body.get("model"), body.get("messages")
-    if not isinstance(model, str) or not model:
-        raise ValueError(f"'model' must be a non-empty string; {supported()}")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("'messages' must be a list of objects")
-    stream_options = body.get("stream_options") or {}
-    return {
-        "tools": _tool_names(body.get("tools")),
-        "model": model,
-        "stream": bool(body.get("stream", False)),
-        "messages": messages,
-        "include_usage": bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
-    }
-
-
-def _tool_names(tools: Any) -> list[str]:
-    """The names of the function tools a request offers (none: an empty list)."""
-    if not isinstance(tools, list):
-        return []
-    names = (tool.get("function", {}).get("name") for tool in tools if isinstance(tool, dict))
-    return [name for name in names if isinstance(name, str)]
+    return protocol.parse(body, endpoint.model, endpoint.stream)
 
 
 # --------------------------------------------------------------------------------------------------------
