@@ -13,6 +13,7 @@ tab, an iframe of the same origin, is authorized as the UI is.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -38,7 +39,7 @@ __all__ = ["FLEET_WINDOW", "PAGE_SIZE", "build_app"]
 #: Records listed per page of the fleet view.
 PAGE_SIZE = 50
 #: The fleet's summaries are computed over at most this many records (the newest that match).
-FLEET_WINDOW = 2000
+FLEET_WINDOW = 1000
 #: A task instance shows at most this many tries.
 TRIES_SHOWN = 50
 #: No script, no outside fetch: a page is markup and inline style only.
@@ -108,17 +109,12 @@ def fleet(
         where.append(TaskStateStoreModel.updated_at >= _instant(since, "since"))
     if until:
         where.append(TaskStateStoreModel.updated_at <= _instant(until, "until"))
-    columns = (
-        TaskStateStoreModel.dag_id,
-        TaskStateStoreModel.run_id,
-        TaskStateStoreModel.task_id,
-        TaskStateStoreModel.map_index,
-        TaskStateStoreModel.value,
-    )
-    newest = select(*columns).where(*where).order_by(TaskStateStoreModel.updated_at.desc())
+    # The ids are sorted alone (a narrow sort), then only those rows' values are read: sorting whole
+    # rows made PostgreSQL sort every matching value (10,000 records: 13 MB) per page.
+    newest = select(TaskStateStoreModel.id).where(*where).order_by(TaskStateStoreModel.updated_at.desc())
     total = session.scalar(select(func.count()).select_from(TaskStateStoreModel).where(*where)) or 0
-    window = [_row(r) for r in session.execute(newest.limit(FLEET_WINDOW))]
-    listed = [_row(r) for r in session.execute(newest.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE))]
+    window = _rows(session, session.scalars(newest.limit(FLEET_WINDOW)).all())
+    listed = _rows(session, session.scalars(newest.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all())
     query = FleetQuery(dag_id=dag_id, since=since, until=until, page=page)
     return _html(
         fleet_page(
@@ -127,8 +123,25 @@ def fleet(
     )
 
 
-def _row(row: Any) -> StoredRow:
-    return StoredRow(row.dag_id, row.run_id, row.task_id, row.map_index, _document(row.value))
+def _rows(session: Any, ids: Sequence[int]) -> list[StoredRow]:
+    """The records of ``ids``, newest first."""
+    if not ids:
+        return []
+    statement = (
+        select(
+            TaskStateStoreModel.dag_id,
+            TaskStateStoreModel.run_id,
+            TaskStateStoreModel.task_id,
+            TaskStateStoreModel.map_index,
+            TaskStateStoreModel.value,
+        )
+        .where(TaskStateStoreModel.id.in_(ids))
+        .order_by(TaskStateStoreModel.updated_at.desc())
+    )
+    return [
+        StoredRow(r.dag_id, r.run_id, r.task_id, r.map_index, _document(r.value))
+        for r in session.execute(statement)
+    ]
 
 
 def _document(value: str) -> dict[str, Any]:
