@@ -8,6 +8,8 @@ import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
+from cancellable_agents.airflow.config import deployment_setting
+from cancellable_agents.airflow.kill_record._stored import store_record
 from cancellable_agents.airflow.kill_record.document import KillReport, render_record, summary_line
 from cancellable_agents.airflow.kill_record.outlook import airflow_logs_next, retry_outlook
 from cancellable_agents.airflow.metrics import emit_kill
@@ -51,7 +53,11 @@ def log_kill_record(task_try: TaskTry, retry_policy: Any, exc: TaskCancelled | N
         airflow_logs_next=airflow_logs_next(cause, action),
     )
     log.warning("%s", summary_line(report))
-    log.warning("%s", render_record(report.full_record()))
+    full = report.full_record()
+    log.warning("%s", render_record(full))
+    store_record(
+        task_try.context, task_try.ti, full, enabled=bool(deployment_setting("store_cancellation_record"))
+    )
     emit_kill(task_try, report)  # after the record: metrics can never delay or hide it
     _exit_promptly()
 
