@@ -426,3 +426,75 @@ def _airflow_version() -> str:
     from airflow import __version__
 
     return __version__
+
+
+# -- every platform's own wire protocol: an agent end to end from its connection -----------------
+
+#: Connections (ours and common.ai's, as they are) whose platform speaks its own wire protocol,
+#: each pointed at the scripted server, which speaks them all (`testing/wire_protocols.py`).
+#: ``{url}`` is the server's root URL. Vertex AI needs Google credentials to send a request (its
+#: configuration is checked above; its wire protocol, with a static token, in the kill tests).
+_OWN_PROTOCOLS = [
+    pytest.param(
+        {
+            "conn_type": "cancellable_agents_model",
+            "schema": "bedrock:echo",
+            "host": "{url}",
+            "extra": {"region_name": "us-east-1", "aws_access_key_id": KEY, "aws_secret_access_key": "s"},
+        },
+        "bedrock-converse",
+        id="bedrock-ours",
+    ),
+    pytest.param(
+        {
+            "conn_type": "pydanticai_bedrock",
+            "extra": {
+                "model": "echo",
+                "base_url": "{url}",
+                "region_name": "us-east-1",
+                "aws_access_key_id": KEY,
+                "aws_secret_access_key": "s",
+            },
+        },
+        "bedrock-converse",
+        id="bedrock-common-ai",
+    ),
+    pytest.param(
+        {
+            "conn_type": "cancellable_agents_model",
+            "schema": "google-gla:echo",
+            "host": "{url}",
+            "password": KEY,
+        },
+        "gemini",
+        id="gemini-api-ours",
+    ),
+    pytest.param(
+        {"conn_type": "pydanticai", "extra": {"model": "google-gla:echo"}, "host": "{url}", "password": KEY},
+        "gemini",
+        id="gemini-api-common-ai",
+    ),
+    pytest.param(
+        {
+            "conn_type": "cancellable_agents_model",
+            "schema": "anthropic:echo",
+            "host": "{url}",
+            "password": KEY,
+        },
+        "anthropic",
+        id="anthropic-ours",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "protocol"), _OWN_PROTOCOLS)
+def test_an_agent_runs_end_to_end_on_each_platforms_own_wire_protocol(
+    monkeypatch: pytest.MonkeyPatch, fields: dict[str, object], protocol: str
+) -> None:
+    """The SDK the connection configures really talks to the server, in that platform's protocol,
+    with the connection's key (the server refuses any other)."""
+    with ScriptedModelServer(api_key=KEY) as keyed:
+        filled = json.loads(json.dumps(fields).replace("{url}", keyed.url))
+        result = Agent(_model(monkeypatch, **filled)).run_sync("ping")
+        assert result.output == "echo: ping"
+        assert [(r.model, r.protocol) for r in keyed.requests] == [("echo", protocol)]

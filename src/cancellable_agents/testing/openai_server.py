@@ -217,7 +217,9 @@ class _Handler(BaseHTTPRequestHandler):
             record = self._log.open("", False, [])
             self._reject(record, f"{exc}; {supported()}", "invalid_request", None)
             return
-        record = self._log.open(request.model, request.stream, request.messages, tools=request.tools)
+        record = self._log.open(
+            request.model, request.stream, request.messages, tools=request.tools, protocol=protocol.name
+        )
         try:
             script = parse_model(request.model)
         except ScriptError as exc:
