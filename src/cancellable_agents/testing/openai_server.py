@@ -203,7 +203,7 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         authorization = self.headers.get("Authorization", "")
         sent = {authorization.removeprefix("Bearer ")}
-        sent |= {self.headers.get(name) for name in ("api-key", "x-api-key", "x-goog-api-key")}
+        sent |= {self.headers.get(name, "") for name in ("api-key", "x-api-key", "x-goog-api-key")}
         return expected in sent or f"Credential={expected}/" in authorization
 
     # -- model requests ---------------------------------------------------------------------------------
