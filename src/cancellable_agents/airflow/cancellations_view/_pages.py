@@ -1,7 +1,7 @@
 """The view's HTML and SVG, from stored records: pure functions, no Airflow, no I/O.
 
 Every string from a record (a command line, a tool's name, a cause's detail: model and command
-output are attacker-controlled) goes through [`_text`][] before it reaches the page; numbers are
+output are attacker-controlled) goes through ``_text`` before it reaches the page; numbers are
 formatted, never interpolated raw. Pages carry no script, and the app serves them with a CSP that
 forbids one.
 """
