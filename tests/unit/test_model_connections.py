@@ -141,10 +141,11 @@ def test_bedrock_from_an_airflow_aws_connection(monkeypatch: pytest.MonkeyPatch)
         monkeypatch,
         conn_type="cancellable_agents_model",
         schema="bedrock:amazon.nova-pro-v1:0",
-        extra={"aws_conn_id": "aws_default"},
+        extra={"aws_conn_id": "aws_default", "aws_read_timeout": 45},
     )
     client = model.client  # type: ignore[attr-defined]
     assert client.meta.region_name == "ap-southeast-2"
+    assert client.meta.config.read_timeout == 45.0
     assert client._request_signer._credentials.access_key == "AKIAFROMAWSCONN"
 
 

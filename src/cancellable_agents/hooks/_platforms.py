@@ -206,36 +206,38 @@ def _bedrock(conn: ModelConnection) -> dict[str, Any]:
         arguments["api_key"] = conn.api_key
     aws_conn_id = extra.get("aws_conn_id")
     if aws_conn_id:
-        region = arguments.get("region_name")
-        return {
-            "bedrock_client": _bedrock_client(str(aws_conn_id), region, arguments),
-            **_timeouts(arguments),
-        }
+        return {"bedrock_client": _bedrock_client(str(aws_conn_id), arguments)}
     return arguments
 
 
-def _timeouts(arguments: dict[str, Any]) -> dict[str, Any]:
-    return {k: arguments[k] for k in _BEDROCK_TIMEOUTS if k in arguments}
-
-
-def _bedrock_client(aws_conn_id: str, region: str | None, arguments: dict[str, Any]) -> Any:
-    """A ``bedrock-runtime`` client with the credentials of Airflow AWS connection ``aws_conn_id``.
+def _bedrock_client(aws_conn_id: str, arguments: dict[str, Any]) -> Any:
+    """A ``bedrock-runtime`` client with the credentials of Airflow AWS connection ``aws_conn_id``
+    (and the region, endpoint and timeouts of ``arguments``, where given: the provider ignores
+    its own arguments beside a client).
 
     Through the amazon provider's ``AwsBaseHook`` when it is installed (role ARN, profile, web
     identity, ... as every AWS task has them); else the connection's key pair (login, password),
     session token and region, read here. A role to assume needs the amazon provider.
     """
-    endpoint = arguments.get("base_url")
+    from botocore.config import Config
+
+    region, endpoint = arguments.get("region_name"), arguments.get("base_url")
+    timeouts = {k.removeprefix("aws_"): arguments[k] for k in _BEDROCK_TIMEOUTS if k in arguments}
+    config = Config(**timeouts) if timeouts else None
     try:
         from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
     except ImportError:
-        return _bedrock_client_without_amazon(aws_conn_id, region, endpoint)
+        return _bedrock_client_without_amazon(aws_conn_id, region, endpoint, config)
     hook = AwsBaseHook(aws_conn_id=aws_conn_id, client_type="bedrock-runtime", region_name=region)
     session = hook.get_session(region_name=region)
-    return session.client("bedrock-runtime", region_name=region or session.region_name, endpoint_url=endpoint)
+    return session.client(
+        "bedrock-runtime", region_name=region or session.region_name, endpoint_url=endpoint, config=config
+    )
 
 
-def _bedrock_client_without_amazon(aws_conn_id: str, region: str | None, endpoint: str | None) -> Any:
+def _bedrock_client_without_amazon(
+    aws_conn_id: str, region: str | None, endpoint: str | None, config: Any
+) -> Any:
     import boto3
     from airflow.sdk.bases.hook import BaseHook
 
@@ -253,7 +255,9 @@ def _bedrock_client_without_amazon(aws_conn_id: str, region: str | None, endpoin
         region_name=region or extra.get("region_name") or None,
         profile_name=extra.get("profile_name") or None,
     )
-    return session.client("bedrock-runtime", endpoint_url=endpoint or extra.get("endpoint_url") or None)
+    return session.client(
+        "bedrock-runtime", endpoint_url=endpoint or extra.get("endpoint_url") or None, config=config
+    )
 
 
 def _vertex(conn: ModelConnection) -> dict[str, Any]:
