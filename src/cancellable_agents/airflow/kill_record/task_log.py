@@ -14,6 +14,7 @@ from cancellable_agents.airflow.kill_record.document import KillReport, render_r
 from cancellable_agents.airflow.kill_record.outlook import airflow_logs_next, retry_outlook
 from cancellable_agents.airflow.metrics import emit_kill
 from cancellable_agents.airflow.supervisor import notice_exit_at_once
+from cancellable_agents.core.causes import UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.usage import usage_dict
 from cancellable_agents.procs.proc import read_proc
@@ -55,9 +56,9 @@ def log_kill_record(task_try: TaskTry, retry_policy: Any, exc: TaskCancelled | N
     log.warning("%s", summary_line(report))
     full = report.full_record()
     log.warning("%s", render_record(full))
-    store_record(
-        task_try.context, task_try.ti, full, enabled=bool(deployment_setting("store_cancellation_record"))
-    )
+    # A cleared try's task instance was already replaced by the next one: the store refuses it.
+    storing = action is not UserAction.CLEARED and bool(deployment_setting("store_cancellation_record"))
+    store_record(task_try.context, task_try.ti, full, enabled=storing)
     emit_kill(task_try, report)  # after the record: metrics can never delay or hide it
     _exit_promptly()
 
