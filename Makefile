@@ -95,8 +95,11 @@ ci-lane-b: $(STAMP) system-deps
 # that paid the imports and the in-process execution API once (tests/process/zygote.py). With all
 # process tests in lane B (ci15): lane A 466 s (e2e-local 407 s with the pods in two waves, stress
 # 59 s), lane B ~800 s (unit + process 489 s, the 3.1 floor 175 s, common.ai and the 3.2 smoke).
+# The per-provider kills (10 task processes, ~60 s on a quiet machine) join lane A: lane B also
+# runs the floor and common.ai.
 LANE_A_PROCESS := tests/process/test_subagent_kill.py tests/process/test_durable_kill.py \
-                  tests/process/test_mcp_kill.py $(sort $(wildcard tests/process/test_sandbox_*.py))
+                  tests/process/test_mcp_kill.py tests/process/test_provider_kills.py \
+                  $(sort $(wildcard tests/process/test_sandbox_*.py))
 
 # The process suite and the pod e2e while one busy loop per core takes the machine, as another
 # lane and its Airflow would (tests/busy.py): what CI's two lanes do to each other, made certain.
