@@ -13,6 +13,7 @@ byte (the model thinking, or any non-streaming ``converse``).
 So, for each botocore HTTP request sent inside a run (the scope is
 [`current_cancellation`][cancellable_agents.core.scope.current_cancellation]; AnyIO copies the
 context into its worker threads), the connection it is sent on is noted until ``send`` returns
+(an event stream's: until its body is released, which older pydantic-ai never closes on a cancel)
 ([`watch_botocore`][] wraps ``URLLib3Session.send`` and ``AWSConnection.request``, once per
 process). The scope's first such request registers one ``Phase.IN_FLIGHT`` resource,
 which on a cancel shuts the noted sockets down (``SHUT_RDWR``): the blocked read returns at once, the
@@ -128,7 +129,12 @@ def watch_botocore() -> bool:
             sent_on: list[Any] = []
             _sending.current = (requests, sent_on)
             try:
-                return send(self, http_request)
+                response = send(self, http_request)
+                if getattr(http_request, "stream_output", False):
+                    # An event stream is read after ``send`` returned: noted until it is released.
+                    _forget_on_release(response, requests, list(sent_on))
+                    sent_on.clear()
+                return response
             except RequestCancelled:
                 raise
             except Exception as exc:
@@ -155,3 +161,24 @@ def watch_botocore() -> bool:
         session_type.send = send_watched  # type: ignore[union-attr]
         connection_type.request = request_watched  # type: ignore[union-attr]
         return True
+
+
+def _forget_on_release(response: Any, requests: _Requests, connections: list[Any]) -> None:
+    """Forget ``connections`` once ``response``'s body is released or closed (urllib3's
+    ``release_conn``/``close``, wrapped on this response); where they cannot be wrapped, the
+    connections stay noted until the scope ends (shutting an idle one down then is harmless)."""
+    raw = getattr(response, "raw", None)
+
+    def forgetting(inner: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for connection in connections:
+                requests.discard(connection)
+            return inner(*args, **kwargs)
+
+        return call
+
+    for name in ("release_conn", "close"):
+        inner = getattr(raw, name, None)
+        if inner is not None:
+            with contextlib.suppress(AttributeError):
+                setattr(raw, name, forgetting(inner))
