@@ -68,6 +68,8 @@ def test_a_cancel_closes_the_request_the_thread_is_blocked_in(
     scope = _run_and_cancel(server, script, stream)
     closed = server.wait_for_disconnect(timeout=10)
     assert closed is not None, "the request stayed open: the worker thread is still blocked in it"
+    # The release shuts the socket, then records: its thread may still be between the two.
+    assert scope.wait_released(timeout=10)
     [event] = [e for e in scope.timeline if e.event == "blocking_requests_closed"]
     assert event.detail["requests"] == 1, event
     assert server.wait_for_finished(1, timeout=10)
