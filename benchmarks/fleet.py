@@ -23,8 +23,15 @@ model server. For each N (ascending), N members at once:
    the eviction storm, beside N bare ``@task`` s (no provider, no pydantic-ai) sampled the same way.
 
 ``--api-load K`` runs K threads of REST reads against the api-server during the storms (a slower
-API server: the cause must still be ``user``). Prints one markdown table per database and writes
-``benchmarks/results/fleet.json`` and ``fleet.png`` (each metric against N).
+API server: the cause must still be ``user``). ``--api-workers 1,4`` repeats everything with that
+many API server workers. ``--before REV`` runs each configuration twice, side by side in the same
+session: first with the provider as of git revision ``REV`` (its ``src/`` exported to a temporary
+directory, first on the stack's ``PYTHONPATH``), then with this checkout's; the closing table
+compares them (step ratio, store calls per step and bytes per call, ``set`` p50/p95/max, heartbeat
+p95 durable vs control, causes right, unwound max, RSS/PSS per task). Airflow's task heartbeats are
+timed in the supervisors by ``benchmarks/fleet_site/sitecustomize.py``. Prints one markdown table
+per database and writes ``benchmarks/results/fleet.json`` and ``fleet.png`` (each metric against
+N).
 
 ``make bench-fleet`` (= ``python -m benchmarks.fleet``); not part of CI. The full table (N up to
 16 and 32) is for a quiet machine: on a busy one the numbers measure the neighbours.
@@ -40,6 +47,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -55,10 +63,12 @@ from tests.e2e.airflow_stack import AirflowStack, RestClient, wait_until
 from tests.e2e.postgres import PostgresCluster
 from tests.e2e.postgres import missing_reason as postgres_missing
 
-from cancellable_agents.airflow.kill_record.document import parse_record
+from cancellable_agents.airflow.kill_record.document import parse_record, unwound_ms
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 
 DAGS_FOLDER = Path(__file__).with_name("fleet_dags")
+#: ``sitecustomize`` that times the supervisors' heartbeats (``FLEET_HEARTBEAT_LOG``).
+HEARTBEAT_SITE = Path(__file__).with_name("fleet_site")
 RESULTS = Path(__file__).with_name("results")
 TASK_ID = "agent"
 #: Airflow SIGKILLs a task's group this long after the supervisor's SIGTERM.
@@ -103,6 +113,10 @@ class Fleet:
             return dict(json.loads(path.read_text()))
         return None
 
+    def heartbeats(self, start: float, end: float) -> list[float]:
+        """Milliseconds of every task heartbeat sent between ``start`` and ``end`` (wall)."""
+        return [h["ms"] for h in self.jsonl("heartbeats.jsonl") if start <= h["at"] - h["ms"] / 1000 <= end]
+
     def jsonl(self, name: str) -> list[dict[str, Any]]:
         path = self.state_dir / name
         if not path.exists():
@@ -124,8 +138,12 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet_stack(db: str, parallelism: int) -> Iterator[Fleet]:
-    """Airflow on ``db`` (``sqlite`` or ``postgres``) with the fleet DAGs, until the block ends."""
+def fleet_stack(db: str, parallelism: int, api_workers: int = 1, code: Path | None = None) -> Iterator[Fleet]:
+    """Airflow on ``db`` (``sqlite`` or ``postgres``) with the fleet DAGs, until the block ends.
+
+    :param api_workers: the API server's workers (``[api] workers``).
+    :param code: a ``src`` directory whose provider the stack imports instead of this checkout's.
+    """
     home = Path(tempfile.mkdtemp(prefix=f"cancellable-agents-fleet-{db}-"))
     state_dir = home / "fleet_state"
     state_dir.mkdir()
@@ -141,6 +159,11 @@ def fleet_stack(db: str, parallelism: int) -> Iterator[Fleet]:
             "FLEET_STATE_DIR": str(state_dir),
             "AIRFLOW__CORE__PARALLELISM": str(parallelism),
             "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
+            "AIRFLOW__API__WORKERS": str(api_workers),
+            "FLEET_HEARTBEAT_LOG": str(state_dir / "heartbeats.jsonl"),
+            "PYTHONPATH": os.pathsep.join(
+                [*([str(code)] if code else []), str(HEARTBEAT_SITE), os.environ.get("PYTHONPATH", "")]
+            ),
         }
         stack = AirflowStack(home, DAGS_FOLDER, env, database_url=url)
         stack.migrate()
@@ -149,7 +172,11 @@ def fleet_stack(db: str, parallelism: int) -> Iterator[Fleet]:
             stack.wait_healthy()
             rest = stack.client()
             _await_dags(stack, rest)
-            yield Fleet(db, stack, rest, model_server, state_dir)
+            fleet = Fleet(db, stack, rest, model_server, state_dir)
+            # One run first: the first tasks of a fresh stack meet an API server still warming up
+            # (on a busy machine their start calls time out), which is not what is measured.
+            await_runs(fleet, "fleet_control", trigger(fleet, "fleet_control", 1, "warm-up"), 600)
+            yield fleet
             rest.close()
         finally:
             stack.remember_processes()
@@ -173,6 +200,19 @@ def _await_dags(stack: AirflowStack, rest: RestClient, timeout: float = 120) -> 
         return wanted <= {d["dag_id"] for d in body["dags"]}
 
     wait_until(parsed, timeout, "the fleet DAGs to be parsed", interval=0.5, on_timeout=stack.logs)
+
+
+@contextlib.contextmanager
+def source_as_of(rev: str) -> Iterator[Path]:
+    """This repository's ``src/`` as of ``rev``, exported to a temporary directory (no worktree,
+    nothing checked out here), for a stack that imports that provider instead."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="cancellable-agents-fleet-before-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(root), "archive", rev, "src"], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        yield Path(tmp) / "src"
 
 
 # -- driving runs --------------------------------------------------------------------------------
@@ -294,11 +334,18 @@ def all_at_once(calls: list[Callable[[], Any]]) -> list[float]:
 
 @dataclass
 class Row:
-    """Everything measured for one database at one N."""
+    """Everything measured for one database at one N (with one code, one API server setup)."""
 
     db: str
     n: int
+    code: str = "this checkout"
+    api_workers: int = 1
     store_ms: list[float] = field(default_factory=list)
+    #: The ``set`` calls alone (the journal's writes): latency and bytes.
+    set_ms: list[float] = field(default_factory=list)
+    set_bytes: list[int] = field(default_factory=list)
+    #: Airflow's task heartbeats (ms) sent while each steady-state variant ran.
+    heartbeat_ms: dict[str, list[float]] = field(default_factory=dict)
     store_ops: dict[str, int] = field(default_factory=dict)
     calls_per_step: list[float] = field(default_factory=list)
     step_durable_ms: list[float] = field(default_factory=list)
@@ -313,18 +360,20 @@ class Row:
     errors: list[str] = field(default_factory=list)
 
 
-def steady(fleet: Fleet, row: Row, timeout: float) -> None:
-    """N durable runs, N written ahead, then N control runs: store calls and step times."""
+def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True) -> None:
+    """N durable runs, N written ahead (unless not ``write_ahead``), then N control runs: store
+    calls and step times."""
     variants = (
         ("fleet_durable", "durable", row.step_durable_ms),
-        ("fleet_write_ahead", "ahead", row.step_write_ahead_ms),
+        *([("fleet_write_ahead", "ahead", row.step_write_ahead_ms)] if write_ahead else []),
         ("fleet_control", "control", row.step_control_ms),
     )
     for dag_id, name, step_ms in variants:
-        busy_before, steps_before = _busy_cpu_s(), len(step_ms)
+        busy_before, steps_before, started = _busy_cpu_s(), len(step_ms), time.time()
         runs = trigger(fleet, dag_id, row.n, name)
         await_runs(fleet, dag_id, runs, timeout)
         busy = _busy_cpu_s() - busy_before
+        row.heartbeat_ms[name] = fleet.heartbeats(started, time.time())
         for run_id in runs:
             starts = sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
             step_ms.extend((b - a) * 1000 for a, b in itertools.pairwise(starts))
@@ -332,6 +381,8 @@ def steady(fleet: Fleet, row: Row, timeout: float) -> None:
                 continue
             calls = fleet.jsonl(f"{run_id}.try1.store.jsonl")
             row.store_ms.extend(c["ms"] for c in calls)
+            row.set_ms.extend(c["ms"] for c in calls if c["op"] == "set")
+            row.set_bytes.extend(c["bytes"] for c in calls if "bytes" in c)
             for call in calls:
                 row.store_ops[call["op"]] = row.store_ops.get(call["op"], 0) + 1
             requests = len(fleet.requests_of(run_id))
@@ -360,13 +411,14 @@ def evict_storm(fleet: Fleet, row: Row, timeout: float, load: int) -> None:
         all_at_once([functools.partial(os.kill, m["ppid"], signal.SIGTERM) for m in members.values()])
         gone = watch_exits(pids, GRACE_S + 5)
         await_runs(fleet, "fleet_storm", runs, timeout)
-    unwound, decided, causes, resumed, requests = [], [], [], 0, []
+    unwound, decided, causes, sources, resumed, requests = [], [], [], [], 0, []
     for run_id in runs:
         record = next(iter(fleet.records("fleet_storm", run_id, 1)), None)
         if record is not None:
-            unwound.append(_event_ms(record, "resources_released"))
+            unwound.append(unwound_ms(record))
             decided.append(_event_ms(record, "cause_decided"))
             causes.append(f"{record['cause']}/{record['detail']}")
+            sources.append(str(record.get("cause_source", "-")))
         try2 = sorted(
             (t for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 2), key=lambda t: t["at"]
         )
@@ -376,6 +428,7 @@ def evict_storm(fleet: Fleet, row: Row, timeout: float, load: int) -> None:
         "unwound_ms": [u for u in unwound if u is not None],
         "cause_decided_ms": [d for d in decided if d is not None],
         "causes": causes,
+        "cause_sources": sources,
         "gone_before_sigkill": sum(1 for p in pids if p in gone and gone[p] - sent < GRACE_S),
         "resumed": resumed,
         "requests_both_tries": requests,
@@ -452,11 +505,19 @@ def _event_ms(record: dict[str, Any], name: str) -> float | None:
     return next((float(e["ms"]) for e in record["timeline"] if e["event"] == name), None)
 
 
-def measure(fleet: Fleet, n: int, timeout: float, load: int) -> Row:
+def measure(
+    fleet: Fleet,
+    n: int,
+    timeout: float,
+    load: int,
+    code: str = "this checkout",
+    api_workers: int = 1,
+    write_ahead: bool = True,
+) -> Row:
     """All phases at one N; a phase that fails is noted and the next one still runs."""
-    row = Row(fleet.db, n)
+    row = Row(fleet.db, n, code, api_workers)
     phases: list[tuple[str, Callable[[], None]]] = [
-        ("steady", lambda: steady(fleet, row, timeout)),
+        ("steady", lambda: steady(fleet, row, timeout, write_ahead)),
         ("eviction storm", lambda: evict_storm(fleet, row, timeout, load)),
         ("mark-failed storm", lambda: mark_failed_storm(fleet, row, timeout, load)),
         ("bare memory", lambda: bare_memory(fleet, row, timeout)),
@@ -485,9 +546,22 @@ def _mem(samples: list[Any], index: int) -> float | None:
 def summary(row: Row) -> dict[str, Any]:
     """The row's medians and counts, as the table and the plot show them."""
     ev, mf = row.evict, row.mark_failed
+    durable, control = pct(row.step_durable_ms, 0.5), pct(row.step_control_ms, 0.5)
     return {
         "db": row.db,
         "n": row.n,
+        "code": row.code,
+        "api_workers": row.api_workers,
+        "step_ratio": durable / control if durable and control else None,
+        "set_p50_ms": pct(row.set_ms, 0.5),
+        "set_p95_ms": pct(row.set_ms, 0.95),
+        "set_max_ms": pct(row.set_ms, 1.0),
+        "set_bytes_p50": pct([float(b) for b in row.set_bytes], 0.5),
+        "heartbeat_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_ms.items()},
+        "heartbeats": {name: len(ms) for name, ms in row.heartbeat_ms.items()},
+        "evict_eviction": sum(c.startswith("eviction/") for c in ev.get("causes", [])),
+        "evict_sources": {s: ev.get("cause_sources", []).count(s) for s in set(ev.get("cause_sources", []))},
+        "mf_user": sum(c.startswith("user/") for c in mf.get("causes", [])),
         "store_p50_ms": pct(row.store_ms, 0.5),
         "store_p95_ms": pct(row.store_ms, 0.95),
         "calls_per_step": statistics.fmean(row.calls_per_step) if row.calls_per_step else None,
@@ -548,6 +622,35 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def comparison(rows: list[dict[str, Any]]) -> str:
+    """The issue's table (#42): one line per code and API server setup, side by side."""
+    head = (
+        "| code | db | API workers | N | step p50 durable / control ms (ratio) | store calls per step "
+        "| bytes per set p50 | set p50 / p95 / max ms | heartbeat p95 ms durable / control (count) "
+        "| eviction: cause right (sources) | unwound max ms | resumed | mark failed: user, retried "
+        "| RSS / PSS per task MiB (bare) |"
+    )
+    lines = [head, "|" + "---|" * 14]
+    for s in rows:
+        n, beats, counts = s["n"], s.get("heartbeat_p95_ms") or {}, s.get("heartbeats") or {}
+        sources = ", ".join(f"{k}: {v}" for k, v in sorted((s.get("evict_sources") or {}).items()))
+        lines.append(
+            f"| {s['code']} | {s['db']} | {s['api_workers']} | {n} "
+            f"| {_fmt(s['step_durable_p50_ms'])} / {_fmt(s['step_control_p50_ms'])} "
+            f"({_fmt(s.get('step_ratio'), 2)}) | {_fmt(s['calls_per_step'], 2)} "
+            f"| {_fmt(s.get('set_bytes_p50'))} "
+            f"| {_fmt(s.get('set_p50_ms'))} / {_fmt(s.get('set_p95_ms'))} / {_fmt(s.get('set_max_ms'))} "
+            f"| {_fmt(beats.get('durable'))} / {_fmt(beats.get('control'))} "
+            f"({counts.get('durable', 0)} / {counts.get('control', 0)}) "
+            f"| {s.get('evict_eviction')}/{n} ({sources}) | {_fmt(s['evict_unwound_max_ms'])} "
+            f"| {s['evict_resumed']}/{n} {s['evict_requests']} "
+            f"| {s.get('mf_user')}/{s['mf_patched']}, {s['mf_retried']} "
+            f"| {_fmt(s['rss_agent_mib'])} / {_fmt(s['pss_agent_mib'])} "
+            f"({_fmt(s['rss_bare_mib'])} / {_fmt(s['pss_bare_mib'])}) |"
+        )
+    return "\n".join(lines)
+
+
 def _cpu(per_step: dict[str, float]) -> str:
     return " / ".join(_fmt(per_step.get(name)) for name in ("durable", "ahead", "control"))
 
@@ -565,6 +668,10 @@ PLOTTED = (
 )
 
 
+def _series(row: dict[str, Any]) -> str:
+    return f"{row['db']}, {row['code']}, {row['api_workers']} API worker(s)"
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     """Each metric against N, one line per database (matplotlib, the ``bench`` extra)."""
     try:
@@ -576,10 +683,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(3, 3, figsize=(14, 10))
     for ax, (key, title) in zip(axes.flat, PLOTTED, strict=True):
-        for db in sorted({r["db"] for r in rows}):
-            points = [(r["n"], r[key]) for r in rows if r["db"] == db and r[key] is not None]
+        for label in sorted({_series(r) for r in rows}):
+            points = [(r["n"], r[key]) for r in rows if _series(r) == label and r[key] is not None]
             if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=db)
+                ax.plot(*zip(*points, strict=True), marker="o", label=label)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("N concurrent durable agents", fontsize=8)
         ax.legend(fontsize=7)
@@ -595,27 +702,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--db", default="sqlite,postgres", help="metadata databases (default both)")
     parser.add_argument("--api-load", type=int, default=0, help="REST reader threads during the storms")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a phase may wait for its runs")
+    parser.add_argument("--api-workers", default="1", help="API server workers, each a setup (default 1)")
+    parser.add_argument("--before", metavar="REV", help="also run the provider as of git revision REV, first")
+    parser.add_argument(
+        "--no-write-ahead", action="store_true", help="leave out the written-ahead steady variant"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.n.split(",")]
     rows: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []
-    for db in args.db.split(","):
-        if db == "postgres" and postgres_missing() is not None:
-            print(f"[fleet] postgres skipped: {postgres_missing()}")
-            continue
-        with fleet_stack(db, parallelism=max(32, 2 * max(sizes))) as fleet:
-            for n in sizes:
-                row = measure(fleet, n, args.timeout, args.api_load)
-                rows.append(summary(row))
-                raw.append(row.__dict__)
-                print(table(rows[-1:]), flush=True)
+    loads: list[tuple[float, float, float]] = []
+    with contextlib.ExitStack() as exports:
+        codes: list[tuple[str, Path | None]] = [("this checkout", None)]
+        if args.before:
+            codes.insert(0, (f"before ({args.before})", exports.enter_context(source_as_of(args.before))))
+        for db in args.db.split(","):
+            if db == "postgres" and postgres_missing() is not None:
+                print(f"[fleet] postgres skipped: {postgres_missing()}")
+                continue
+            for workers in [int(w) for w in args.api_workers.split(",")]:
+                for label, code in codes:
+                    print(f"[fleet] {db}, {workers} API worker(s), {label}", flush=True)
+                    with fleet_stack(db, max(32, 2 * max(sizes)), workers, code) as fleet:
+                        for n in sizes:
+                            row = measure(
+                                fleet, n, args.timeout, args.api_load, label, workers, not args.no_write_ahead
+                            )
+                            rows.append(summary(row))
+                            raw.append(row.__dict__)
+                            loads.append(os.getloadavg())
+                            print(comparison(rows[-1:]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    meta = {"cpus": os.cpu_count(), "loadavg": load, "api_load": args.api_load, "sizes": sizes}
+    meta = {
+        "cpus": os.cpu_count(),
+        "loadavg": load,
+        "loadavg_per_row": loads,
+        "api_load": args.api_load,
+        "sizes": sizes,
+        "before": args.before,
+    }
     (args.out / "fleet.json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
     print(f"\nload average at the end: {load[0]:.1f} on {os.cpu_count()} cores\n")
     print(table(rows))
+    print()
+    print(comparison(rows))
     for s in rows:
         for error in s["errors"]:
             print(f"[fleet] {s['db']} N={s['n']}: {error}")

@@ -15,7 +15,7 @@ response, then an answer; 7 model requests uninterrupted), whose tool takes ``FL
 
 What the benchmark reads besides the logs, in ``FLEET_STATE_DIR``: ``<run_id>.try<N>.json``
 (pid, supervisor pid), ``<run_id>.tools.jsonl`` (each tool call's start, try, and whether it was a
-rerun) and ``<run_id>.try<N>.store.jsonl`` (each task state store call: op, ms).
+rerun) and ``<run_id>.try<N>.store.jsonl`` (each task state store call: op, ms; a ``set``'s bytes).
 """
 
 from __future__ import annotations
@@ -68,8 +68,11 @@ class TimedStore:
                 return attr(*args, **kwargs)
             finally:
                 took = (time.perf_counter() - started) * 1000
+                line = {"op": name, "ms": round(took, 3), "at": time.time()}
+                if name == "set" and len(args) > 1:
+                    line["bytes"] = len(json.dumps(args[1]))
                 with self._out.open("a") as out:
-                    out.write(json.dumps({"op": name, "ms": round(took, 3), "at": time.time()}) + "\n")
+                    out.write(json.dumps(line) + "\n")
 
         return timed
 

@@ -35,6 +35,8 @@ from tests.airflow_env import AIRFLOW, airflow_env, migrate
 T = TypeVar("T")
 
 ADMIN_USER = "admin"
+#: A second user with no role: the simple auth manager grants it no DAG (authorization tests).
+NO_ACCESS_USER = "no_access"
 #: Components that must report healthy before a test may trigger anything.
 HEALTHY_COMPONENTS = ("metadatabase", "scheduler", "dag_processor")
 #: How long the scheduler and the dag-processor wait for SQLite's write lock (sqlite3's default
@@ -159,7 +161,7 @@ class AirflowStack:
         self.components: dict[str, Component] = {}
         (home / "components").mkdir(parents=True, exist_ok=True)
         passwords = home / "simple_auth_manager_passwords.json"
-        passwords.write_text(json.dumps({ADMIN_USER: self.password}))
+        passwords.write_text(json.dumps({ADMIN_USER: self.password, NO_ACCESS_USER: self.password}))
         self.env = airflow_env(home, {**self._stack_env(passwords), **extra_env}, dags_folder=dags_folder)
 
     def _stack_env(self, passwords: Path) -> dict[str, str]:
@@ -167,7 +169,7 @@ class AirflowStack:
         return {
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin,{NO_ACCESS_USER}:",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.database_url,

@@ -66,6 +66,14 @@ def _the_record(result: PathResult, cause: str, detail: str) -> dict[str, Any]:
     return record
 
 
+def _decided_from_the_task_log(result: PathResult, record: dict[str, Any]) -> None:
+    """The cause came from the try's log file, read in the SIGTERM handler: decided before the
+    unwind began, with no round trip to the API server."""
+    assert record["cause_source"] == "task log", record
+    events = [e["event"] for e in record["timeline"]]
+    assert events.index("cause_decided") == events.index("kill_received") + 1, events
+
+
 def _stopped_everything(result: PathResult, record: dict[str, Any], *, earliest_ms: float = -50.0) -> None:
     """The model server saw this task's stream closed after the kill; the task's tree is gone,
     stopped by the task's own unwind (its session is its own: Airflow signals never reach it).
@@ -153,6 +161,7 @@ def test_mark_failed_stops_the_task_and_does_not_retry(
     result = outcomes["mark_failed"]
     with explained(e2e, result):
         record = _the_record(result, "user", "marked failed")
+        _decided_from_the_task_log(result, record)
         _stopped_everything(result, record)
         _kill_reached_statsd(statsd, result, record, "marked_failed", capsys)
         assert _click_to_kill_s(result) >= 0 and _answer_to_kill_s(result) < HEARTBEATS_ALLOWED * HEARTBEAT_S
@@ -169,6 +178,7 @@ def test_clear_stops_the_try_and_the_next_try_starts(
     result = outcomes["clear"]
     with explained(e2e, result):
         record = _the_record(result, "user", "cleared")
+        _decided_from_the_task_log(result, record)
         _stopped_everything(result, record)
         _kill_reached_statsd(statsd, result, record, "cleared", capsys)
         assert _click_to_kill_s(result) >= 0 and _answer_to_kill_s(result) < HEARTBEATS_ALLOWED * HEARTBEAT_S
@@ -187,6 +197,7 @@ def test_worker_eviction_retries(
     result = outcomes["eviction"]
     with explained(e2e, result):
         record = _the_record(result, "eviction", "worker shutdown")
+        _decided_from_the_task_log(result, record)
         _stopped_everything(result, record)
         _kill_reached_statsd(statsd, result, record, "none", capsys)
         assert 0 <= _click_to_kill_s(result) < 2.0, "the supervisor forwards SIGTERM at once"

@@ -14,9 +14,12 @@ detail) and ``exited`` (status as ``os.waitstatus_to_exitcode``; only for ``wait
 beside the next try). ``flush``: the journal's ``returns_flush_s`` (``0``: each tool's return is
 appended at once, a boundary of its own). ``write_ahead``: the journal's (each step stored before
 its tools start, so the run stops dead at a boundary a ``stop_after`` store sleeps in).
-``mcp``: the steps are the tool ``step`` of a real MCP stdio server (``mcp_server.py steps``), which
-appends each execution to the file ``mcp`` names. ``parallel``: one model response calls
-``fetch`` and ``slow`` at once; ``slow`` (try 1 only) emits ``tool_running`` and blocks;
+``store_delay``: each store call takes that many seconds more (an API server that answers late);
+``max_unconfirmed``: the journal's; ``steps``: how many steps the model asks for (default
+``STEPS``). ``mcp``: the steps are the tool ``step`` of a real MCP stdio server
+(``mcp_server.py steps``), which appends each execution to the file ``mcp`` names.
+``parallel``: one model response calls ``fetch`` and ``slow`` at once; ``slow`` (try 1 only)
+emits ``tool_running`` and blocks;
 ``tool_result_recorded`` says a parallel call's result was appended.
 Each tool execution appends a line to ``lines``: the step, the try, ``is_rerun``, the call's
 idempotency key and its tool call id.
@@ -59,15 +62,18 @@ class KilledAtBoundary(PathStore):
 
     stop_after = 0
     entries = 0
+    delay = 0.0
 
     def set(self, key: str, value: Any) -> None:
+        time.sleep(type(self).delay)
         super().set(key, value)
-        if value["kind"] == "tool_result":
-            emit("tool_result_recorded", tool=value["tool"])
-        type(self).entries += 1
-        if type(self).entries == type(self).stop_after:
-            emit("recorded", key=key, kind=value["kind"], entries=value["i"] + 1)
-            time.sleep(300)
+        for entry in value if isinstance(value, list) else [value]:
+            if entry["kind"] == "tool_result":
+                emit("tool_result_recorded", tool=entry["tool"])
+            type(self).entries += 1
+            if type(self).entries == type(self).stop_after:
+                emit("recorded", key=key, kind=entry["kind"], entries=entry["i"] + 1)
+                time.sleep(300)
 
 
 def run_try(
@@ -80,9 +86,11 @@ def run_try(
     flush: float | None = None,
     write_ahead: bool = False,
     mcp: str | None = None,
+    steps: int = STEPS,
+    max_unconfirmed: int | None = None,
 ) -> None:
     behaviour = (
-        "tools?names=fetch,slow&then=all+done" if parallel else f"steps?name=step&count={STEPS}&then=all+done"
+        "tools?names=fetch,slow&then=all+done" if parallel else f"steps?name=step&count={steps}&then=all+done"
     )
     model = OpenAIChatModel(behaviour, provider=OpenAIProvider(base_url=os.environ["BASE_URL"], api_key="x"))
     toolsets = []
@@ -131,12 +139,14 @@ def run_try(
         agent.tool(step)
     scope = TaskCancellation(f"try{try_number}")
     store = KilledAtBoundary(ObjectStoragePath(store_url))
-    flush_kwargs = {} if flush is None else {"returns_flush_s": flush}
-    journal = Journal(store, try_number=try_number, scope=scope, write_ahead=write_ahead, **flush_kwargs)
+    options: dict[str, Any] = {} if flush is None else {"returns_flush_s": flush}
+    if max_unconfirmed is not None:
+        options["max_unconfirmed"] = max_unconfirmed
+    journal = Journal(store, try_number=try_number, scope=scope, write_ahead=write_ahead, **options)
     try:
         with scope.activate():
             identity = RunIdentity(TASK_INSTANCE, origin_try=try_number)
-            result = run_agent_in_scope(scope, agent, f"do {STEPS} steps", journal=journal, identity=identity)
+            result = run_agent_in_scope(scope, agent, f"do {steps} steps", journal=journal, identity=identity)
     except TaskCancelled as exc:
         emit("cancelled", cause=exc.cause.value, detail=exc.detail)
         return
@@ -177,6 +187,7 @@ def main() -> None:
             code = 0
             try:
                 KilledAtBoundary.stop_after = command.get("stop_after", 0)
+                KilledAtBoundary.delay = command.get("store_delay", 0.0)
                 run_try(
                     command["try"],
                     command["store"],
@@ -187,6 +198,8 @@ def main() -> None:
                     command.get("flush"),
                     command.get("write_ahead", False),
                     command.get("mcp"),
+                    command.get("steps", STEPS),
+                    command.get("max_unconfirmed"),
                 )
             except BaseException as exc:
                 emit("failed", error=repr(exc))

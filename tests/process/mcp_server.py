@@ -11,7 +11,9 @@ Its one tool, ``work``, blocks until cancelled; what it does around that is the 
 - ``boot``: never gets that far: it sleeps while it boots (before it reads stdin);
 - ``http``: only blocks, served over streamable HTTP on 127.0.0.1:PORT (not stdio);
 - ``steps``: a second tool, ``step(n)``, returns at once and reports each execution (``step``, with
-  ``n`` and the request's ``_meta``): the durable test counts them.
+  ``n``, the request's ``_meta``, its ``Authorization`` header over HTTP and the server's
+  ``MCP_TEST_SECRET`` variable): the durable test counts them, the connection test reads them
+  (``http`` serves ``step`` too).
 
 Events (``server_started``, ``tool_started`` (with the request's ``_meta``), ``tool_cancelled``,
 ``cleanup_done``, ``server_exit``) are JSON lines appended to the file ``EVENTS``, each with the
@@ -80,12 +82,25 @@ async def work(ctx: Context, what: str = "") -> str:
     return "finished"
 
 
-if MODE == "steps":
+def _authorization(ctx: Context) -> str | None:
+    """The HTTP request's ``Authorization`` header (``None`` over stdio)."""
+    request = getattr(ctx.request_context, "request", None)
+    headers = getattr(request, "headers", None)
+    return headers.get("authorization") if headers is not None else None
+
+
+if MODE in ("steps", "http"):
 
     @server.tool()
     async def step(ctx: Context, n: int) -> str:
         """Do step ``n``."""
-        emit("step", n=n, meta=_meta(ctx))
+        emit(
+            "step",
+            n=n,
+            meta=_meta(ctx),
+            authorization=_authorization(ctx),
+            secret=os.environ.get("MCP_TEST_SECRET"),
+        )
         return f"step {n} ok"
 
 

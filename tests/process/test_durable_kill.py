@@ -188,6 +188,31 @@ def test_a_completed_mcp_call_is_not_repeated_on_resume(
     assert model_server.request_count == STEPS + 1, "a completed model request was made again"
 
 
+def test_a_sigkill_repeats_at_most_max_unconfirmed_completed_steps(
+    zygote: Zygote, model_server: ScriptedModelServer
+) -> None:
+    """The store answers each call 0.3 s late (an API server under load) while the steps take
+    milliseconds: entries queue, each call stores what queued, and the run waits only when
+    ``max_unconfirmed`` (3) are not yet stored. Try 1 is SIGKILLed in tool 8 of 10: try 2 runs
+    tool 8 again and repeats at most 3 steps that had completed (unbounded, it would be ~7)."""
+    limit, steps, cut = 3, 10, 8
+    pid = zygote.run_try(1, steps=steps, block_in=cut, store_delay=0.3, max_unconfirmed=limit)
+    assert zygote.next_of("tool_running")["n"] == cut
+    zygote.kill(pid)
+    requests_try_1 = model_server.request_count
+    assert requests_try_1 == cut
+    _finish(zygote, 2, steps=steps)
+    runs = zygote.steps_run()
+    try_2 = [r["n"] for r in runs if r["try"] == 2]
+    repeated = [n for n in try_2 if n < cut]
+    print(f"\n[durable] SIGKILL in tool {cut} with max_unconfirmed={limit}: steps repeated {repeated}")
+    assert len(repeated) <= limit, f"{len(repeated)} completed steps repeated: {runs}"
+    assert try_2 == list(range(cut - len(repeated), steps + 1)), runs
+    assert model_server.request_count == requests_try_1 + steps + 1 - (cut - len(repeated)), (
+        "try 2 asked again for more than what was lost"
+    )
+
+
 def _assert_rerun_keeps_its_key(runs: list[dict[str, Any]], cut: int | str) -> None:
     """The call cut by the SIGKILL in try 1 and its re-run in try 2 carry one idempotency key
     (and the same tool call id); every other call has a key of its own. Prints the re-run table."""

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.run._mcp_servers import STDIN_GRACE
 from cancellable_agents.run.tool_calls import IDEMPOTENCY_META_KEY
 from cancellable_agents.testing.openai_server import ScriptedModelServer
 from tests.process.conftest import scenario_env
@@ -100,6 +101,7 @@ def _kill(task: TaskProcess, events: Path, marker: str, ready: str = "tool_start
     cancelled = server_events(events, "tool_cancelled")
     return {
         "sent": sent,
+        "raised_at": failed["t"],
         "record": record,
         "closed": closed,
         "cancel_seen_ms": (cancelled[0]["t"] - sent) * 1000 if cancelled else None,
@@ -188,6 +190,11 @@ def test_stdio_server_killed_while_it_boots_stops(mcp_task: Spawn, marker: str, 
     assert result["gone_ms"] is not None, f"left running: {result['survivors']}"
     [closed] = result["closed"]
     assert closed["outcome"] == "killed", closed
+    # It never answered the handshake: stopped at once, not after the stdin grace (1.5 s).
+    assert closed["booting"] and not closed["stdin_closed"], closed
+    assert closed["took_ms"] < STDIN_GRACE * 1000, closed
+    raised_ms = (result["raised_at"] - result["sent"]) * 1000
+    print(f"[mcp] {scenario}: SIGTERM -> task raised {raised_ms:.0f} ms")
     assert task.wait_exit(SETTLE), task.tail()
 
 

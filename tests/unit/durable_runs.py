@@ -4,6 +4,7 @@ store after every write (each one a SIGKILL at that step boundary)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,7 @@ class Task:
             "returns_flush_s",
             "owner_check_s",
             "write_ahead",
+            "max_unconfirmed",
         )
         options = {k: kwargs.pop(k) for k in names if k in kwargs}
         journal = Journal(store, try_number=try_number, scope=scope, **options)
@@ -110,8 +112,9 @@ RECORD = f"{KEY_PREFIX}.0"
 
 
 def entries(data: dict[str, str]) -> int:
-    """How many entries the stored ``data`` holds (every key of the record is one)."""
-    return sum(1 for k in data if k.startswith(f"{RECORD}."))
+    """How many entries the stored ``data`` holds (a key of the record holds one, or a list)."""
+    values = [json.loads(v) for k, v in data.items() if k.startswith(f"{RECORD}.")]
+    return sum(len(v) if isinstance(v, list) else 1 for v in values)
 
 
 @dataclass
@@ -140,10 +143,11 @@ class Counting:
 
 
 def first_run_snapshots(**kwargs: Any) -> tuple[Task, list[dict[str, str]]]:
-    """A completed first try, and the store as it was after each of its writes."""
+    """A completed first try, and the store as it was after each of its writes (one entry per
+    write: ``max_unconfirmed=1`` unless given, so each snapshot is one step boundary)."""
     task = Task()
     store = Snapshots()
-    result, _, _ = task.run(store, 1, **kwargs)
+    result, _, _ = task.run(store, 1, **{"max_unconfirmed": 1, **kwargs})
     assert result.output == "all done"
     return task, store.taken
 

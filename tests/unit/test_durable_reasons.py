@@ -147,7 +147,8 @@ def test_each_recorded_step_hands_over_its_write_time() -> None:
         samples.append((ms, store.entry_writes - sum(writes for _, writes in samples)))
 
     scope = TaskCancellation("try1")
-    journal = Journal(store, try_number=1, scope=scope, on_step_written=step_written)
+    # One entry per store call (max_unconfirmed=1); entries stored together share their call's time.
+    journal = Journal(store, try_number=1, scope=scope, on_step_written=step_written, max_unconfirmed=1)
     with scope.activate():
         result = run_agent_in_scope(scope, Task().agent(), Task().prompt, journal=journal)
     assert result.output == "all done"

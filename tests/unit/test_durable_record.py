@@ -36,7 +36,7 @@ def test_a_damaged_record_starts_fresh_with_one_warning(
     elif damage == "garble":
         data[keys[2]] = '"not an entry"'
     elif damage == "head":
-        data[keys[0]] = data[keys[0]].replace('"format": 2', '"format": 3')
+        data[keys[0]] = data[keys[0]].replace('"format": 3', '"format": 4')
     else:  # what an older version of this package left: a header key and entries per message
         data = {RECORD: json.dumps({"format": 1, "generation": "abc"}), f"{RECORD}.abc.0": "{}"}
     task = Task()

@@ -46,18 +46,21 @@ def test_written_ahead_every_step_is_in_the_store_before_its_tools_run() -> None
     assert task.script.requests == STEPS + 1
 
 
-def test_a_step_costs_one_store_call() -> None:
+def test_a_step_costs_at_most_one_store_call() -> None:
     """Through a store that cannot list its keys (as Airflow's task state store): a first try
-    reads nothing, writes one entry per model response that calls tools and one end; a resumed
+    reads nothing, writes one entry per model response that calls tools and one end, in at most
+    as many calls (entries that queued while a call was in flight share the next); a resumed
     try reads the record once and then costs the same per step."""
     store = Counting()
     Task().run(store, 1)
     requests = STEPS + 1
-    assert store.calls == {"get": 0, "set": STEPS + 1, "delete": 0}, store.calls
+    assert store.calls["get"] == store.calls["delete"] == 0, store.calls
+    assert 1 <= store.calls["set"] <= STEPS + 1, store.calls
+    assert entries(store.store.data) == STEPS + 1
     assert store.total / requests <= 1.1
     killed = Counting(MemoryStore(killed_at(3)))
     task = Task()
-    task.run(killed, 2)
+    task.run(killed, 2, max_unconfirmed=1)
     # Try 1's three entries, the key after them and the one after that (no entry past a gap);
     # then steps 4..6 and the end.
     assert killed.calls == {"get": 3 + 2, "set": STEPS - 3 + 1, "delete": 0}, killed.calls
@@ -269,7 +272,7 @@ def test_a_try_cleared_away_without_an_end_is_known_by_the_clear_count() -> None
     """After a Clear the old try can no longer write (its task instance is gone): the next try
     sees the DAG run's clear count grew since the old try began."""
     first = Snapshots()
-    Task().run(first, 1, clear_count=0)
+    Task().run(first, 1, clear_count=0, max_unconfirmed=1)
     killed = next(s for s in first.taken if entries(s) == 3)
     task = Task()
     _, journal, _ = task.run(MemoryStore(dict(killed)), 2, clear_count=1)
@@ -321,7 +324,8 @@ def test_an_older_try_may_not_append_once_a_newer_try_took_over(
     messages = [r.getMessage() for r in caplog.records]
     assert any("may still be running" in m for m in messages), messages
     assert any("is not the newest" in m for m in messages), messages
-    tries = [MemoryStore(store.data).get(k)["try"] for k in store.data if k.count(".") >= 4]
+    stored = [MemoryStore(store.data).get(k) for k in store.data if k.count(".") >= 4]
+    tries = [e["try"] for value in stored for e in (value if isinstance(value, list) else [value])]
     assert tries.count(1) == 2, "try 1 appended nothing after try 2 took over (responses 1 and 2)"
 
 
@@ -491,9 +495,10 @@ def test_a_step_is_stored_while_its_tool_runs() -> None:
         steps: int = 0
 
         def set(self, key: str, value: Any) -> None:
-            if value["kind"] == "step":
-                self.steps += 1
-                overlapped.append(started[self.steps].wait(2))
+            for entry in value if isinstance(value, list) else [value]:  # entries queued meanwhile
+                if entry["kind"] == "step":
+                    self.steps += 1
+                    overlapped.append(started[self.steps].wait(2))
             super().set(key, value)
 
     store = WaitsForTheTool()
@@ -501,4 +506,4 @@ def test_a_step_is_stored_while_its_tool_runs() -> None:
     result, _, _ = task.run(store, 1)
     assert result.output == "all done" and [n for n, _ in task.calls] == list(range(1, STEPS + 1))
     assert overlapped == [True] * STEPS, "each step's store call was still going when its tool started"
-    assert store.writes == STEPS + 1, "every step and the end stored"
+    assert store.steps == STEPS and store.writes <= STEPS + 1, "every step and the end stored"

@@ -33,11 +33,15 @@ HEAVY = (
     "pyseccomp",
 )
 
-#: Ours, and needed only once a task runs: the scope and its unwind, process watching, the kill
-#: record, metrics, the supervisor watch, the durable stores and journal (and its rooms), the
-#: model hook.
+#: Ours, and needed only once a task runs (or only on the API server): the scope and its unwind,
+#: process watching, the kill record (and its stored copy), the Cancellations view's app,
+#: metrics, the supervisor watch, the durable stores and journal (and its rooms), the model hook.
 RUN_TIME_ONLY = (
     "cancellable_agents.core.scope",
+    "cancellable_agents.airflow.kill_record._stored",
+    # The Cancellations view's app: the API server's alone (the plugin class is light).
+    "cancellable_agents.airflow.cancellations_view._app",
+    "cancellable_agents.airflow.cancellations_view._pages",
     "cancellable_agents.airflow.kill_record.document",
     "cancellable_agents.procs",
     "cancellable_agents.run",

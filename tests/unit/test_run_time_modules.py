@@ -152,3 +152,47 @@ def test_a_task_on_another_backend_loads_no_local_sandbox_code(tmp_path: Path) -
 def test_the_check_sees_the_local_backend_loaded_eagerly_beside_another(tmp_path: Path) -> None:
     modules = _modules(tmp_path, OTHER_BACKEND_CHILD, "cancellable_agents.toolsets.sandbox.local._sandbox")
     assert "cancellable_agents.toolsets.sandbox.local.boundary._bwrap" in _among(modules, LOCAL_BACKEND)
+
+
+#: What a task process does with plugins: Airflow's Task SDK loads every plugin class (the
+#: ``airflow.plugins`` entry points', the Cancellations view's among them) to integrate their macros.
+PLUGINS_CHILD = r"""
+import json, sys
+from airflow.sdk.plugins_manager import integrate_macros_plugins
+integrate_macros_plugins()
+if sys.argv[1:]:
+    __import__(sys.argv[1])  # the control: the view's app loaded eagerly
+print(json.dumps(sorted(sys.modules)))
+"""
+
+#: The Cancellations view's app and pages, and what they import: the API server's, never a task's.
+VIEW = (
+    "cancellable_agents.airflow.cancellations_view._app",
+    "cancellable_agents.airflow.cancellations_view._pages",
+    "fastapi",
+)
+
+
+def _plugin_modules(tmp_path: Path, *extra: str) -> list[str]:
+    env = {**airflow_env(tmp_path), "AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS": "False"}
+    out = subprocess.run(
+        [sys.executable, "-c", PLUGINS_CHILD, *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    modules: list[str] = json.loads(out.strip().splitlines()[-1])
+    return modules
+
+
+def test_a_task_process_loads_the_view_plugin_class_but_not_its_app(tmp_path: Path) -> None:
+    modules = _plugin_modules(tmp_path)
+    assert "cancellable_agents.airflow.cancellations_view._plugin" in modules, "the plugin was not loaded"
+    assert _among(modules, VIEW) == []
+
+
+def test_the_check_sees_the_view_app_loaded_eagerly(tmp_path: Path) -> None:
+    modules = _plugin_modules(tmp_path, "cancellable_agents.airflow.cancellations_view._app")
+    assert "fastapi" in _among(modules, VIEW)

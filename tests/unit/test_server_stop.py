@@ -12,6 +12,7 @@ never answers, which ``classify_sigterm`` alone turns into ``unknown``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -28,10 +29,15 @@ from cancellable_agents.airflow import _adapter as adapter
 from cancellable_agents.airflow import _server_stop as server_stop
 from cancellable_agents.airflow import task_try
 from cancellable_agents.airflow._server_stop import open_task_logs, server_stop_verdict
-from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
+from cancellable_agents.core.causes import CancelCause, CauseSource, CauseVerdict, UserAction
 from cancellable_agents.core.scope import TaskCancellation
 
 LOG_PATH = "dag_id=d/run_id=r/task_id=t/attempt=1.log"
+
+
+def _from_log(verdict: CauseVerdict) -> CauseVerdict:
+    """``verdict`` as the try's log file decides it."""
+    return dataclasses.replace(verdict, source=CauseSource.TASK_LOG)
 
 
 class _Refusing(BaseHTTPRequestHandler):
@@ -121,7 +127,7 @@ def test_the_cause_is_on_disk_before_the_supervisors_sigterm(
 
     if status == 410 and "HTTPStatus.GONE" not in Path(supervisor.__file__).read_text():
         pytest.skip("this supervisor counts a 410 as a failed heartbeat (Airflow 3.1; its server sends 404)")
-    assert _refused_heartbeat(supervisor_log, status, detail) == [CauseVerdict.of_user(action)]
+    assert _refused_heartbeat(supervisor_log, status, detail) == [_from_log(CauseVerdict.of_user(action))]
 
 
 def test_running_elsewhere_is_left_to_the_server(supervisor_log: Any) -> None:
@@ -133,8 +139,8 @@ def test_a_sigterm_without_a_refused_heartbeat_is_an_eviction(supervisor_log: An
     """A forwarded SIGTERM (worker shutdown) leaves no line: the server would say ``running``."""
     supervisor_log.info("Task started")
     logs = open_task_logs(pids=("self",))
-    assert server_stop_verdict(logs, absence_decides=True) == CauseVerdict(
-        CancelCause.EVICTION, "worker shutdown"
+    assert server_stop_verdict(logs, absence_decides=True) == _from_log(
+        CauseVerdict(CancelCause.EVICTION, "worker shutdown")
     )
     # A supervisor not known to log it (a later Airflow that words it otherwise): ask the server.
     assert server_stop_verdict(logs, absence_decides=False) is None
@@ -193,6 +199,7 @@ def test_the_cause_holds_while_the_server_cannot_answer(
         scope.cancel(CancelCause.UNKNOWN, classify=classify, classify_timeout=0.2)
         assert scope.wait_cause(5) is expected.cause
         assert scope.cause_detail == expected.detail
+        assert scope.summary()["cause_source"] == "task log"
         assert asked == [], "decided without a round trip to the server"
     finally:
         never.set()

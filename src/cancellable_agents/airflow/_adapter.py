@@ -7,12 +7,13 @@ kill, and the imports that moved between 3.1, 3.2 and 3.3.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import sys
 from typing import Any
 
-from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
+from cancellable_agents.core.causes import CancelCause, CauseSource, CauseVerdict, UserAction
 
 #: Seconds between SIGTERM and SIGKILL on Airflow's user-initiated kill paths (mark failed, clear).
 GRACE_SECONDS = 5.0
@@ -51,7 +52,8 @@ def classify_sigterm(dag_id: str, task_id: str, run_id: str, map_index: int = -1
         run_ids=[run_id],
         map_index=None if map_index < 0 else map_index,
     )
-    return verdict_for_state(_find_state(states, run_id, task_id, map_index))
+    verdict = verdict_for_state(_find_state(states, run_id, task_id, map_index))
+    return dataclasses.replace(verdict, source=CauseSource.API_SERVER)
 
 
 def _find_state(states: dict, run_id: str, task_id: str, map_index: int) -> str | None:

@@ -34,6 +34,8 @@ OPTIONS: dict[str, Option] = {
     "durable_write_ahead": Option(bool, False),
     "genai_spans": Option(bool, False),
     "genai_span_content": Option(bool, False),
+    #: Store each killed try's record for the Cancellations view (one bounded write).
+    "store_cancellation_record": Option(bool, True),
 }
 
 

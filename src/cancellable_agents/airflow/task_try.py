@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from cancellable_agents.airflow._adapter import TaskInstanceKey, ti_key
 
 if TYPE_CHECKING:
+    from cancellable_agents.airflow._server_stop import LocalEvidence
     from cancellable_agents.airflow._supervisor import SupervisorWatch
     from cancellable_agents.core.causes import CauseVerdict
     from cancellable_agents.core.scope import TaskCancellation
@@ -59,6 +60,8 @@ class TaskTry:
     reaper: DescendantReaper | None = None
     #: Watches for the loss of the Task SDK supervisor (stops by itself once the run settled).
     supervisor_watch: SupervisorWatch | None = None
+    #: Where a SIGTERM's cause can be read locally (the try's log file), looked up at the start.
+    evidence: LocalEvidence | None = None
     #: After a pause (an approval, a deferral): the key of the run that paused and the answers
     #: its pending calls got (a reviewer's decisions, the outside work's results).
     answers: tuple[str, dict[str, Decision]] | None = None
@@ -86,11 +89,16 @@ class TaskTry:
             self.reaper = DescendantReaper.start(self.scope)
 
     def watch_supervisor(self, context: Any) -> None:
-        """Watch for the loss of the supervisor (once per try)."""
+        """Watch for the loss of the supervisor (once per try), and look up where a SIGTERM's
+        cause can be read locally, so the kill only reads it."""
         if self.supervisor_watch is None:
             from cancellable_agents.airflow._supervisor import watch_supervisor
 
             self.supervisor_watch = watch_supervisor(self.scope, context)
+        if self.evidence is None:
+            from cancellable_agents.airflow._server_stop import LocalEvidence
+
+            self.evidence = LocalEvidence.gather()
 
     def finish_reaper(self) -> None:
         """Stop what the task started outside a sandbox (a kill or a failure leaves nothing behind)."""
@@ -104,16 +112,33 @@ class TaskTry:
             self.reaper.close()
 
     def kill(self, classify_timeout: float) -> None:
-        """A SIGTERM's cancel: returns at once; the cause is asked for on the scope's helper thread."""
+        """A SIGTERM's cancel: returns within milliseconds. The cause comes from the try's log
+        file when that tells (read here, on the signal's thread: a few milliseconds, however
+        busy the machine); only otherwise is the API server asked, on the scope's helper
+        thread, within ``classify_timeout`` of now."""
         from cancellable_agents.core.causes import CancelCause
         from cancellable_agents.core.scope import Outcome
 
         scope = self.scope
-        started = scope.cancel(
-            CancelCause.UNKNOWN, classify=self._classifier(), classify_timeout=classify_timeout
-        )
+        local = self._local_verdict()
+        if local is not None:
+            started = scope.cancel(verdict=local)
+        else:
+            started = scope.cancel(
+                CancelCause.UNKNOWN, classify=self._classifier(), classify_timeout=classify_timeout
+            )
         if not started and scope.outcome is Outcome.COMPLETED:
             log.info("%s: kill after the task finished its work; nothing to cancel", scope.name)
+
+    def _local_verdict(self) -> CauseVerdict | None:
+        """The cause from what this process can read itself, if the evidence was looked up at
+        the start (a kill before that leaves it to the helper thread: see `_classify`)."""
+        if self.evidence is None or self.scope.cancelled:
+            return None
+        try:
+            return self.evidence.verdict()
+        except Exception:  # a signal handler must not raise: the server decides instead
+            return None
 
     def _classifier(self) -> Callable[[], CauseVerdict] | None:
         key = self.key

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["CancelCause", "CauseVerdict", "UserAction"]
+__all__ = ["CancelCause", "CauseSource", "CauseVerdict", "UserAction"]
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,30 @@ _ACTION_WORDS = {
 }
 
 
+class CauseSource(str, enum.Enum):
+    """What a cause was decided from: the kill record's ``cause_source``, so a wrong or unknown
+    cause says which evidence was missing or slow."""
+
+    LOCAL = "local"
+    """The kill itself told: a deadline, a parent's cancel, a lost supervisor, the caller."""
+    TASK_LOG = "task log"
+    """The try's log file on local disk: the supervisor's line about the server's refused
+    heartbeat (a user's stop), or its absence (an eviction)."""
+    API_SERVER = "api server"
+    """The API server's view of the try (a round trip through the supervisor)."""
+    UNANSWERED = "unanswered"
+    """Nothing answered within the budget, or the query failed (the cause is ``unknown``)."""
+
+
 @dataclass(frozen=True)
 class CauseVerdict:
-    """A decided cause, what the user did (for ``USER``), and a human detail."""
+    """A decided cause, what the user did (for ``USER``), a human detail, and what it was
+    decided from."""
 
     cause: CancelCause
     detail: str = ""
     action: UserAction | None = None
+    source: CauseSource = CauseSource.LOCAL
 
     @classmethod
     def of_user(cls, action: UserAction) -> CauseVerdict:
@@ -83,7 +100,8 @@ def bounded(query: Callable[[], CauseVerdict], timeout: float) -> CauseVerdict:
     """Run ``query`` on a daemon thread and give up after ``timeout`` seconds.
 
     A query that cannot answer in time (a deadlocked comms channel, a slow server) yields
-    ``UNKNOWN`` instead of blocking the unwind: the cause must never cost grace time.
+    ``UNKNOWN`` (source ``UNANSWERED``) instead of blocking the unwind: the cause must never
+    cost grace time.
     """
     result: list[CauseVerdict] = []
 
@@ -92,11 +110,14 @@ def bounded(query: Callable[[], CauseVerdict], timeout: float) -> CauseVerdict:
             result.append(query())
         except Exception as exc:  # the classifier must never break the unwind
             log.warning("Could not classify the cancellation: %s", exc)
-            result.append(CauseVerdict(CancelCause.UNKNOWN, f"classifier failed: {exc}"))
+            detail = f"classifier failed: {exc}"
+            result.append(CauseVerdict(CancelCause.UNKNOWN, detail, source=CauseSource.UNANSWERED))
 
     worker = threading.Thread(target=target, name="cancellable-agents-classify", daemon=True)
     worker.start()
     worker.join(timeout)
     if result:
         return result[0]
-    return CauseVerdict(CancelCause.UNKNOWN, f"task state not known within {timeout:.1f}s")
+    return CauseVerdict(
+        CancelCause.UNKNOWN, f"task state not known within {timeout:.1f}s", source=CauseSource.UNANSWERED
+    )

@@ -54,6 +54,9 @@ __all__ = ["Outcome", "ResourceHandle", "TaskCancellation", "current_cancellatio
 
 log = logging.getLogger(__name__)
 
+#: How long the unwind waits for a classifier past its deadline: the time to record its answer.
+_CLASSIFIER_SLACK_S = 0.05
+
 
 class Outcome(str, enum.Enum):
     """The one terminal outcome of a scope's run."""
@@ -361,14 +364,19 @@ class TaskCancellation:
         detail: str = "",
         classify: Callable[[], CauseVerdict] | None = None,
         classify_timeout: float = 1.0,
+        verdict: CauseVerdict | None = None,
     ) -> bool:
         """Request cancellation; return ``True`` if this call started it.
 
         Idempotent and thread-safe, never raises, returns within microseconds: the unwind runs
-        on a helper thread. ``classify`` (optional) decides the cause off-thread within
-        ``classify_timeout``; until it answers, ``cause`` is ``None``. A cancel after the run
-        completed is a logged no-op.
+        on a helper thread. The cause is ``verdict`` if given (decided by the caller, with what
+        user action and source it knows), else ``cause`` and ``detail``; or ``classify``
+        (optional) decides it off-thread within ``classify_timeout`` of this call; until it
+        answers, ``cause`` is ``None``, and the unwind waits for it no later than that. A
+        cancel after the run completed is a logged no-op.
         """
+        if verdict is not None:
+            cause, detail, classify = verdict.cause, verdict.detail, None
         with self._lock:
             if self._outcome is Outcome.COMPLETED:
                 self.record("cancel_ignored", reason="run already completed", cause=cause.value)
@@ -382,7 +390,7 @@ class TaskCancellation:
         extra = {"detail": detail} if detail else {}
         if classify is None:
             self.record("kill_received", cause=cause.value, **extra)
-            self._decide(CauseVerdict(cause, detail))
+            self._decide(verdict or CauseVerdict(cause, detail))
         else:  # the answer comes in ``cause_decided``; ``cause`` is what a silent classifier leaves
             self.record("kill_received", cause="deciding", fallback=cause.value, **extra)
         # Flag the children before returning (each unwinds on its own helper, before this scope's
@@ -409,7 +417,9 @@ class TaskCancellation:
             if self._cause is not None:
                 return False
             self._cause = verdict
-        self.record("cause_decided", cause=verdict.cause.value, detail=verdict.detail)
+        self.record(
+            "cause_decided", cause=verdict.cause.value, detail=verdict.detail, source=verdict.source.value
+        )
         self._cause_decided.set()
         return True
 
@@ -472,9 +482,13 @@ class TaskCancellation:
 
     def _unwind(self, classify: Callable[[], CauseVerdict] | None, classify_timeout: float) -> None:
         classifier: threading.Thread | None = None
+        # The classifier's budget counts from the cancel, not from when this thread got to run
+        # (a busy machine starts it late): it never holds the unwind past ``classify_timeout``.
+        assert self._cancel_at is not None  # set by cancel() before this thread starts
+        classify_until = self._cancel_at + classify_timeout
         if classify is not None:
             classifier = threading.Thread(
-                target=lambda: self._decide(bounded(classify, classify_timeout)),
+                target=lambda: self._decide(bounded(classify, max(0.0, classify_until - self._clock()))),
                 name="cancellable-agents-cause",
                 daemon=True,
             )
@@ -486,7 +500,8 @@ class TaskCancellation:
         self._signalled.set()
         release_phases(self, pending)
         if classifier is not None:
-            classifier.join(max(0.0, classify_timeout))
+            # The classifier gives up at ``classify_until``; a moment more lets it record that.
+            classifier.join(max(0.0, classify_until - self._clock()) + _CLASSIFIER_SLACK_S)
         # Children unwound concurrently from the start; waiting here only makes "released" cover
         # the whole tree, so the record is complete when it is logged.
         for kid in self.children:
@@ -543,6 +558,7 @@ class TaskCancellation:
             "cause": self.cause.value if self.cause else None,
             "root_cause": self.root_cause.value if self.root_cause else None,
             "detail": self.cause_detail,
+            "cause_source": self._cause.source.value if self._cause else None,
             "outcome": self._outcome.value if self._outcome else None,
             "budget_s": self.budget,
             "wall_origin": round(first.wall + (origin - first.at), 3),

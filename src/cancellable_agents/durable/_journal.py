@@ -3,8 +3,10 @@ order: take the record over before the run, record each step while it goes, writ
 
 The record lives in a key-value store that survives the task's retries (Airflow 3.3's task state
 store, or files under an ``ObjectStoragePath``). It is written while the run goes, never at kill
-time (a SIGKILL leaves no time), one store call per step that calls tools, stored while those
-tools run (``write_ahead=True``: before they start). So a stop that lets the try unwind never
+time (a SIGKILL leaves no time), at most one store call per step that calls tools, stored while
+those tools run (``write_ahead=True``: before they start); entries that queue while a call is in
+flight go out together in the next, and the run waits for the store only when more than
+``max_unconfirmed`` are not yet stored. So a stop that lets the try unwind never
 costs a model request that was answered, and the cost of a step does not grow with the history.
 
 Rooms, each with its contract at its top: [`resume_plan`][cancellable_agents.durable._resume_plan] decides
@@ -31,7 +33,7 @@ from typing import Any
 
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import _run_arguments as run_arguments
-from cancellable_agents.durable._appender import OWNER_CHECK_S, Appender
+from cancellable_agents.durable._appender import MAX_UNCONFIRMED, OWNER_CHECK_S, Appender
 from cancellable_agents.durable._capability import JournalCapability
 from cancellable_agents.durable._deferred_calls import journaled_run
 from cancellable_agents.durable._fingerprint import fingerprint
@@ -98,6 +100,10 @@ class Journal:
         ``False`` once the task used Airflow's async API on its event loop: from then on Airflow's
         comms refuse a sync call on that loop while another thread (this journal's writer)
         holds the channel (``DeadlockImminentError``).
+    :param max_unconfirmed: how many appended entries may be not yet stored before the run
+        waits for the store (each is a completed step or a parallel call's result): what a
+        SIGKILL can cost is at most this many completed steps, repeated by the next try. The
+        entries that queue meanwhile are stored together, in one call.
     :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
         the task took over, and cancels itself if so (``0``: before every append). Fencing does
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
@@ -120,6 +126,7 @@ class Journal:
     on_step_written: Callable[[float], None] | None = None
     returns_flush_s: float = RETURNS_FLUSH_S
     owner_check_s: float = OWNER_CHECK_S
+    max_unconfirmed: int = MAX_UNCONFIRMED
     write_ahead: bool = False
     beside_is_safe: Callable[[], bool] | None = None
     answers: dict[str, Decision] | None = None
@@ -148,6 +155,7 @@ class Journal:
             write_ahead=self.write_ahead,
             beside_is_safe=self.beside_is_safe,
             on_step_written=self.on_step_written,
+            max_unconfirmed=self.max_unconfirmed,
         )
         self._steps = StepRecorder(
             self._appender, returns_flush_s=self.returns_flush_s, write_ahead=self.write_ahead
@@ -277,10 +285,13 @@ class Journal:
         """Append the end [`cancelled`][] noted, once the kill record is in the task log, with
         the tool returns still pending: one write, which through Airflow's task state store is an
         API call that a busy API server answers seconds later (measured 3.7 s under load, 5 s
-        when it stalls on SQLite), and the task is SIGKILLed 5 s after the SIGTERM."""
+        when it stalls on SQLite), and the task is SIGKILLed 5 s after the SIGTERM. The entries
+        not yet stored go out with it, in the same call when they are still queued."""
         end, self._end = self._end, None
-        self._appender.settle()
-        if end is None or self._appender.off is not None:
+        if end is None:
+            self._appender.settle()
+            return
+        if self._appender.off is not None:
             return
         if self._steps.pending:
             end["messages"] = [dump_message(m) for m in self._steps.pending]
@@ -324,6 +335,7 @@ class Journal:
         ``wound_down`` (a ``WindDownReport``): the run answered at its wind-down; the entry's
         state is ``wound_down`` and holds the report. Like ``completed``, it ends the record: the
         answer is the task's result, so a Clear starts fresh."""
+        self._appender.settle()  # an entry that failed to store turns the record off (not the end)
         usage = self._ended(getattr(result, "usage", None))
         facts = self._facts(usage)
         state = "wound_down" if wound_down is not None else "completed"

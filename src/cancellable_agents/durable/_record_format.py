@@ -2,7 +2,10 @@
 back, refusing anything that is not exactly what a try wrote.
 
 Layout (``<p>`` = ``cancellable_agents.durable.<run>``, one per ``run_agent_sync`` call of a task):
-each try writes only keys of its own, ``<p>.try<N>.<j>`` (its segment), one entry per write:
+each try writes only keys of its own, ``<p>.try<N>.<j>`` (its segment). A key holds the entries
+one store call wrote: entry ``j`` of the segment alone (a JSON object, as format 2 wrote every
+entry), or entries ``j, j+1, ...`` (a JSON list: those that queued while the previous call was in
+flight), and the segment's next key is the index after them. The entries are:
 
 - a graph step's messages (``kind: step``: the model response that calls tools, with the request
   before it that no earlier entry holds), one parallel call's result (``kind: tool_result``), or
@@ -46,7 +49,10 @@ from cancellable_agents.durable._try_usage import TryUsage
 
 #: Bumped when the layout changes; a record of another format is not used (fresh start, one
 #: warning). Format 1 (one header key ``<p>``, one entry per message) is refused that way.
-FORMAT = 2
+#: Format 3 may hold several entries under one key; format 2 (one entry per key) reads the same.
+FORMAT = 3
+#: The formats this version reads (a record an older version wrote resumes after an upgrade).
+READABLE_FORMATS = (2, 3)
 KEY_PREFIX = "cancellable_agents.durable"
 #: The kinds of entry; any other does not parse.
 ENTRY_KINDS = ("step", "tool_result", "end", "answer")
@@ -189,18 +195,22 @@ def _load_from(store: Store, key: str, owner: int, first: Any, fp: str) -> Loade
     entries: list[dict[str, Any]] = []
     segments: list[list[int]] = []
     for try_number, count in head["base"]:
-        for j in range(count):
-            entry = store.get(segment_key(key, try_number, j))
-            if entry is None:
+        j = 0
+        while j < count:
+            value = store.get(segment_key(key, try_number, j))
+            if value is None:
                 raise RecordProblem(f"entry {len(entries)} is missing")
-            entries.append(_checked(entry, len(entries), entries, try_number))
+            for entry in entries_of(value)[: count - j]:  # a key holds whole calls: never more
+                entries.append(_checked(entry, len(entries), entries, try_number))
+                j += 1
         segments.append([try_number, count])
     own = 0
-    entry = first
-    while entry is not None:
-        entries.append(_checked(entry, len(entries), entries, owner))
-        own += 1
-        entry = store.get(segment_key(key, owner, own))
+    value = first
+    while value is not None:
+        for entry in entries_of(value):
+            entries.append(_checked(entry, len(entries), entries, owner))
+            own += 1
+        value = store.get(segment_key(key, owner, own))
     if store.get(segment_key(key, owner, own + 1)) is not None:
         raise RecordProblem(f"entry {len(entries)} is missing")
     segments.append([owner, own])
@@ -212,11 +222,23 @@ def _load_from(store: Store, key: str, owner: int, first: Any, fp: str) -> Loade
     return LoadedRecord(head, owner, entries, segments, messages, [t for t, _ in recorded], last["h"])
 
 
+def entries_of(value: Any) -> list[Any]:
+    """The entries one key holds: one (an object) or several (a non-empty list). Raises
+    [`RecordProblem`][] for anything else."""
+    if isinstance(value, list) and value:
+        return value
+    if isinstance(value, dict):
+        return [value]
+    raise RecordProblem("a key of the record does not parse (neither an entry nor a list of them)")
+
+
 def _head_of(first: Any) -> dict[str, Any]:
     """The head a segment's first entry holds, its shape checked."""
-    head = first.get("head") if isinstance(first, dict) else None
-    if not isinstance(head, dict) or head.get("format") != FORMAT:
-        raise RecordProblem(f"its first entry holds no format-{FORMAT} head")
+    entry = entries_of(first)[0]
+    head = entry.get("head") if isinstance(entry, dict) else None
+    if not isinstance(head, dict) or head.get("format") not in READABLE_FORMATS:
+        formats = " or ".join(map(str, READABLE_FORMATS))
+        raise RecordProblem(f"its first entry holds no head of format {formats}")
     try:
         head["base"] = [[int(t), int(n)] for t, n in head.get("base", ())]
     except (TypeError, ValueError) as exc:

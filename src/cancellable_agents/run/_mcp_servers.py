@@ -23,7 +23,10 @@ spawned with) is inherited by everything its tools start, so a ``setsid`` grandc
 exited, out of the group and the tree, is still found; only a process that drops its environment
 (``env -i``) escapes it, and is left to ``Phase.TEARDOWN`` (the reaper), which runs after. The
 same happens with ``reap_descendants=False``, the reaper's part aside. A server spawned after the
-cancel (one still starting) is registered late and so closed at once.
+cancel (one still starting) is registered late and so closed at once. A server that has not yet
+answered the handshake (nothing read from its stdout: it has not read its stdin either) has no
+session to close and would not notice its stdin closing: it is stopped at once, without the
+`STDIN_GRACE` wait (``booting`` on its ``mcp_server_closed`` event).
 
 Each server's outcome is on the scope's timeline (``mcp_server_closed``: how it ended, ms) and
 what had to be killed in its ``killed`` list (source ``mcp_stdio``). Remote servers (streamable
@@ -223,6 +226,7 @@ def _spawned(process: Any, tag: bytes) -> None:
         tracker=_entering.get(),
         scope=scope,
     )
+    server.watch_for_answer()
     scope.record("mcp_server_started", pid=info.pid, server=server.command)
     if server.tracker is not None:
         with server.tracker.lock:
@@ -245,6 +249,29 @@ class StdioServer:
     _closing: threading.Lock = field(default_factory=threading.Lock)
     closed: threading.Event = field(default_factory=threading.Event)
     """Set once [`close`][] is done (whatever the outcome)."""
+    answered: threading.Event = field(default_factory=threading.Event)
+    """Set once the server wrote anything to its stdout: it read the client's ``initialize`` and
+    answered (an MCP server writes nothing else before). Set at once where that cannot be watched."""
+
+    def watch_for_answer(self) -> None:
+        """Set [`answered`][] on the first bytes read from the server's stdout (the transport's
+        reads, wrapped on this process's stream); where the stream cannot be wrapped, assume it
+        answered (the graceful close, as before)."""
+        stdout = getattr(self.process, "stdout", None)
+        receive = getattr(stdout, "receive", None)
+        if receive is None:
+            self.answered.set()
+            return
+
+        async def receive_noting(*args: Any, **kwargs: Any) -> Any:
+            data = await receive(*args, **kwargs)
+            self.answered.set()
+            return data
+
+        try:
+            stdout.receive = receive_noting  # type: ignore[union-attr]
+        except AttributeError:  # a stream type with slots: no way to tell, so no shortcut
+            self.answered.set()
 
     def close(self) -> None:
         """The MCP stdio shutdown, inside the scope's remaining budget; records what happened.
@@ -271,6 +298,12 @@ class StdioServer:
             self._record(started, "exited", calls, calls_ms, killed=self._stop_leftovers([]))
             return
         tree = [ProcKey(pid, info.start) for pid, info in walk_descendants(self.key.pid).items()]
+        if not self.answered.is_set():
+            # Still booting: it has not read its stdin yet, so closing it would only wait the
+            # whole grace; nothing of a session can be lost. Stopped at once.
+            killed = self._stop_leftovers([self.key, *tree])
+            self._record(started, "killed", calls, calls_ms, killed=killed, booting=True)
+            return
         stdin_closed = self._close_stdin()
         grace = max(0.0, min(STDIN_GRACE, scope.remaining() - reserve)) if stdin_closed else 0.0
         exited = wait_gone([self.key], grace)
@@ -345,6 +378,7 @@ class StdioServer:
         *,
         killed: list[KillRecord],
         stdin_closed: bool = False,
+        booting: bool = False,
     ) -> None:
         took = _ms(self.scope.now() - started)
         log.info(
@@ -358,6 +392,7 @@ class StdioServer:
             calls_cancelled=calls,
             calls_ended_ms=calls_ms,
             stdin_closed=stdin_closed,
+            booting=booting,
             killed=[k.pid for k in killed],
             took_ms=took,
         )

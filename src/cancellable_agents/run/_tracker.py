@@ -31,6 +31,7 @@ from cancellable_agents.core._workers import JobThread
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable._resume import current_resume
 from cancellable_agents.run import _mcp_servers as mcp_servers
+from cancellable_agents.run._open_streams import ClosingModel
 from cancellable_agents.run.tool_calls import RunIdentity, ToolCall, active_tool_call, derive_key
 
 if TYPE_CHECKING:
@@ -335,7 +336,7 @@ class CancellationCapability(AbstractCapability[Any]):
     pydantic-ai charges every capability of a run, whatever it overrides, a ``RunContext`` copy
     per hook per step (an empty capability adds about 3.5 ms to a 50-step run); that is most of
     this module's overhead, and no other per-run API reaches every tool call and the toolset
-    teardown. So this overrides only what it needs: the toolset wrapper, and
+    teardown. So this overrides only what it needs: the toolset wrapper, the model wrapper, and
     ``wrap_model_request``, the one hook that sees the task awaiting a request both when it
     starts and when it ends, also when it is cancelled (``after_model_request`` is skipped then).
     """
@@ -345,6 +346,12 @@ class CancellationCapability(AbstractCapability[Any]):
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any] | None:
         return _RunToolset(toolset, tracker=self._tracker)
+
+    def get_wrapper_model(self, model: Any) -> Any:
+        """A cancelled stream is closed down to its connection
+        ([`ClosingModel`][cancellable_agents.run._open_streams.ClosingModel]); pydantic-ai calls
+        this for each request attempt (versions without the hook never do)."""
+        return ClosingModel(model, self._tracker.scope)
 
     async def wrap_model_request(self, ctx: RunContext[Any], *, request_context: Any, handler: Any) -> Any:
         # Remember which task awaits the request, so a cancelled run can stop it before teardown.

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import Outcome, Phase, ResourceHandle, TaskCancellation
 from cancellable_agents.durable._pauses import AwaitingApproval
+from cancellable_agents.run import _blocking_requests as blocking_requests
 from cancellable_agents.run.tool_calls import RunIdentity, run_identity
 
 if TYPE_CHECKING:
@@ -74,6 +76,8 @@ class _ScopedRun:
             scope.record("run_refused", reason="cancelled before the run started")
             scope.settle(Outcome.CANCELLED)
             raise scope.cancelled_error("cancelled before the run started; no model request was made")
+        if "botocore" in sys.modules:  # a Bedrock model was built: its blocking requests are watched
+            blocking_requests.watch_botocore()
         tracker = tracker if tracker is not None else RunTracker(scope)
         tracker.identity = run_identity(identity)
         handle = scope.register(tracker.cancel_tool_tasks, name="in-flight tools", phase=Phase.IN_FLIGHT)

@@ -2,7 +2,8 @@
 
 The server speaks real HTTP/1.1 on ``127.0.0.1`` (an ephemeral port unless one is given) and answers
 ``POST /v1/chat/completions`` in both plain-JSON and SSE streaming form, in the shape the ``openai`` client
-and pydantic-ai's ``OpenAIChatModel`` accept. What it answers is chosen by the request's ``model`` string.
+and pydantic-ai's ``OpenAIChatModel`` accept (also under the paths Azure OpenAI, Groq and Mistral's SDKs
+use for the same API). What it answers is chosen by the request's ``model`` string.
 
 What it answers (the model-string grammar) is in [`cancellable_agents.testing.scripts`][].
 
@@ -43,6 +44,7 @@ from types import FrameType, TracebackType
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit
 
+from cancellable_agents.testing import wire_protocols
 from cancellable_agents.testing.records import RecordLog, RequestRecord, first_record
 from cancellable_agents.testing.scripts import (
     BEHAVIOURS,
@@ -50,9 +52,7 @@ from cancellable_agents.testing.scripts import (
     Reply,
     Script,
     ScriptError,
-    ToolCall,
     error_json,
-    message_text,
     parse_model,
     plan_reply,
     supported,
@@ -107,9 +107,12 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], log: RecordLog, verbose: bool) -> None:
+    def __init__(
+        self, address: tuple[str, int], log: RecordLog, verbose: bool, api_key: str | None = None
+    ) -> None:
         self.log = log
         self.verbose = verbose
+        self.api_key = api_key
         self._connections: set[socket.socket] = set()
         self._connections_changed = threading.Condition()
         super().__init__(address, _Handler)
@@ -175,42 +178,62 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route GET {path}", "not_found"))
 
     def do_POST(self) -> None:
-        """Serve ``/v1/chat/completions`` and ``/_reset``; anything else is a JSON 404."""
+        """Serve every model endpoint of [`wire_protocols`][cancellable_agents.testing.wire_protocols]
+        and ``/_reset``; anything else is a JSON 404. A server given an API key refuses a model
+        request without it (401), as the providers do."""
         path = urlsplit(self.path).path.rstrip("/")
         body = self._read_body()
-        if path == "/v1/chat/completions":
-            self._chat_completions(body)
+        endpoint = wire_protocols.route(path)
+        if endpoint is not None and not self._key_accepted():
+            message = "Incorrect API key provided"
+            self._send_json(HTTPStatus.UNAUTHORIZED, error_json(message, "invalid_api_key"))
+        elif endpoint is not None:
+            self._play(endpoint, body)
         elif path == "/_reset":
             self._send_json(HTTPStatus.OK, {"cleared": self._log.clear()})
         else:
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route POST {path}", "not_found"))
 
-    # -- chat completions -------------------------------------------------------------------------------
+    def _key_accepted(self) -> bool:
+        """Any key, unless the server was given one: then the request must carry it the way its
+        SDK sends a key (a bearer token, Azure's ``api-key``, Anthropic's ``x-api-key``, Gemini's
+        ``x-goog-api-key``, or a SigV4 credential's access key id)."""
+        expected = cast(_Server, self.server).api_key
+        if expected is None:
+            return True
+        authorization = self.headers.get("Authorization", "")
+        sent = {authorization.removeprefix("Bearer ")}
+        sent |= {self.headers.get(name, "") for name in ("api-key", "x-api-key", "x-goog-api-key")}
+        return expected in sent or f"Credential={expected}/" in authorization
 
-    def _chat_completions(self, raw: bytes) -> None:
-        """Record the request, play its script, and close the record with the outcome."""
+    # -- model requests ---------------------------------------------------------------------------------
+
+    def _play(self, endpoint: wire_protocols.Route, raw: bytes) -> None:
+        """Record the request, play its script in the endpoint's protocol, and close the record."""
+        protocol = endpoint.protocol
         try:
-            request = _parse_request(raw)
+            request = _parse_request(protocol, endpoint, raw)
         except ValueError as exc:
             record = self._log.open("", False, [])
-            self._reject(record, str(exc), "invalid_request", None)
+            self._reject(record, f"{exc}; {supported()}", "invalid_request", None)
             return
-        model, stream, messages = request["model"], request["stream"], request["messages"]
-        record = self._log.open(model, stream, messages, tools=request["tools"])
+        record = self._log.open(
+            request.model, request.stream, request.messages, tools=request.tools, protocol=protocol.name
+        )
         try:
-            script = parse_model(model)
+            script = parse_model(request.model)
         except ScriptError as exc:
             self._reject(record, str(exc), "unknown_behaviour", "model")
             return
-        completion = Completion(model, sum(len(message_text(m).split()) for m in messages), script.cost)
+        completion = Completion(request.model, wire_protocols.text_of(request.messages), script.cost)
         try:
             self._pause(script.delay_first)
             repeated = script.stall_at is not None and self._log.repeats(record)
-            reply = plan_reply(script, messages, repeated=repeated, offered=tuple(request["tools"]))
-            if stream:
-                self._stream(record, completion, reply, include_usage=request["include_usage"])
+            reply = plan_reply(script, request.messages, repeated=repeated, offered=tuple(request.tools))
+            if request.stream:
+                self._stream(protocol, request, record, completion, reply)
             else:
-                self._respond(record, completion, reply)
+                self._respond(protocol, record, completion, reply)
         except _ClientGone as gone:
             self.close_connection = True
             self._log.close(record, "disconnected", at=gone.at)
@@ -229,42 +252,44 @@ class _Handler(BaseHTTPRequestHandler):
         except _ClientGone:
             self.close_connection = True
 
-    def _respond(self, record: RequestRecord, completion: Completion, reply: Reply) -> None:
+    def _respond(
+        self,
+        protocol: wire_protocols.WireProtocol,
+        record: RequestRecord,
+        completion: Completion,
+        reply: Reply,
+    ) -> None:
         """Non-streaming: wait for the whole 'generation' while watching the client, then answer."""
         self._pause(reply.wait_first + reply.piece_delay * len(reply.pieces))
-        self._send_json(HTTPStatus.OK, completion.body(reply))
+        self._send_json(HTTPStatus.OK, protocol.body(completion, reply))
         self._log.add_tokens(record, reply.completion_tokens)
 
     def _stream(
-        self, record: RequestRecord, completion: Completion, reply: Reply, *, include_usage: bool
+        self,
+        protocol: wire_protocols.WireProtocol,
+        request: wire_protocols.WireRequest,
+        record: RequestRecord,
+        completion: Completion,
+        reply: Reply,
     ) -> None:
-        """Streaming: SSE chunks over chunked transfer encoding, ending with ``data: [DONE]``."""
+        """Streaming: the protocol's frames over chunked transfer encoding, a token per text frame."""
         self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Content-Type", protocol.stream_content_type)
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self._end_headers()
         if reply.wait_first:
             self._pause(reply.wait_first)
-        if not reply.tool_calls:
-            self._send_event(completion.chunk({"role": "assistant", "content": ""}))
+        self._write_frames(protocol.opening(completion, reply))
         for piece in reply.pieces:
             self._pause(reply.piece_delay)
-            self._send_event(completion.chunk({"content": piece}))
+            self._write_frames(protocol.text(completion, reply, piece))
             self._log.add_tokens(record, 1)
         for index, call in enumerate(reply.tool_calls):
             self._pause(0.0)
-            self._send_event(completion.chunk(_tool_call_start(index, call, first=index == 0)))
-            self._send_event(
-                completion.chunk(
-                    {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}
-                )
-            )
+            self._write_frames(protocol.tool_call(completion, reply, index, call))
             self._log.add_tokens(record, 1)
-        self._send_event(completion.chunk({}, finish_reason=reply.finish_reason))
-        if include_usage:
-            self._send_event(completion.usage_chunk(reply.completion_tokens))
-        self._write_chunk(b"data: [DONE]\n\n")
+        self._write_frames(protocol.closing(completion, reply, request))
         self._write(b"0\r\n\r\n")
 
     # -- waiting and writing ----------------------------------------------------------------------------
@@ -299,8 +324,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _write_chunk(self, data: bytes) -> None:
         self._write(b"%X\r\n%s\r\n" % (len(data), data))
 
-    def _send_event(self, payload: dict[str, Any]) -> None:
-        self._write_chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    def _write_frames(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            self._write_chunk(frame)
 
     def _send_body(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
         self.send_response(status)
@@ -317,49 +343,17 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length > 0 else b""
 
 
-def _tool_call_start(index: int, call: ToolCall, *, first: bool) -> dict[str, Any]:
-    """The delta that opens tool call ``index`` (id, type, name; arguments follow in the next chunk)."""
-    start = {
-        "index": index,
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": ""},
-    }
-    delta: dict[str, Any] = {"tool_calls": [start]}
-    if first:
-        delta = {"role": "assistant", "content": None, **delta}
-    return delta
-
-
-def _parse_request(raw: bytes) -> dict[str, Any]:
-    """Validate a chat-completions body; return model, stream, messages and include_usage."""
+def _parse_request(
+    protocol: wire_protocols.WireProtocol, endpoint: wire_protocols.Route, raw: bytes
+) -> wire_protocols.WireRequest:
+    """The request body as JSON, read by ``protocol``; a `ValueError` says what is wrong with it."""
     try:
         body = json.loads(raw or b"{}")
     except json.JSONDecodeError as exc:
         raise ValueError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
-    model, messages = body.get("model"), body.get("messages")
-    if not isinstance(model, str) or not model:
-        raise ValueError(f"'model' must be a non-empty string; {supported()}")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("'messages' must be a list of objects")
-    stream_options = body.get("stream_options") or {}
-    return {
-        "tools": _tool_names(body.get("tools")),
-        "model": model,
-        "stream": bool(body.get("stream", False)),
-        "messages": messages,
-        "include_usage": bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
-    }
-
-
-def _tool_names(tools: Any) -> list[str]:
-    """The names of the function tools a request offers (none: an empty list)."""
-    if not isinstance(tools, list):
-        return []
-    names = (tool.get("function", {}).get("name") for tool in tools if isinstance(tool, dict))
-    return [name for name in names if isinstance(name, str)]
+    return protocol.parse(body, endpoint.model, endpoint.stream)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -372,12 +366,16 @@ class ScriptedModelServer:
 
     Use as ``with ScriptedModelServer() as server:`` or call `start` / `stop`. ``base_url`` (e.g.
     ``http://127.0.0.1:PORT/v1``) is what an OpenAI client or ``OpenAIProvider(base_url=...)`` needs; any
-    API key is accepted. All waits take a timeout and block on a condition variable, never spin.
+    API key is accepted unless ``api_key`` is given (then any other is answered 401, as OpenAI does).
+    All waits take a timeout and block on a condition variable, never spin.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False, api_key: str | None = None
+    ) -> None:
         self._address = (host, port)
         self._verbose = verbose
+        self._api_key = api_key
         self._log = RecordLog()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -388,7 +386,7 @@ class ScriptedModelServer:
         """Bind the socket and serve on a daemon thread; return ``self``. Raise if already started."""
         if self._httpd is not None:
             raise RuntimeError("ScriptedModelServer is already started")
-        self._httpd = _Server(self._address, self._log, self._verbose)
+        self._httpd = _Server(self._address, self._log, self._verbose, self._api_key)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
             kwargs={"poll_interval": 0.1},

@@ -43,6 +43,8 @@ class RequestRecord:
     error: str | None = None
     #: The names of the tools the request offered (function and output tools alike).
     tools: list[str] = dataclasses.field(default_factory=list)
+    #: The wire protocol it came in (``openai-chat``, ``bedrock-converse``, ...: `wire_protocols`).
+    protocol: str = "openai-chat"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict of all fields (what ``GET /_records`` returns per record)."""
@@ -65,11 +67,22 @@ class RecordLog:
         self._records: list[RequestRecord] = []
 
     def open(
-        self, model: str, stream: bool, messages: list[dict[str, Any]], tools: list[str] | None = None
+        self,
+        model: str,
+        stream: bool,
+        messages: list[dict[str, Any]],
+        tools: list[str] | None = None,
+        protocol: str = "openai-chat",
     ) -> RequestRecord:
         with self._cond:
             record = RequestRecord(
-                len(self._records), model, stream, messages, time.monotonic(), tools=tools or []
+                len(self._records),
+                model,
+                stream,
+                messages,
+                time.monotonic(),
+                tools=tools or [],
+                protocol=protocol,
             )
             self._records.append(record)
             self._cond.notify_all()

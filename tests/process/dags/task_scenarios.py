@@ -174,6 +174,8 @@ def build_task(scenario: str) -> BaseOperator:
         return build_subagent_task(scenario, common)
     if scenario.startswith("mcp_"):
         return build_mcp_task(scenario, common)
+    if scenario.startswith("provider_"):
+        return build_provider_task(scenario, common)
     if scenario == "deferred":
         return AgentOperator(
             prompt="run the job",
@@ -372,6 +374,70 @@ def build_mcp_task(scenario: str, common: dict[str, Any]) -> BaseOperator:
         toolsets=[toolset],
         reap_descendants=not scenario.endswith("_noreap"),
         **common,
+    )
+
+
+# -- per-provider kills (issue 44, item 3) --------------------------------------------------
+
+#: What each provider's model streams: 600 tokens 50 ms apart (30 s), killed mid-stream.
+PROVIDER_STREAM = "slow?tokens=600&delay=0.05"
+
+
+class ProviderOperator(LLMOperator):
+    """``LLMOperator`` whose model is provider ``provider``'s real SDK pointed at the local server
+    (``tests/provider_models.py``), built when the task runs."""
+
+    def __init__(self, *, provider: str, script: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.provider = provider
+        self.script = script
+
+    def build_agent(self) -> Any:
+        from tests.provider_models import build
+
+        root = json.loads(os.environ["AIRFLOW_CONN_LOCAL_MODEL"])["host"].removesuffix("/v1")
+        return Agent(build(self.provider, self.script, root))
+
+
+def _resources_after_failure(context: Any) -> None:
+    """The failure report, then what of the request outlives the unwind: threads other than the
+    main one, and this process's TCP connections to the model server still established."""
+    on_failure(context)
+    import psutil
+
+    port = int(json.loads(os.environ["AIRFLOW_CONN_LOCAL_MODEL"])["host"].rsplit(":", 1)[1].split("/")[0])
+    connections = [
+        c.status
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    ]
+    threads = [
+        (t.name, t.daemon) for t in threading.enumerate() if t.is_alive() and t is not threading.main_thread()
+    ]
+    emit("resources_after_unwind", connections=connections, threads=threads)
+
+
+#: When the kill lands in the request (``provider_NAME_MOMENT``): ``stream``: mid-stream, tokens
+#: flowing; ``first``: streaming, before the first byte (the model still thinking, headers not
+#: sent); ``whole``: a non-streaming request, before its answer.
+PROVIDER_MOMENTS = {
+    "stream": (PROVIDER_STREAM, True),
+    "first": (PROVIDER_STREAM + "&delay_first=30", True),
+    "whole": ("slow?tokens=3&delay=10", False),
+}
+
+
+def build_provider_task(scenario: str, common: dict[str, Any]) -> BaseOperator:
+    """``provider_NAME_MOMENT``: one request of provider ``NAME``'s SDK, 30 s long, to be killed
+    at ``MOMENT`` (`PROVIDER_MOMENTS`)."""
+    provider, _, moment = scenario.removeprefix("provider_").rpartition("_")
+    script, stream = PROVIDER_MOMENTS[moment]
+    return ProviderOperator(
+        provider=provider,
+        script=script,
+        prompt="write a lot",
+        stream=stream,
+        **{**common, "on_failure_callback": _resources_after_failure},
     )
 
 

@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow._metrics import emit_kill
 from cancellable_agents.airflow._supervisor import notice_exit_at_once
+from cancellable_agents.airflow.config import deployment_setting
 from cancellable_agents.airflow.kill_record._outlook import airflow_logs_next, retry_outlook
+from cancellable_agents.airflow.kill_record._stored import store_record
 from cancellable_agents.airflow.kill_record.document import KillReport, render_record, summary_line
 from cancellable_agents.core._usage import usage_dict
+from cancellable_agents.core.causes import UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.procs._proc import read_proc
 
@@ -51,7 +54,11 @@ def log_kill_record(task_try: TaskTry, retry_policy: Any, exc: TaskCancelled | N
         airflow_logs_next=airflow_logs_next(cause, action),
     )
     log.warning("%s", summary_line(report))
-    log.warning("%s", render_record(report.full_record()))
+    full = report.full_record()
+    log.warning("%s", render_record(full))
+    # A cleared try's task instance was already replaced by the next one: the store refuses it.
+    storing = action is not UserAction.CLEARED and bool(deployment_setting("store_cancellation_record"))
+    store_record(task_try.context, task_try.ti, full, enabled=storing)
     emit_kill(task_try, report)  # after the record: metrics can never delay or hide it
     _exit_promptly()
 

@@ -43,7 +43,16 @@ RECORD_PREFIX = "cancellable_agents.record "
 SUMMARY_PREFIX = "cancelled: "
 
 #: Keys the record shows first, in this order; the rest follow as the scope wrote them.
-_LEADING_KEYS = ("cause", "detail", "outcome", "retry", "airflow_logs_next", "root_cause", "scope")
+_LEADING_KEYS = (
+    "cause",
+    "detail",
+    "cause_source",
+    "outcome",
+    "retry",
+    "airflow_logs_next",
+    "root_cause",
+    "scope",
+)
 #: Strings longer than this go last in a list item (see `_short_first`).
 _LONG = 40
 #: Keys whose list items are put one per line (the rest of the record stays compact).

@@ -1,0 +1,44 @@
+"""Times Airflow's task heartbeats for ``benchmarks/fleet.py``: on ``PYTHONPATH`` of the fleet's
+Airflow only, and only where ``FLEET_HEARTBEAT_LOG`` is set.
+
+The heartbeat is sent by each task's supervisor (not the task process), through the Task SDK's
+``httpx`` client: every request whose path ends in ``/heartbeat`` appends one JSON line (wall
+time, milliseconds, status, pid) to the file ``FLEET_HEARTBEAT_LOG`` names. Imported by every
+Python process of the stack at start, so the supervisors, forked later, inherit the wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def _install(path: str) -> None:
+    import httpx
+
+    send = httpx.Client.send
+
+    def timed_send(self: httpx.Client, request: httpx.Request, **kwargs: object) -> httpx.Response:
+        if not request.url.path.endswith("/heartbeat"):
+            return send(self, request, **kwargs)  # type: ignore[arg-type]
+        started, status = time.perf_counter(), -1
+        try:
+            response = send(self, request, **kwargs)  # type: ignore[arg-type]
+            status = response.status_code
+            return response
+        finally:
+            line = {
+                "at": time.time(),
+                "ms": round((time.perf_counter() - started) * 1000, 3),
+                "status": status,
+                "pid": os.getpid(),
+            }
+            with open(path, "a") as out:  # one short line per write: appends do not interleave
+                out.write(json.dumps(line) + "\n")
+
+    httpx.Client.send = timed_send  # type: ignore[method-assign]
+
+
+if os.environ.get("FLEET_HEARTBEAT_LOG"):
+    _install(os.environ["FLEET_HEARTBEAT_LOG"])

@@ -1,0 +1,179 @@
+"""The journal's batched store calls: entries that queue while a call is in flight go out
+together in the next (one key, a list), the run waits for the store only when ``max_unconfirmed``
+entries are not yet stored, and a record of either layout (format 3's lists, format 2's one entry
+per key) resumes. Through a store that holds its calls until the test lets them go: the store's
+round trip, stalled, without a clock."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cancellable_agents.durable import MemoryStore
+from cancellable_agents.durable._record_format import chain, segment_key
+from cancellable_agents.durable._writer import StoreWriter
+from tests.unit.durable_runs import RECORD, STEPS, Task, entries, killed_at
+
+#: Every wait for the run's thread or the writer's is bounded by this.
+WAIT_S = 30.0
+
+
+@dataclass
+class Stalled(MemoryStore):
+    """A MemoryStore whose ``set`` waits until ``released`` (a store stalled at the API server),
+    and that keeps each call's value (``calls``) and notes when one has started (``entered``)."""
+
+    released: threading.Event = field(default_factory=threading.Event)
+    entered: threading.Event = field(default_factory=threading.Event)
+    calls: list[Any] = field(default_factory=list)
+
+    def set(self, key: str, value: Any) -> None:
+        self.entered.set()
+        assert self.released.wait(WAIT_S), "the test never released the store"
+        self.calls.append(value)
+        super().set(key, value)
+
+
+def _run_beside(store: Any, try_number: int, task: Task, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(task.run(store, try_number, **kwargs)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_the_run_waits_only_when_max_unconfirmed_entries_are_not_stored() -> None:
+    """The store holds its first call: the run goes on for ``max_unconfirmed`` steps (their
+    tools run) and stops before the next one's tool. Released, the queued entries go out in
+    one call, and the record holds every step."""
+    store = Stalled()
+    steps_run: list[int] = []
+    reached = threading.Event()
+    limit = 3
+
+    def on_call(n: int) -> None:
+        steps_run.append(n)
+        if n == limit:
+            reached.set()
+
+    task = Task(on_call=on_call)
+    thread, out = _run_beside(store, 1, task, max_unconfirmed=limit)
+    assert reached.wait(WAIT_S), f"the run stopped before step {limit}: {steps_run}"
+    assert store.entered.wait(WAIT_S)
+    thread.join(0.3)  # not a synchronisation: the run must still be waiting after it
+    assert steps_run == list(range(1, limit + 1)), "the run went past max_unconfirmed entries"
+    store.released.set()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and out[0][0].output == "all done"
+    batch_sizes = [len(v) if isinstance(v, list) else 1 for v in store.calls]
+    assert batch_sizes[:2] == [1, limit - 1], batch_sizes  # the stalled call, then the queue
+    assert sum(batch_sizes) == STEPS + 1 and len(store.calls) < STEPS + 1
+    assert store.data == {}  # completed: the record dropped
+
+
+def test_a_batched_record_resumes_without_repeating_a_stored_step() -> None:
+    """Try 1 is 'SIGKILLed' while its queued entries wait: the store holds what landed (two
+    calls, the second a list of entries); try 2 resumes from exactly that, with no step of it
+    run again."""
+    store = Stalled()
+    held = threading.Event()
+    stop = threading.Event()
+
+    def on_call(n: int) -> None:
+        if n == 4:  # steps 1..4 appended: entry 1 stored, 2..4 in the second call
+            held.set()
+            assert stop.wait(WAIT_S)
+
+    thread, _ = _run_beside(store, 1, Task(on_call=on_call))
+    assert held.wait(WAIT_S)
+    store.released.set()
+    snapshot = _landed(store, 4)
+    stop.set()
+    thread.join(WAIT_S)
+    keys = sorted(k for k in snapshot if k.startswith(f"{RECORD}.try1."))
+    assert keys == [segment_key(RECORD, 1, 0), segment_key(RECORD, 1, 1)], keys
+    assert len(json.loads(snapshot[keys[1]])) == 3, "entries 2..4 were not stored in one call"
+    task = Task()
+    result, journal, _ = task.run(MemoryStore(snapshot), 2)
+    assert result.output == "all done"
+    assert journal.resume is not None and journal.resume.messages == 4 * 2
+    assert [n for n, _ in task.calls] == [4, 5, 6], "a stored step ran again"
+    assert task.calls[0] == (4, True)
+
+
+def _landed(store: Stalled, count: int) -> dict[str, str]:
+    """``store``'s data once it holds ``count`` entries (the writer stores them soon)."""
+    done = threading.Event()
+    for _ in range(int(WAIT_S / 0.01)):
+        if entries(store.data) >= count:
+            done.set()
+            break
+        done.wait(0.01)
+    assert done.is_set(), f"the writer never stored {count} entries: {store.data.keys()}"
+    return dict(store.data)
+
+
+def test_entries_queued_behind_a_call_in_flight_share_one_key() -> None:
+    """The writer's own contract: the first item alone, then everything queued meanwhile."""
+    stored: list[list[int]] = []
+    gate = threading.Event()
+
+    def store(batch: list[int]) -> None:
+        assert gate.wait(WAIT_S)
+        stored.append(batch)
+
+    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=10)
+    for item in range(5):
+        writer.add(item)
+    gate.set()
+    writer.wait()
+    assert [item for batch in stored for item in batch] == list(range(5)) and len(stored) <= 2, stored
+    assert writer.unconfirmed == 0
+
+
+def test_a_store_error_is_raised_once_and_nothing_after_it_is_stored() -> None:
+    stored: list[list[int]] = []
+
+    def store(batch: list[int]) -> None:
+        if 1 in batch:
+            raise OSError("the API server said 500")
+        stored.append(batch)
+
+    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=1)
+    writer.add(0)
+    writer.wait_for_room()
+    writer.add(1)
+    with pytest.raises(OSError, match="500"):
+        writer.wait()
+    writer.add(2)  # raised once: the appender turned the record off after it
+    writer.wait()
+    assert stored == [[0]]
+
+
+def test_max_unconfirmed_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        StoreWriter(lambda batch: None, max_unconfirmed=0)
+
+
+def test_a_format_2_record_still_resumes() -> None:
+    """A record an older version wrote (format 2: one entry per key, its head saying 2) resumes
+    after an upgrade, exactly as one this version wrote."""
+    data = killed_at(3)
+    keys = [segment_key(RECORD, 1, j) for j in range(3)]
+    prev = ""
+    for key in keys:  # the same entries as format 2 wrote them: the head says 2, re-chained
+        entry = json.loads(data[key])
+        body = {k: v for k, v in entry.items() if k != "h"}
+        if "head" in body:
+            body["head"]["format"] = 2
+        body["prev"] = prev
+        prev = chain(prev, body)
+        data[key] = json.dumps({**body, "h": prev})
+    task = Task()
+    result, journal, _ = task.run(MemoryStore(data), 2)
+    assert result.output == "all done"
+    assert journal.resume is not None and journal.resume.from_try == 1
+    assert task.script.requests == STEPS + 1 - 3
