@@ -433,8 +433,7 @@ def _airflow_version() -> str:
 
 #: Connections (ours and common.ai's, as they are) whose platform speaks its own wire protocol,
 #: each pointed at the scripted server, which speaks them all (`testing/wire_protocols.py`).
-#: ``{url}`` is the server's root URL. Vertex AI needs Google credentials to send a request (its
-#: configuration is checked above; its wire protocol, with a static token, in the kill tests).
+#: ``{url}`` is the server's root URL.
 _OWN_PROTOCOLS = [
     pytest.param(
         {
@@ -488,7 +487,38 @@ _OWN_PROTOCOLS = [
 ]
 
 
-@pytest.mark.parametrize(("fields", "protocol"), _OWN_PROTOCOLS)
+def _vertex_connections() -> list[object]:
+    """Vertex AI from common.ai's type with a service-account key in its extra, and from ours with
+    an Airflow Google Cloud connection: the key's ``token_uri`` is the server's token endpoint, so the
+    OAuth exchange runs for real (a JWT signed with the key) and yields the token the server wants."""
+    key = {
+        **_service_account_key("composer-worker@composer-project.iam.gserviceaccount.com"),
+        "token_uri": "{url}/token",
+    }
+    common_ai = {
+        "conn_type": "pydanticai_vertex",
+        "extra": {
+            "model": "echo",
+            "project": "composer-project",
+            "location": "us-central1",
+            "service_account_info": key,
+            "base_url": "{url}",
+        },
+    }
+    ours = {
+        "conn_type": "cancellable_agents_model",
+        "schema": "google-cloud:echo",
+        "host": "{url}",
+        "extra": {"gcp_conn_id": "google_cloud_vertex", "location": "us-central1"},
+        "gcp": {"conn_type": "google_cloud_platform", "extra": {"keyfile_dict": json.dumps(key)}},
+    }
+    return [
+        pytest.param(common_ai, "gemini", id="vertex-common-ai"),
+        pytest.param(ours, "gemini", id="vertex-ours-google-cloud-connection"),
+    ]
+
+
+@pytest.mark.parametrize(("fields", "protocol"), _OWN_PROTOCOLS + _vertex_connections())
 def test_an_agent_runs_end_to_end_on_each_platforms_own_wire_protocol(
     monkeypatch: pytest.MonkeyPatch, fields: dict[str, object], protocol: str
 ) -> None:
@@ -496,6 +526,8 @@ def test_an_agent_runs_end_to_end_on_each_platforms_own_wire_protocol(
     with the connection's key (the server refuses any other)."""
     with ScriptedModelServer(api_key=KEY) as keyed:
         filled = json.loads(json.dumps(fields).replace("{url}", keyed.url))
+        if "gcp" in filled:
+            _connection(monkeypatch, "google_cloud_vertex", **filled.pop("gcp"))
         result = Agent(_model(monkeypatch, **filled)).run_sync("ping")
         assert result.output == "echo: ping"
         assert [(r.model, r.protocol) for r in keyed.requests] == [("echo", protocol)]

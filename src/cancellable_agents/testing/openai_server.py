@@ -14,7 +14,9 @@ detection. Each chat-completions request is recorded as a `RequestRecord`; ``GET
 records as JSON and ``POST /_reset`` clears them, so a parent process can assert on a server it spawned.
 Timestamps come from ``time.monotonic()``, which on Linux is comparable across processes.
 
-Other endpoints: ``GET /health`` (``ok``) and ``GET /v1/models``.
+Other endpoints: ``GET /health`` (``ok``), ``GET /v1/models``, and ``POST /token``: an OAuth 2.0 token
+endpoint as Google's service-account exchange answers it, whose access token is the server's API key,
+so a Vertex AI client built from a service-account key (``token_uri`` pointed here) authenticates.
 
 Run it as a process with ``python -m cancellable_agents.testing.openai_server [--host H] [--port P]``: it
 prints ``READY <base_url>`` on stdout (flushed) and serves until SIGTERM or SIGINT.
@@ -191,6 +193,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._play(endpoint, body)
         elif path == "/_reset":
             self._send_json(HTTPStatus.OK, {"cleared": self._log.clear()})
+        elif path == "/token":
+            token = cast(_Server, self.server).api_key or "local-access-token"
+            self._send_json(
+                HTTPStatus.OK, {"access_token": token, "expires_in": 3600, "token_type": "Bearer"}
+            )
         else:
             self._send_json(HTTPStatus.NOT_FOUND, error_json(f"no route POST {path}", "not_found"))
 
