@@ -314,9 +314,14 @@ def test_the_providers_errors_have_one_base_and_a_kill_is_not_one() -> None:
 TRIGGER_ROOMS = ("airflow", "operators", "decorators", "hooks")
 
 
-#: Modules that refuse to import below Airflow 3.3 on purpose (retry policies are 3.3's), with a
-#: message naming the upgrade.
-NEEDS_3_3_MODULES = frozenset() if has_retry_policies() else frozenset({"cancellable_agents.airflow.retry"})
+#: Modules that cannot import below Airflow 3.3: retry policies are 3.3's (it refuses, naming the
+#: upgrade), and the Cancellations view's app reads 3.3's task state store (its plugin offers
+#: nothing there, so nothing imports the app).
+NEEDS_3_3_MODULES = (
+    frozenset()
+    if has_retry_policies()
+    else frozenset({"cancellable_agents.airflow.retry", "cancellable_agents.airflow.cancellations_view._app"})
+)
 
 
 def _trigger_classes() -> set[type]:
@@ -404,3 +409,16 @@ def test_every_public_module_says_what_it_exports() -> None:
         assert declared is not None, f"{module_name} has no __all__"
         assert [name for name in declared if not hasattr(module, name)] == [], module_name
         assert exported_from.get(module_name, set()) <= set(declared), module_name
+
+
+def test_the_cancellations_view_is_offered_only_where_the_task_state_store_is() -> None:
+    """On 3.3+ a tab and a nav page; on 3.1/3.2 (the compat venvs run this) no app and no view:
+    the app reads 3.3's store, and its imports would fail the API server's start there."""
+    from cancellable_agents.airflow._adapter import has_task_state_store
+    from cancellable_agents.airflow.cancellations_view._plugin import CancellationsPlugin
+
+    views = CancellationsPlugin.external_views
+    if has_task_state_store():
+        assert [view["destination"] for view in views] == ["task_instance", "nav"]
+    else:
+        assert (views, CancellationsPlugin.fastapi_apps) == ([], [])

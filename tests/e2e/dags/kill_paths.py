@@ -31,7 +31,7 @@ from pydantic_ai import RunContext
 
 from cancellable_agents import AgentOperator, DurableOptions, LocalSandbox, current_cancellation
 from cancellable_agents.durable import current_resume
-from cancellable_agents.durable._record_format import KEY_PREFIX, segment_key
+from cancellable_agents.durable._record_format import KEY_PREFIX, entries_of, segment_key
 
 log = logging.getLogger("e2e")
 
@@ -268,18 +268,20 @@ def _snapshot_journal(store: Any, try_number: int, path: Path) -> None:
     count it froze, then its own), entry by entry: which try wrote it, when, how many messages;
     and what older tries wrote past those counts (never part of it)."""
     record = f"{KEY_PREFIX}.0"  # the task's first (only) durable run
-    first = store.get(segment_key(record, try_number, 0)) or {}
+    first_value = store.get(segment_key(record, try_number, 0))
+    first = entries_of(first_value)[0] if first_value is not None else {}
     base = (first.get("head") or {}).get("base", [])
     entries: list[dict[str, Any]] = []
     stale: list[dict[str, Any]] = []
     for segment, count in [*base, [try_number, None]]:
-        j = 0
-        while (entry := store.get(segment_key(record, segment, j))) is not None:
-            summary = {k: entry.get(k) for k in ("i", "kind", "try", "at")}
-            (entries if count is None or j < count else stale).append(
-                {**summary, "messages": len(entry.get("messages", []))}
-            )
-            j += 1
+        j = 0  # a key holds one entry or the list of those one store call wrote (format 3)
+        while (value := store.get(segment_key(record, segment, j))) is not None:
+            for entry in entries_of(value):
+                summary = {k: entry.get(k) for k in ("i", "kind", "try", "at")}
+                (entries if count is None or j < count else stale).append(
+                    {**summary, "messages": len(entry.get("messages", []))}
+                )
+                j += 1
     snapshot = {"owner": {"try": try_number, "at": first.get("at")}, "entries": entries, "stale": stale}
     path.with_suffix(".tmp").write_text(json.dumps(snapshot))
     path.with_suffix(".tmp").replace(path)

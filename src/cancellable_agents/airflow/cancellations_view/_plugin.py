@@ -1,5 +1,5 @@
-"""The Airflow plugin that puts the Cancellations view in the UI (``provider.yaml``'s
-``plugins:``).
+"""The Airflow plugin that puts the Cancellations view in the UI (an ``airflow.plugins`` entry
+point; Airflow 3.3+, whose task state store holds the records: before it, the plugin offers nothing).
 
 Every Airflow component imports plugin classes, the task process too (for macros), so this
 module imports only ``AirflowPlugin``: the FastAPI app, SQLAlchemy models and the pages load when
@@ -8,6 +8,7 @@ the API server first reads ``fastapi_apps``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
@@ -18,26 +19,31 @@ __all__ = ["URL_PREFIX", "CancellationsPlugin"]
 URL_PREFIX = "/cancellations"
 
 
-class _AppOnFirstUse:
-    """``fastapi_apps`` built when first read (a class attribute read on the class)."""
+class _OnAirflowWithTheStore:
+    """A plugin attribute made on first read (a class attribute read on the class), and empty on
+    Airflow without the task state store (3.1/3.2): the view reads only the store, and its app's
+    imports would fail the API server's start there."""
 
-    def __init__(self) -> None:
-        self._apps: list[dict[str, Any]] | None = None
+    def __init__(self, make: Callable[[], list[dict[str, Any]]]) -> None:
+        self._make = make
+        self._value: list[dict[str, Any]] | None = None
 
     def __get__(self, instance: Any, owner: Any) -> list[dict[str, Any]]:
-        if self._apps is None:
-            from cancellable_agents.airflow.cancellations_view._app import build_app
+        if self._value is None:
+            from cancellable_agents.airflow._adapter import has_task_state_store
 
-            self._apps = [{"app": build_app(URL_PREFIX), "url_prefix": URL_PREFIX, "name": "Cancellations"}]
-        return self._apps
+            self._value = self._make() if has_task_state_store() else []
+        return self._value
 
 
-class CancellationsPlugin(AirflowPlugin):
-    """A tab on the task instance page and a page in the nav, served by one FastAPI app."""
+def _apps() -> list[dict[str, Any]]:
+    from cancellable_agents.airflow.cancellations_view._app import build_app
 
-    name = "cancellable_agents_cancellations"
-    fastapi_apps = _AppOnFirstUse()  # type: ignore[assignment]
-    external_views = [
+    return [{"app": build_app(URL_PREFIX), "url_prefix": URL_PREFIX, "name": "Cancellations"}]
+
+
+def _views() -> list[dict[str, Any]]:
+    return [
         {
             "name": "Cancellations",
             # The UI fills the placeholders with the page's task instance, URL-encoded.
@@ -54,3 +60,11 @@ class CancellationsPlugin(AirflowPlugin):
             "url_route": "cancellations",
         },
     ]
+
+
+class CancellationsPlugin(AirflowPlugin):
+    """A tab on the task instance page and a page in the nav, served by one FastAPI app."""
+
+    name = "cancellable_agents_cancellations"
+    fastapi_apps = _OnAirflowWithTheStore(_apps)  # type: ignore[assignment]
+    external_views = _OnAirflowWithTheStore(_views)  # type: ignore[assignment]

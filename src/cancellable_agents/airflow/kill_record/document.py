@@ -46,11 +46,11 @@ SUMMARY_PREFIX = "cancelled: "
 _LEADING_KEYS = (
     "cause",
     "detail",
-    "cause_source",
     "outcome",
     "retry",
     "airflow_logs_next",
     "root_cause",
+    "cause_source",
     "scope",
 )
 #: Strings longer than this go last in a list item (see `_short_first`).
