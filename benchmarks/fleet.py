@@ -45,6 +45,7 @@ import functools
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -138,11 +139,18 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet_stack(db: str, parallelism: int, api_workers: int = 1, code: Path | None = None) -> Iterator[Fleet]:
+def fleet_stack(
+    db: str,
+    parallelism: int,
+    api_workers: int = 1,
+    code: Path | None = None,
+    settings: dict[str, str] | None = None,
+) -> Iterator[Fleet]:
     """Airflow on ``db`` (``sqlite`` or ``postgres``) with the fleet DAGs, until the block ends.
 
     :param api_workers: the API server's workers (``[api] workers``).
     :param code: a ``src`` directory whose provider the stack imports instead of this checkout's.
+    :param settings: ``[cancellable_agents]`` options for every component (name -> value).
     """
     home = Path(tempfile.mkdtemp(prefix=f"cancellable-agents-fleet-{db}-"))
     state_dir = home / "fleet_state"
@@ -161,6 +169,7 @@ def fleet_stack(db: str, parallelism: int, api_workers: int = 1, code: Path | No
             "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
             "AIRFLOW__API__WORKERS": str(api_workers),
             "FLEET_HEARTBEAT_LOG": str(state_dir / "heartbeats.jsonl"),
+            **{f"AIRFLOW__CANCELLABLE_AGENTS__{k.upper()}": v for k, v in (settings or {}).items()},
             "PYTHONPATH": os.pathsep.join(
                 [*([str(code)] if code else []), str(HEARTBEAT_SITE), os.environ.get("PYTHONPATH", "")]
             ),
@@ -213,6 +222,16 @@ def source_as_of(rev: str) -> Iterator[Path]:
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         yield Path(tmp) / "src"
+
+
+@contextlib.contextmanager
+def source_now() -> Iterator[Path]:
+    """This checkout's ``src/`` as it is now, copied: an edit made while the benchmark runs does
+    not reach the stacks it starts later."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="cancellable-agents-fleet-now-") as tmp:
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        yield Path(shutil.copytree(root / "src", Path(tmp) / "src", ignore=ignore))
 
 
 # -- driving runs --------------------------------------------------------------------------------
@@ -360,20 +379,25 @@ class Row:
     errors: list[str] = field(default_factory=list)
 
 
-def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True) -> None:
-    """N durable runs, N written ahead (unless not ``write_ahead``), then N control runs: store
-    calls and step times."""
-    variants = (
+def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rounds: int = 2) -> None:
+    """N durable runs, N written ahead (unless not ``write_ahead``), then N control runs, for
+    ``rounds`` rounds, every other one in reverse order (durable, control, control, durable, ...):
+    a drift of the machine over the phase (a stack warming up, a neighbour) falls on both sides
+    alike. Store calls and step times, pooled over the rounds."""
+    variants = [
         ("fleet_durable", "durable", row.step_durable_ms),
         *([("fleet_write_ahead", "ahead", row.step_write_ahead_ms)] if write_ahead else []),
         ("fleet_control", "control", row.step_control_ms),
-    )
-    for dag_id, name, step_ms in variants:
+    ]
+    order = [v for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+    busy_by: dict[str, float] = {}
+    steps_by: dict[str, int] = {}
+    for dag_id, name, step_ms in order:
         busy_before, steps_before, started = _busy_cpu_s(), len(step_ms), time.time()
         runs = trigger(fleet, dag_id, row.n, name)
         await_runs(fleet, dag_id, runs, timeout)
-        busy = _busy_cpu_s() - busy_before
-        row.heartbeat_ms[name] = fleet.heartbeats(started, time.time())
+        busy_by[name] = busy_by.get(name, 0.0) + _busy_cpu_s() - busy_before
+        row.heartbeat_ms.setdefault(name, []).extend(fleet.heartbeats(started, time.time()))
         for run_id in runs:
             starts = sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
             step_ms.extend((b - a) * 1000 for a, b in itertools.pairwise(starts))
@@ -388,8 +412,10 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True) -> 
             requests = len(fleet.requests_of(run_id))
             if requests:
                 row.calls_per_step.append(len(calls) / requests)
-        if (steps := len(step_ms) - steps_before) > 0:
-            row.cpu_ms_per_step[name] = busy * 1000 / steps
+        steps_by[name] = steps_by.get(name, 0) + len(step_ms) - steps_before
+    for name, steps in steps_by.items():
+        if steps > 0:
+            row.cpu_ms_per_step[name] = busy_by[name] * 1000 / steps
 
 
 def _busy_cpu_s() -> float:
@@ -513,11 +539,12 @@ def measure(
     code: str = "this checkout",
     api_workers: int = 1,
     write_ahead: bool = True,
+    rounds: int = 2,
 ) -> Row:
     """All phases at one N; a phase that fails is noted and the next one still runs."""
     row = Row(fleet.db, n, code, api_workers)
     phases: list[tuple[str, Callable[[], None]]] = [
-        ("steady", lambda: steady(fleet, row, timeout, write_ahead)),
+        ("steady", lambda: steady(fleet, row, timeout, write_ahead, rounds)),
         ("eviction storm", lambda: evict_storm(fleet, row, timeout, load)),
         ("mark-failed storm", lambda: mark_failed_storm(fleet, row, timeout, load)),
         ("bare memory", lambda: bare_memory(fleet, row, timeout)),
@@ -707,6 +734,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-write-ahead", action="store_true", help="leave out the written-ahead steady variant"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="steady-state rounds, alternating order (default 2)"
+    )
+    parser.add_argument(
+        "--batch-window",
+        metavar="S[,S...]",
+        help="run this checkout once per value of [cancellable_agents] durable_batch_window",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.n.split(",")]
@@ -714,20 +749,34 @@ def main(argv: list[str] | None = None) -> None:
     raw: list[dict[str, Any]] = []
     loads: list[tuple[float, float, float]] = []
     with contextlib.ExitStack() as exports:
-        codes: list[tuple[str, Path | None]] = [("this checkout", None)]
+        now = exports.enter_context(source_now())
+        codes: list[tuple[str, Path | None, dict[str, str]]] = [("this checkout", now, {})]
+        if args.batch_window:
+            codes = [
+                (f"this checkout, window {w}", now, {"durable_batch_window": w})
+                for w in args.batch_window.split(",")
+            ]
         if args.before:
-            codes.insert(0, (f"before ({args.before})", exports.enter_context(source_as_of(args.before))))
+            before = exports.enter_context(source_as_of(args.before))
+            codes.insert(0, (f"before ({args.before})", before, {}))
         for db in args.db.split(","):
             if db == "postgres" and postgres_missing() is not None:
                 print(f"[fleet] postgres skipped: {postgres_missing()}")
                 continue
             for workers in [int(w) for w in args.api_workers.split(",")]:
-                for label, code in codes:
+                for label, code, settings in codes:
                     print(f"[fleet] {db}, {workers} API worker(s), {label}", flush=True)
-                    with fleet_stack(db, max(32, 2 * max(sizes)), workers, code) as fleet:
+                    with fleet_stack(db, max(32, 2 * max(sizes)), workers, code, settings) as fleet:
                         for n in sizes:
                             row = measure(
-                                fleet, n, args.timeout, args.api_load, label, workers, not args.no_write_ahead
+                                fleet,
+                                n,
+                                args.timeout,
+                                args.api_load,
+                                label,
+                                workers,
+                                not args.no_write_ahead,
+                                args.rounds,
                             )
                             rows.append(summary(row))
                             raw.append(row.__dict__)

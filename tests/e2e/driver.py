@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow.kill_record.document import parse_record
+from cancellable_agents.durable._record_format import KEY_PREFIX, entries_of
 from cancellable_agents.testing.openai_server import RequestRecord
 from tests.e2e.airflow_stack import tail, wait_until
 from tests.e2e.procs import ancestors, cmdline, is_alive, marked_processes
@@ -229,6 +230,28 @@ def _watch_exit(result: PathResult, timeout: float = SETTLE_TIMEOUT) -> None:
         time.sleep(0.01)
     if not is_alive(result.task_pid):
         result.task_exit_wall = time.time()
+
+
+def stored_entries(env: E2EEnv, result: PathResult) -> dict[str, list[dict[str, Any]]]:
+    """Try 1's record as stored now, through the REST API: key -> the entries it holds (one, or
+    the list a batched store call wrote)."""
+    listed = env.rest.json("GET", f"{_ti_path(result)}/state-store", params={"limit": 100})
+    prefix = f"{KEY_PREFIX}.0.try1."
+    return {
+        e["key"]: entries_of(e["value"]) for e in listed["task_state_store"] if e["key"].startswith(prefix)
+    }
+
+
+def await_steps_stored(env: E2EEnv, result: PathResult, count: int = 4) -> dict[str, list[dict[str, Any]]]:
+    """Until try 1's record holds ``count`` entries (the step whose tool runs is the last). A step's entry is
+    stored beside its tool and may wait out the batch window: only a kill that lets the task
+    unwind stores what waits, so a SIGKILL that must find the step stored waits for it."""
+
+    def landed() -> dict[str, list[dict[str, Any]]] | None:
+        record = stored_entries(env, result)
+        return record if sum(len(v) for v in record.values()) >= count else None
+
+    return wait_until(landed, 30, f"{result.path}: {count} entries of try 1 stored", interval=0.1)
 
 
 def _ti_path(result: PathResult) -> str:

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from cancellable_agents.durable._record_format import KEY_PREFIX, segment_key
 from tests.e2e.airflow_stack import wait_until
 from tests.e2e.conftest import E2EEnv
 from tests.e2e.driver import (
@@ -33,6 +32,7 @@ from tests.e2e.driver import (
     _collect_quietly,
     _ti_path,
     _trigger,
+    await_steps_stored,
     clear,
     diagnostics,
     evict,
@@ -62,7 +62,9 @@ class DurableResult:
 
 
 def sigkill_task(env: E2EEnv, result: PathResult) -> tuple[float, float]:
-    """SIGKILL the task process: no Python runs, no on_kill, nothing written at kill time."""
+    """SIGKILL the task process, once tool 4's step is stored: no Python runs, no on_kill,
+    nothing written at kill time."""
+    await_steps_stored(env, result)
     killed = time.time()
     os.kill(result.task_pid, signal.SIGKILL)
     return killed, killed
@@ -71,10 +73,14 @@ def sigkill_task(env: E2EEnv, result: PathResult) -> tuple[float, float]:
 def tamper_then_evict(env: E2EEnv, result: PathResult) -> tuple[float, float]:
     """Edit a completed step of the record through the REST API, then evict the task."""
     store = f"{_ti_path(result)}/state-store"
-    key = segment_key(f"{KEY_PREFIX}.0", 1, 1)  # the return of tool 1, with the response to it
-    entry = env.rest.json("GET", f"{store}/{key}")["value"]
+    # Entry 1: the return of tool 1, with the response to it (alone under its key, or in a list).
+    key, entries = next(
+        (k, v) for k, v in await_steps_stored(env, result).items() if any(e["i"] == 1 for e in v)
+    )
+    entry = next(e for e in entries if e["i"] == 1)
     entry["messages"][0]["parts"][0]["content"] = "line 1 NOT written"
-    env.rest.json("PUT", f"{store}/{key}", json={"value": entry}, expect=(200, 204))
+    value = entries[0] if len(entries) == 1 else entries
+    env.rest.json("PUT", f"{store}/{key}", json={"value": value}, expect=(200, 204))
     return evict(env, result)
 
 

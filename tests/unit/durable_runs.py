@@ -96,6 +96,7 @@ class Task:
             "owner_check_s",
             "write_ahead",
             "max_unconfirmed",
+            "batch_window_s",
         )
         options = {k: kwargs.pop(k) for k in names if k in kwargs}
         journal = Journal(store, try_number=try_number, scope=scope, **options)

@@ -64,15 +64,25 @@ def test_options_left_unset_take_the_deployments_config(
 ) -> None:
     monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__DURABLE_FLUSH_AFTER", "0.25")
     monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__DURABLE_WRITE_AHEAD", "True")
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__DURABLE_BATCH_WINDOW", "0.5")
     monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__CANCELLATION_BUDGET", "3.5")
     # A path, so the test holds where Airflow has no task state store (3.1/3.2) too.
     op = LLMOperator(task_id="t", model="test", prompt="p", durable=DurableOptions(path=str(tmp_path)))
     journal = journal_for(op, op.task_try({"ti": TI(1)}))
     assert (journal.returns_flush_s, journal.write_ahead, op.cancellation_budget) == (0.25, True, 3.5)
-    own = DurableOptions(path=str(tmp_path), flush_after=1)
+    assert journal.batch_window_s == 0.5
+    own = DurableOptions(path=str(tmp_path), flush_after=1, batch_window=0)
     given = LLMOperator(task_id="u", model="test", prompt="p", cancellation_budget=2, durable=own)
     journal = journal_for(given, given.task_try({"ti": TI(1)}))
     assert (journal.returns_flush_s, given.cancellation_budget) == (1, 2), "an operator's own value wins"
+    assert journal.batch_window_s == 0
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True, "1"])
+def test_a_bad_durable_window_is_refused_naming_the_option(value: object) -> None:
+    for name in ("flush_after", "batch_window"):
+        with pytest.raises(ConfigurationError, match=rf"DurableOptions\({name}=...\) must be >= 0 seconds"):
+            DurableOptions(**{name: value})  # type: ignore[arg-type]
 
 
 def test_a_bad_deployment_value_is_refused_naming_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +188,8 @@ def test_the_kill_record_is_logged_before_the_store_is_asked_to_write_the_end(
             return self.values.get(key)
 
         def set(self, key: str, value: Any) -> None:
-            if isinstance(value, dict) and value.get("kind") == "end":
+            batch = value if isinstance(value, list) else [value]  # queued entries share a call
+            if any(isinstance(v, dict) and v.get("kind") == "end" for v in batch):
                 logged = any("cancellable_agents.record " in r.getMessage() for r in caplog.records)
                 self.record_logged_before_end.append(logged)
             self.values[key] = json.loads(json.dumps(value))

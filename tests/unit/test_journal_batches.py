@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 
+from cancellable_agents.core.causes import CancelCause, CauseVerdict
+from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.durable import MemoryStore
 from cancellable_agents.durable._record_format import chain, segment_key
 from cancellable_agents.durable._writer import StoreWriter
-from tests.unit.durable_runs import RECORD, STEPS, Task, entries, killed_at
+from tests.unit.durable_runs import RECORD, STEPS, Task, cancel_on, entries, killed_at
 
 #: Every wait for the run's thread or the writer's is bounded by this.
 WAIT_S = 30.0
@@ -156,6 +158,69 @@ def test_a_store_error_is_raised_once_and_nothing_after_it_is_stored() -> None:
 def test_max_unconfirmed_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         StoreWriter(lambda batch: None, max_unconfirmed=0)
+    with pytest.raises(ValueError, match=">= 0 seconds"):
+        StoreWriter(lambda batch: None, max_unconfirmed=1, batch_window_s=-1)
+
+
+def test_items_added_within_the_window_share_one_call_with_no_call_in_flight() -> None:
+    """The window (far longer than the test) holds items that no call in flight would have held;
+    waiting for them stores them at once, all in one call."""
+    stored: list[list[int]] = []
+    writer: StoreWriter[int] = StoreWriter(stored.append, max_unconfirmed=10, batch_window_s=WAIT_S * 10)
+    for item in range(4):
+        writer.add(item)
+    assert stored == [] and writer.unconfirmed == 4
+    writer.wait()  # must not wait out the window
+    assert stored == [[0, 1, 2, 3]]
+
+
+def test_the_window_closes_on_its_own() -> None:
+    """Nobody waits: the items go out once their head has waited the window."""
+    landed = threading.Event()
+    stored: list[list[int]] = []
+
+    def store(batch: list[int]) -> None:
+        stored.append(batch)
+        landed.set()
+
+    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=10, batch_window_s=0.05)
+    writer.add(0)
+    writer.add(1)
+    assert landed.wait(WAIT_S), "the window never closed"
+    assert stored == [[0, 1]] and writer.unconfirmed == 0
+
+
+def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> None:
+    stored: list[list[int]] = []
+    writer: StoreWriter[int] = StoreWriter(stored.append, max_unconfirmed=3, batch_window_s=WAIT_S * 10)
+    for item in range(3):
+        writer.wait_for_room()
+        writer.add(item)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (writer.wait_for_room(), done.set()), daemon=True)
+    waiter.start()
+    assert done.wait(WAIT_S), "the run waited for the window, not for the store"
+    assert stored == [[0, 1, 2]]
+
+
+def test_a_windowed_run_stores_its_steps_in_few_calls_and_resumes_as_any() -> None:
+    """The whole run's steps wait in the window (longer than the run); its end stores them in one
+    call. A try cancelled in step 4 stores the steps that waited as it unwinds, and the next try
+    repeats none."""
+    store = MemoryStore()
+    task = Task()
+    result, _, _ = task.run(store, 1, batch_window_s=WAIT_S * 10)
+    assert result.output == "all done"
+    assert store.writes <= 2, f"{store.writes} store calls for one run in one window"
+    killed = MemoryStore()
+    first = Task(on_call=cancel_on(4, CauseVerdict(CancelCause.EVICTION, "test")))
+    exc, _, _ = first.run(killed, 1, batch_window_s=WAIT_S * 10)
+    assert isinstance(exc, TaskCancelled)
+    assert killed.writes <= 2, f"{killed.writes} store calls for 4 steps and the end in one window"
+    second = Task()
+    result, journal, _ = second.run(MemoryStore(dict(killed.data)), 2)
+    assert result.output == "all done" and journal.resume is not None
+    assert [n for n, _ in second.calls] == [4, 5, 6] and second.calls[0] == (4, True)
 
 
 def test_a_format_2_record_still_resumes() -> None:

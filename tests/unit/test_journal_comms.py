@@ -45,10 +45,15 @@ from airflow.sdk.execution_time.comms import (  # noqa: E402
 #: the channel when the step's tool starts.
 ANSWER_DELAY_S = 0.3
 STEPS = 2
+#: Cleared by a test that needs journal write number ``HELD_WRITE`` to hold the channel until
+#: it says so (the tool then meets the write for sure, however slowly it polls).
+WRITES_ANSWERED = threading.Event()
+HELD_WRITE = 2
 
 
 class Supervisor:
-    """The supervisor's end of the channel: answers every request frame, after a delay."""
+    """The supervisor's end of the channel: answers every request frame, after a delay; the
+    ``HELD_WRITE``-th journal write only once ``WRITES_ANSWERED`` is set."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -63,8 +68,11 @@ class Supervisor:
             if body is None:
                 return
             frame = self._decoder.decode(body)
-            self.requests.append(str((frame.body or {}).get("key")))
+            key = str((frame.body or {}).get("key"))
+            self.requests.append(key)
             threading.Event().wait(ANSWER_DELAY_S)
+            if key == "journal-write" and self.requests.count(key) == HELD_WRITE:
+                WRITES_ANSWERED.wait(10)
             self.sock.sendall(_ResponseFrame(id=frame.id).as_bytes())
 
     def _read(self, n: int) -> bytes | None:
@@ -85,11 +93,13 @@ class Supervisor:
 
 @pytest.fixture
 def comms(monkeypatch: pytest.MonkeyPatch) -> Iterator[CommsDecoder[Any, Any]]:
+    WRITES_ANSWERED.set()
     task_end, supervisor_end = socket.socketpair()
     supervisor = Supervisor(supervisor_end)
     decoder: CommsDecoder[Any, Any] = CommsDecoder(socket=task_end)
     monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", decoder, raising=False)
     yield decoder
+    WRITES_ANSWERED.set()
     task_end.close()  # the supervisor's next read sees the end
     supervisor.join(timeout=5)
     supervisor_end.close()
@@ -117,6 +127,9 @@ class AsyncToolTask:
     comms: Any
     store: ChannelStore
     calls: list[int] = field(default_factory=list)
+    #: In step 2 the tool waits until that step's entry holds the channel (the control), not
+    #: "or stored".
+    meet_the_writer: bool = False
 
     def agent(self) -> Agent[None, str]:
         def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
@@ -130,7 +143,9 @@ class AsyncToolTask:
         @agent.tool
         async def probe(ctx: RunContext[None], n: int) -> str:
             # This step's entry is in flight (its store call holds the channel) or stored.
-            eventually(lambda: self.comms._thread_lock.locked() or self.store.stored >= n, timeout=10)
+            holding = self.comms._thread_lock.locked
+            must_meet = self.meet_the_writer and n == HELD_WRITE
+            eventually(lambda: holding() or (not must_meet and self.store.stored >= n), timeout=10)
             self.comms.send(GetVariable(key=f"sync-{n}"))
             await self.comms.asend(GetVariable(key=f"async-{n}"))
             self.calls.append(n)
@@ -153,7 +168,8 @@ def test_written_beside_the_tools_a_sync_call_on_the_loop_meets_the_writer(comms
     """The control: without the check, step 2's write holds the channel while the tool's sync
     call on the loop (after step 1's async one) is refused."""
     store = ChannelStore(comms=comms)
-    task = AsyncToolTask(comms, store)
+    task = AsyncToolTask(comms, store, meet_the_writer=True)
+    WRITES_ANSWERED.clear()  # step 2's write holds the channel until the tool has met it
     with pytest.raises(DeadlockImminentError):
         task.run(_journal(store))
     assert task.calls == [1]

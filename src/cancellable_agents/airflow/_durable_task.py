@@ -68,6 +68,7 @@ def journal_for(operator: Any, task_try: TaskTry) -> Journal:
         on_step_written=step_write_timer(task_try),
         returns_flush_s=float(_deployment_or(options.flush_after, "durable_flush_after")),
         write_ahead=bool(_deployment_or(options.write_ahead, "durable_write_ahead")),
+        batch_window_s=float(_deployment_or(options.batch_window, "durable_batch_window")),
         beside_is_safe=lambda: not comms_used_from_a_loop(),
         answers=task_try.answers_for(run_key),
     )

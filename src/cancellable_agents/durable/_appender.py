@@ -78,6 +78,7 @@ class Appender:
         beside_is_safe: Callable[[], bool] | None = None,
         on_step_written: Callable[[float], None] | None = None,
         max_unconfirmed: int = MAX_UNCONFIRMED,
+        batch_window_s: float = 0.0,
     ) -> None:
         self.store, self.key, self.try_number = store, key, try_number
         self._scope, self._clock, self._owner_check_s = scope, clock, owner_check_s
@@ -88,7 +89,7 @@ class Appender:
         self._own = 0  # entries of this try's segment (its next index)
         self._prev = ""  # the hash of the last entry appended, stored or in flight
         self._head: dict[str, Any] = {}  # what this try's first entry carries
-        self._writer: StoreWriter[_Queued] = StoreWriter(self._store, max_unconfirmed)
+        self._writer: StoreWriter[_Queued] = StoreWriter(self._store, max_unconfirmed, batch_window_s)
         self._landing_noted = False
         # The writer's thread only, once take_over set them (no write is in flight before it).
         self._stored_any = False  # this try's segment has an entry in the store

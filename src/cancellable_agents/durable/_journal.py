@@ -104,6 +104,12 @@ class Journal:
         waits for the store (each is a completed step or a parallel call's result): what a
         SIGKILL can cost is at most this many completed steps, repeated by the next try. The
         entries that queue meanwhile are stored together, in one call.
+    :param batch_window_s: how long an entry may wait for later ones to share its store call
+        (``0``: it goes out as soon as no call is in flight). Where every call is a round trip
+        through a shared server (Airflow's API server), fewer calls leave it to the fleet's
+        heartbeats; a SIGKILL in the window repeats its steps, still at most
+        ``max_unconfirmed``. An unwind, the run's end, ``write_ahead`` and a full
+        ``max_unconfirmed`` store what waits at once.
     :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
         the task took over, and cancels itself if so (``0``: before every append). Fencing does
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
@@ -127,6 +133,7 @@ class Journal:
     returns_flush_s: float = RETURNS_FLUSH_S
     owner_check_s: float = OWNER_CHECK_S
     max_unconfirmed: int = MAX_UNCONFIRMED
+    batch_window_s: float = 0.0
     write_ahead: bool = False
     beside_is_safe: Callable[[], bool] | None = None
     answers: dict[str, Decision] | None = None
@@ -156,6 +163,7 @@ class Journal:
             beside_is_safe=self.beside_is_safe,
             on_step_written=self.on_step_written,
             max_unconfirmed=self.max_unconfirmed,
+            batch_window_s=self.batch_window_s,
         )
         self._steps = StepRecorder(
             self._appender, returns_flush_s=self.returns_flush_s, write_ahead=self.write_ahead

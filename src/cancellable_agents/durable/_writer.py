@@ -8,14 +8,17 @@ step was paced by the store. Now the run waits only when more than ``max_unconfi
 are not yet stored (a SIGKILL then costs at most that many completed steps, repeated by the next
 try), and however many entries queued during one call, the next call stores them all: the
 store's latency no longer multiplies with the number of steps, and the API server sees fewer
-calls. Entries land in order (one call at a time), and a store error reaches the appender at its
-next append. Airflow's comms channel may be called from any thread (its own lock orders the
+calls. Fewer still with a batch window: an entry waits up to ``batch_window_s`` for later ones
+to share its call (the fleet's heartbeats share the API server), unless the run waits for it.
+Entries land in order (one call at a time), and a store error reaches the appender at its next
+append. Airflow's comms channel may be called from any thread (its own lock orders the
 calls).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -24,6 +27,10 @@ Item = TypeVar("Item")
 
 class StoreWriter(Generic[Item]):
     """Stores queued items in batches, one ``store(batch)`` call at a time, on a daemon thread.
+
+    A batch goes out once its first item has waited ``batch_window_s`` (``0``: as soon as no call
+    is in flight), or at once when the run waits for it ([`wait`][], or [`wait_for_room`][] with
+    ``max_unconfirmed`` items unconfirmed).
 
     Used from one thread (the run's): [`add`][], [`wait`][] and [`wait_for_room`][] are not for
     concurrent callers. The thread lives while there is something to store and ends when the
@@ -34,14 +41,21 @@ class StoreWriter(Generic[Item]):
     record); the error is raised once, by the next [`add`][] or [`wait`][].
     """
 
-    def __init__(self, store: Callable[[list[Item]], None], max_unconfirmed: int) -> None:
+    def __init__(
+        self, store: Callable[[list[Item]], None], max_unconfirmed: int, batch_window_s: float = 0.0
+    ) -> None:
         if max_unconfirmed < 1:
             raise ValueError(f"max_unconfirmed must be at least 1, not {max_unconfirmed}")
+        if batch_window_s < 0:
+            raise ValueError(f"batch_window_s must be >= 0 seconds, not {batch_window_s}")
         self._store = store
         self._max_unconfirmed = max_unconfirmed
+        self._window_s = batch_window_s
         self._cond = threading.Condition()
         # Under the condition's lock (both threads):
         self._queue: list[Item] = []
+        self._oldest = 0.0  # when the queue's head was added (``time.monotonic``)
+        self._urgent = False  # the run waits for the queue: store it now, not at the window's end
         self._added = 0  # items ever added
         self._done = 0  # items stored, or dropped after an error
         self._running = False  # a writer thread is alive (it owns the queue's head)
@@ -58,6 +72,8 @@ class StoreWriter(Generic[Item]):
         """Queue ``item``; returns its ticket for [`wait`][]. Raises a previous call's error."""
         with self._cond:
             self._raise_once()
+            if not self._queue:
+                self._oldest = time.monotonic()
             self._queue.append(item)
             self._added += 1
             ticket = self._added
@@ -72,6 +88,7 @@ class StoreWriter(Generic[Item]):
         call raised (once)."""
         with self._cond:
             upto = self._added if ticket is None else ticket
+            self._hurry()
             self._cond.wait_for(lambda: self._done >= upto or self._error is not None)
             self._raise_once()
 
@@ -80,9 +97,25 @@ class StoreWriter(Generic[Item]):
         (at once if so). With ``max_unconfirmed=1`` every item is stored alone, after the one
         before it."""
         with self._cond:
+            if self._added - self._done >= self._max_unconfirmed:
+                self._hurry()
             self._cond.wait_for(
                 lambda: self._added - self._done < self._max_unconfirmed or self._error is not None
             )
+
+    def _hurry(self) -> None:
+        """(Under the lock.) The run waits: what is queued goes out without waiting for the window."""
+        self._urgent = True
+        self._cond.notify_all()
+
+    def _window_left(self) -> float:
+        """(Under the lock.) Seconds until the queue's head has waited ``batch_window_s``."""
+        return max(0.0, self._oldest + self._window_s - time.monotonic())
+
+    def _window_closed(self) -> bool:
+        """(Under the lock.) Store the queue now: the run waits for it, or its head waited long
+        enough."""
+        return self._urgent or self._error is not None or self._window_left() <= 0
 
     def _raise_once(self) -> None:
         if self._error is not None and not self._raised:
@@ -99,7 +132,8 @@ class StoreWriter(Generic[Item]):
                     self._running = False
                     self._cond.notify_all()
                     return
-                batch, self._queue = self._queue, []
+                self._cond.wait_for(self._window_closed, timeout=self._window_left())
+                batch, self._queue, self._urgent = self._queue, [], False
             try:
                 self._store(batch)
             except BaseException as exc:

@@ -7,6 +7,7 @@ team tunes the fleet in one place and a DAG author overrides it for one task.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,11 @@ class DurableOptions:
         tool started just before a SIGKILL is then always known to the next try as a re-run, for
         one store round trip on every step's path. ``None``: ``[cancellable_agents]
         durable_write_ahead`` (``False``).
+    :param batch_window: seconds a completed step's entry may wait for later steps to share its
+        store call: at fleet scale every call is a round trip through Airflow's API server, which
+        the fleet's heartbeats share. Only a SIGKILL in the window repeats its steps (never more
+        than 8); an unwind, the run's end and ``write_ahead`` store what waits at once. ``0``: as
+        soon as no call is in flight. ``None``: ``[cancellable_agents] durable_batch_window`` (1 s).
     """
 
     path: Any = None
@@ -38,13 +44,16 @@ class DurableOptions:
     usage_limits_span_tries: bool = False
     flush_after: float | None = None
     write_ahead: bool | None = None
+    batch_window: float | None = None
 
     def __post_init__(self) -> None:
-        flush = self.flush_after
-        if flush is not None and (not isinstance(flush, (int, float)) or flush < 0):
-            from cancellable_agents.core.exceptions import ConfigurationError
+        for name in ("flush_after", "batch_window"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and 0 <= value < math.inf):
+                from cancellable_agents.core.exceptions import ConfigurationError
 
-            raise ConfigurationError(f"DurableOptions(flush_after=...) must be >= 0 seconds, got {flush!r}")
+                raise ConfigurationError(f"DurableOptions({name}=...) must be >= 0 seconds, got {value!r}")
 
     @classmethod
     def of(cls, durable: bool | DurableOptions | None) -> DurableOptions | None:
