@@ -5,11 +5,13 @@ scheduler, dag-processor, LocalExecutor: ``tests/e2e/airflow_stack.py``; Postgre
 ``tests/e2e/postgres.py``) runs the DAGs of ``benchmarks/fleet_dags/fleet.py`` against the local
 model server. For each N (ascending), N members at once:
 
-1. **steady**: N durable runs, then N control runs (``durable=False``), each a 6-step job whose
+1. **steady**: N durable runs, then N control runs (``durable=False``), each a 20-step job whose
    tool takes 0.2 s; between them N durable runs written ahead (``durable_write_ahead=True``:
-   each step stored before its tool starts). Measured: every task state store call
-   (``TimedStore``: op and latency), store calls per step (per model request), and step time (one
-   tool start to the next) durable vs written ahead vs control.
+   each step stored before its tool starts); ``--rounds`` times, every other round in reverse
+   order. Measured: every task state store call (``TimedStore``: op and latency), store calls
+   per step (per model request), and step time (one tool start to the next) durable vs written
+   ahead vs control, of the steps taken while all N members ran (the wave of process starts
+   before and the tail after are not a step's cost).
 2. **eviction storm**: N durable runs, all mid-stream in their 4th model request; then every
    supervisor is SIGTERMed at once. From each try-1 record: unwound (``resources_released``) and
    when the cause was decided; the task process gone before Airflow's SIGKILL (5 s); whether the
@@ -371,7 +373,8 @@ class Row:
     step_control_ms: list[float] = field(default_factory=list)
     step_write_ahead_ms: list[float] = field(default_factory=list)
     #: The whole machine's busy CPU (all processes: tasks, supervisors, API server, database)
-    #: per step, by steady-state variant: what the journal costs where everything shares the cores.
+    #: per step, by steady-state variant, over the whole phase (the members' process starts
+    #: included): what the journal costs where everything shares the cores.
     cpu_ms_per_step: dict[str, float] = field(default_factory=dict)
     evict: dict[str, Any] = field(default_factory=dict)
     mark_failed: dict[str, Any] = field(default_factory=dict)
@@ -393,14 +396,17 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
     busy_by: dict[str, float] = {}
     steps_by: dict[str, int] = {}
     for dag_id, name, step_ms in order:
-        busy_before, steps_before, started = _busy_cpu_s(), len(step_ms), time.time()
+        busy_before, started = _busy_cpu_s(), time.time()
         runs = trigger(fleet, dag_id, row.n, name)
         await_runs(fleet, dag_id, runs, timeout)
         busy_by[name] = busy_by.get(name, 0.0) + _busy_cpu_s() - busy_before
         row.heartbeat_ms.setdefault(name, []).extend(fleet.heartbeats(started, time.time()))
+        starts_by_run = {
+            run_id: sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
+            for run_id in runs
+        }
+        step_ms.extend(steps_while_all_run(list(starts_by_run.values())))
         for run_id in runs:
-            starts = sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
-            step_ms.extend((b - a) * 1000 for a, b in itertools.pairwise(starts))
             if dag_id != "fleet_durable":
                 continue
             calls = fleet.jsonl(f"{run_id}.try1.store.jsonl")
@@ -412,10 +418,24 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
             requests = len(fleet.requests_of(run_id))
             if requests:
                 row.calls_per_step.append(len(calls) / requests)
-        steps_by[name] = steps_by.get(name, 0) + len(step_ms) - steps_before
+        steps_by[name] = steps_by.get(name, 0) + sum(max(0, len(s) - 1) for s in starts_by_run.values())
     for name, steps in steps_by.items():
         if steps > 0:
             row.cpu_ms_per_step[name] = busy_by[name] * 1000 / steps
+
+
+def steps_while_all_run(starts_by_run: list[list[float]]) -> list[float]:
+    """Milliseconds of each step (one tool start to the next) taken while every member was
+    running: after the last member's first tool, before the first member's last. Outside that
+    window a step shares the cores with other members' process starts (seconds of imports each),
+    which is what the phase's wave of starts costs, not what a step costs. All steps if the
+    window is empty (a fleet too small or too staggered to overlap)."""
+    starts = [s for s in starts_by_run if s]
+    if not starts:
+        return []
+    begin, end = max(s[0] for s in starts), min(s[-1] for s in starts)
+    inside = [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s) if a >= begin and b <= end]
+    return inside or [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s)]
 
 
 def _busy_cpu_s() -> float:

@@ -4,7 +4,8 @@ The job: a 6-step agent against the local model server (``steps``: one ``work`` 
 response, then an answer; 7 model requests uninterrupted), whose tool takes ``FLEET_TOOL_S``
 (0.2 s). Each DAG is triggered once per fleet member (one run each, all at once):
 
-* ``fleet_durable`` / ``fleet_control``: the job with ``durable=True`` / ``False``, uninterrupted;
+* ``fleet_durable`` / ``fleet_control``: the job with ``durable=True`` / ``False``, uninterrupted,
+  ``STEADY_STEPS`` steps long;
   ``fleet_write_ahead``: durable with ``durable_write_ahead=True`` (each step stored before its
   tool starts, as every step was before the journal wrote beside the tools).
 * ``fleet_storm``: durable; the model response after step 3 streams slowly the first time, so
@@ -38,6 +39,10 @@ STEPS = 6
 CONN_ID = "local_model"
 PROMPT = "[{{ run_id }}] do six steps"
 MODEL = f"openai:steps?name=work&count={STEPS}&then=done"
+#: The steady-state runs are longer (``FLEET_STEADY_STEPS``, 20): the benchmark times only the
+#: steps taken while every member runs, after the last one started and before the first ended.
+STEADY_STEPS = int(os.environ.get("FLEET_STEADY_STEPS", "20"))
+STEADY_MODEL = f"openai:steps?name=work&count={STEADY_STEPS}&then=done"
 #: The storms' model: the response after step 3 streams 2000 tokens 50 ms apart the first time.
 STALL_AFTER = 3
 STALLING_MODEL = f"{MODEL}&stall_at={STALL_AFTER}&tokens=2000&delay=0.05"
@@ -128,13 +133,13 @@ def _agent(model: str, durable: bool, write_ahead: bool = False) -> AgentOperato
 
 
 with _dag("fleet_durable", retries=0):
-    _agent(MODEL, durable=True)
+    _agent(STEADY_MODEL, durable=True)
 
 with _dag("fleet_write_ahead", retries=0):
-    _agent(MODEL, durable=True, write_ahead=True)
+    _agent(STEADY_MODEL, durable=True, write_ahead=True)
 
 with _dag("fleet_control", retries=0):
-    _agent(MODEL, durable=False)
+    _agent(STEADY_MODEL, durable=False)
 
 with _dag("fleet_storm", retries=1):
     _agent(STALLING_MODEL, durable=True)

@@ -242,16 +242,17 @@ def stored_entries(env: E2EEnv, result: PathResult) -> dict[str, list[dict[str, 
     }
 
 
-def await_steps_stored(env: E2EEnv, result: PathResult, count: int = 4) -> dict[str, list[dict[str, Any]]]:
-    """Until try 1's record holds ``count`` entries (the step whose tool runs is the last). A step's entry is
-    stored beside its tool and may wait out the batch window: only a kill that lets the task
-    unwind stores what waits, so a SIGKILL that must find the step stored waits for it."""
+def await_messages_stored(env: E2EEnv, result: PathResult, messages: int) -> dict[str, list[dict[str, Any]]]:
+    """Until try 1's record holds ``messages`` messages (however its entries hold them). An entry
+    is stored beside the run and may wait out the batch window: only a kill that lets the task
+    unwind stores what waits, so a kill that must find a step stored waits for it first."""
 
     def landed() -> dict[str, list[dict[str, Any]]] | None:
         record = stored_entries(env, result)
-        return record if sum(len(v) for v in record.values()) >= count else None
+        held = sum(len(e.get("messages", ())) for entries in record.values() for e in entries)
+        return record if held >= messages else None
 
-    return wait_until(landed, 30, f"{result.path}: {count} entries of try 1 stored", interval=0.1)
+    return wait_until(landed, 30, f"{result.path}: {messages} messages of try 1 stored", interval=0.1)
 
 
 def _ti_path(result: PathResult) -> str:

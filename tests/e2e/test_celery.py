@@ -57,7 +57,7 @@ from tests.e2e.driver import (
     _request,
     _retried,
     _ti_path,
-    await_steps_stored,
+    await_messages_stored,
     drive,
 )
 from tests.e2e.postgres import PostgresCluster
@@ -180,8 +180,8 @@ def _kill_worker(mode: WorkerMode, env: E2EEnv, result: PathResult) -> tuple[flo
         f"({worker.proc.pid}): ancestors {chain}"
     )
     stack.remember_processes()  # so teardown finds an orphan even after it was reparented
-    # The completed steps are stored (they may wait out the batch window): what try 2 resumes from.
-    await_steps_stored(env, result, CELERY_STALL_AFTER)
+    # What try 1 recorded is stored (it may wait out the batch window): what try 2 resumes from.
+    await_messages_stored(env, result, RECORDED_BY_TRY_1)
     stack.add_consumer(STANDBY, celery_queue(mode.mode))
     worker.expendable = True
     return mode.kill(env, result, worker)

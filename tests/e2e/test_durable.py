@@ -32,7 +32,7 @@ from tests.e2e.driver import (
     _collect_quietly,
     _ti_path,
     _trigger,
-    await_steps_stored,
+    await_messages_stored,
     clear,
     diagnostics,
     evict,
@@ -45,6 +45,9 @@ DAG_ID = "e2e_durable"
 STEPS = 6
 UNINTERRUPTED = STEPS + 1
 FRESH_RESTART = 4 + UNINTERRUPTED
+#: Messages in the record while tool 4 runs: the prompt's request and each response, the ones
+#: after it carrying the tool returns (four requests, four responses).
+STORED_BY_TOOL_4 = 8
 
 
 @dataclass
@@ -64,19 +67,25 @@ class DurableResult:
 def sigkill_task(env: E2EEnv, result: PathResult) -> tuple[float, float]:
     """SIGKILL the task process, once tool 4's step is stored: no Python runs, no on_kill,
     nothing written at kill time."""
-    await_steps_stored(env, result)
+    await_messages_stored(env, result, STORED_BY_TOOL_4)
     killed = time.time()
     os.kill(result.task_pid, signal.SIGKILL)
     return killed, killed
+
+
+def clear_once_stored(env: E2EEnv, result: PathResult) -> tuple[float, float]:
+    """A user's Clear once tool 4's step is stored: the cleared try's task instance is replaced
+    at once, so its unwind can no longer store what waited in the batch window."""
+    await_messages_stored(env, result, STORED_BY_TOOL_4)
+    return clear(env, result)
 
 
 def tamper_then_evict(env: E2EEnv, result: PathResult) -> tuple[float, float]:
     """Edit a completed step of the record through the REST API, then evict the task."""
     store = f"{_ti_path(result)}/state-store"
     # Entry 1: the return of tool 1, with the response to it (alone under its key, or in a list).
-    key, entries = next(
-        (k, v) for k, v in await_steps_stored(env, result).items() if any(e["i"] == 1 for e in v)
-    )
+    record = await_messages_stored(env, result, STORED_BY_TOOL_4)
+    key, entries = next((k, v) for k, v in record.items() if any(e["i"] == 1 for e in v))
     entry = next(e for e in entries if e["i"] == 1)
     entry["messages"][0]["parts"][0]["content"] = "line 1 NOT written"
     value = entries[0] if len(entries) == 1 else entries
@@ -91,7 +100,7 @@ def _retried(result: PathResult) -> bool:
 KILLS: dict[str, Callable[[E2EEnv, PathResult], tuple[float, float]]] = {
     "evicted": evict,
     "sigkilled": sigkill_task,
-    "cleared": clear,
+    "cleared": clear_once_stored,
     "tampered": tamper_then_evict,
 }
 

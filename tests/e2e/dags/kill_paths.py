@@ -240,9 +240,7 @@ def append_line(ctx: RunContext[None], n: int) -> str:
     """Append line ``n`` (with its try and time) to ``<dag_id>.<run_id>.lines``.
 
     Call CELERY_STALL_AFTER answers with the try's tag ``[dag/run/tryN]`` (the drivers' handle on
-    try N's request), so the stalled request is the first to carry it. The last call also writes
-    what the continuity record holds at that moment to ``<dag_id>.<run_id>.journal.json``: which
-    try wrote each entry, and when, against when the record's owning try took it over.
+    try N's request), so the stalled request is the first to carry it.
     """
     context = get_current_context()
     ti = context["ti"]
@@ -256,11 +254,18 @@ def append_line(ctx: RunContext[None], n: int) -> str:
     }
     with run_file(ti, "lines").open("a") as out:
         out.write(json.dumps(line) + "\n")
-    if n == CELERY_STEPS:
-        _snapshot_journal(context["task_state_store"], ti.try_number, run_file(ti, "journal.json"))
     if n == CELERY_STALL_AFTER:
         return f"line {n} written [{ti.dag_id}/{ti.run_id}/try{ti.try_number}]"
     return f"line {n} written"
+
+
+def snapshot_journal(context: Any, result: Any) -> None:
+    """``post_execute``: write what the continuity record holds once the run completed (its
+    entries stored: a step's entry may wait out the batch window while the run goes) to
+    ``<dag_id>.<run_id>.journal.json``: which try wrote each entry, and when, against when the
+    record's owning try took it over."""
+    ti = context["ti"]
+    _snapshot_journal(context["task_state_store"], ti.try_number, run_file(ti, "journal.json"))
 
 
 def _snapshot_journal(store: Any, try_number: int, path: Path) -> None:
@@ -303,6 +308,7 @@ for _mode in CELERY_WORKER_KILLS:
             tools=[append_line],
             # A tool's return is recorded before the request that carries it.
             durable=DurableOptions(flush_after=0),
+            post_execute=snapshot_journal,
         )
 
 
@@ -338,6 +344,7 @@ if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
             model=CELERY_MODEL,
             tools=[append_line],
             durable=DurableOptions(flush_after=0),
+            post_execute=snapshot_journal,
             executor=POD_EXECUTOR,
         )
     with _dag("e2e_pod_restricted", "Run in an unprivileged pod (uid 50000, RuntimeDefault seccomp)."):
@@ -346,6 +353,7 @@ if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
             model=CELERY_MODEL,
             tools=[append_line],
             durable=DurableOptions(flush_after=0),
+            post_execute=snapshot_journal,
             executor=POD_EXECUTOR,
         )
     with _dag("e2e_pod_tool", "Run in a pod, killed while a sync tool runs."):
@@ -357,5 +365,6 @@ if POD_EXECUTOR in os.environ.get("AIRFLOW__CORE__EXECUTOR", ""):
             ),
             tools=[append_line_after_a_long_job],
             durable=DurableOptions(flush_after=0),
+            post_execute=snapshot_journal,
             executor=POD_EXECUTOR,
         )
