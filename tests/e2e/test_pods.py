@@ -38,6 +38,7 @@ from tests.e2e.driver import (
     PathResult,
     _retried,
     _terminal_run,
+    await_messages_stored,
     clear,
     drive,
     mark_failed,
@@ -219,6 +220,10 @@ def _kill_in_pod(
         wait_until(
             in_tool.exists, TOOL_START_TIMEOUT_S, f"{result.run_id} try 1 in its sync tool", interval=0.05
         )
+    if not scenario.reaches_task and not scenario.in_tool:
+        # No code of try 1 runs after this kill: what it recorded must be stored first (a step's
+        # entry may wait out the batch window), or the retry has less to resume from.
+        await_messages_stored(env, result, RECORDED_BY_TRY_1)
     result.notes["pod_pids"] = (result.task_pid, result.supervisor_pid)
     result.task_pid, result.supervisor_pid = (
         pod.host_pid(result.task_pid),
