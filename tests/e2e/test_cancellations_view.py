@@ -1,8 +1,10 @@
 """The Cancellations view in the session's real Airflow 3.3, from real kills: the stored record
 of a marked-failed try, an evicted one and a durable try whose retry resumed, each opened in
 headless Chromium as its tab (the plugin's page the task instance's iframe loads) and on the fleet
-page; authorization with a second user the auth manager grants no DAG; a command line holding
-``<script>`` shown as text.
+page; the resumed retry (try 2, not killed) with the facts it stored at its end: the try it
+resumed from and the steps that saved, on its tab and counted on the fleet page; authorization
+with a second user the auth manager grants no DAG; a command line holding ``<script>`` shown as
+text.
 
 Screenshots go to ``tests/e2e/artifacts/cancellations_view/`` (gitignored); their paths are
 printed. Adds ~30-40 s to the e2e session: one durable run (its kill and resumed retry) beside the
@@ -36,6 +38,8 @@ IFRAME_TEXT = "(() => { const f = document.querySelector('iframe'); "
 IFRAME_TEXT += (
     "return (f && f.contentDocument && f.contentDocument.body) ? f.contentDocument.body.innerText : ''; })()"
 )
+#: The tries a task instance's tab shows, in its order.
+SECTIONS = "Array.from(document.querySelectorAll('section.try')).map(s => s.dataset.try)"
 #: The DOM after the page loaded: no script element, the title untouched.
 NO_SCRIPT_RAN = (
     "document.querySelectorAll('script').length === 0 && document.title.startsWith('Cancellations')"
@@ -141,6 +145,40 @@ def test_the_fleet_page_counts_the_kills(
         assert result.dag_id in text and result.run_id in text
     assert leftovers == "0"
     assert "e2e_mark_failed" not in filtered and results["eviction"].run_id in filtered
+
+
+def test_the_resumed_try_2_shows_its_resume_on_the_tab_and_on_the_fleet_page(
+    e2e: E2EEnv, results: dict[str, PathResult], chromium: Chromium, screenshots: Path
+) -> None:
+    """The evicted durable run's try 2 was not killed: it resumed try 1's journal and finished,
+    and stored those facts at its end. The steps it saved are try 1's journaled model requests."""
+    result = results["resumed"]
+    killed, finished = _stored(e2e, result, 1), _stored(e2e, result, 2)
+    journaled = killed["record"]["attached"]["durable"]["usage_this_try"]["requests"]
+    assert (finished["kind"], finished["try"], finished["record"]["outcome"]) == ("facts", 2, "completed")
+    resume = finished["record"]["resume"]
+    assert (resume["from_try"], resume["steps_reused"]) == (1, journaled), finished
+    resumed_words = f"from try 1: {journaled} journaled model requests reused instead of repeated"
+    listed_words = f"completed; resumed from try 1, {journaled} steps saved"
+    cookie = ui_cookie(e2e.stack.url, ADMIN_USER, e2e.stack.password)
+    with chromium.page(cookie) as page:
+        page.goto(_ti_page(e2e, result))
+        text = page.wait_for_text("Resume point", timeout=30)
+        sections = page.evaluate(SECTIONS)
+        resumed_cell = page.evaluate("(document.querySelector('section.facts td.resumed') || {}).innerText")
+        tab = page.screenshot(screenshots / "resumed_try2_tab.png")
+        page.goto(f"{e2e.stack.url}/cancellations/fleet?{urlencode({'dag_id': result.dag_id})}")
+        fleet = page.wait_for_text("page 1 of", timeout=30)
+        resumes = int(page.evaluate("document.querySelector('td.resumes').innerText"))
+        saved = int(page.evaluate("document.querySelector('td.steps-saved').innerText"))
+        shot = page.screenshot(screenshots / "resumed_try2_fleet.png")
+    print(f"\n[e2e-ui] resumed try 2: the tab {tab}, the fleet page {shot}")
+    assert sections == ["2", "1"], sections
+    assert "Try 2: not killed" in text and resumed_words in (resumed_cell or ""), text[:2000]
+    assert f"try 2 resumed from try 1 and reused {journaled} journaled model requests" in text
+    # Other durable runs of the session may be in this DAG too: at least this one's.
+    assert resumes >= 1 and saved >= journaled, (resumes, saved)
+    assert listed_words in fleet and result.run_id in fleet
 
 
 def test_a_user_who_may_not_read_the_dag_gets_403_and_sees_no_record(
