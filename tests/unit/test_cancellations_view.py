@@ -357,3 +357,80 @@ def test_a_format_1_document_is_a_kill_record() -> None:
     row = StoredRow("d", "r", "agent", -1, old)
     assert row.killed and row.facts.outcome == "cancelled"
     assert "1 killed, 0 left" in task_instance_page("t", [row], "/f")
+
+
+# -- the app's queries, on this Airflow's own tables ---------------------------------------------
+
+#: Run in a child with a migrated throwaway Airflow (SQLite): store each document where this
+#: Airflow's tasks store it (the task state store's row on 3.3+, the XCom row the Task SDK's
+#: ``xcom_push`` writes on 3.1/3.2: the value's JSON text), then read them back through the app's
+#: queries. Foreign keys are off: the rows' DAG runs are not what is tested.
+_QUERY_CHILD = """
+import json, sys
+from datetime import datetime, timedelta, timezone
+from sqlalchemy import text
+from airflow.utils.session import create_session
+from cancellable_agents.airflow.cancellations_view._app import FleetFilter, Records
+from cancellable_agents.airflow.kill_record._stored import key_for_try
+
+records = Records.here()
+model = records.model
+start = datetime(2026, 12, 1, tzinfo=timezone.utc)
+with create_session() as session:
+    session.execute(text("PRAGMA foreign_keys=OFF"))
+    for i, (dag_id, run_id, document) in enumerate(json.loads(sys.argv[1])):
+        row = dict(dag_run_id=i + 1, task_id="agent", map_index=-1, key=key_for_try(document["try"]),
+                   dag_id=dag_id, run_id=run_id, value=json.dumps(document))
+        written = start + timedelta(minutes=i)
+        row["updated_at" if records.id is not None else "timestamp"] = written
+        session.add(model(**row))
+with create_session() as session:
+    tab = records.of_task_instance(session, "dag_a", "run_1", "agent", -1)
+    window, listed, total = records.of_fleet(session, FleetFilter({"dag_a"}), 1)
+    since = records.of_fleet(session, FleetFilter({"dag_a", "dag_b"}, since=start + timedelta(minutes=1)), 1)
+print(json.dumps({
+    "table": model.__tablename__,
+    "tab": [r.document for r in tab],
+    "fleet": [[r.dag_id, r.try_number] for r in window],
+    "listed": len(listed),
+    "total": total,
+    "since": [[r.dag_id, r.try_number] for r in since[0]],
+}))
+"""
+
+
+def test_the_apps_queries_read_the_records_where_this_airflow_keeps_them(tmp_path: Path) -> None:
+    """Airflow 3.3+: the task state store (every try). Airflow 3.1/3.2 (the compat venvs run
+    this): XCom, the same key scheme and documents, so the view works there too."""
+    import subprocess
+    import sys
+
+    from cancellable_agents.airflow._adapter import has_task_state_store
+    from tests.airflow_env import airflow_env, migrate
+
+    env = airflow_env(tmp_path / "airflow_home")
+    migrate(env)
+    killed = stored_document(_record(), 1, now=1.8e9)
+    resumed = {"outcome": "completed", "resume": {"from_try": 1, "steps_reused": 4}, "waits": []}
+    documents = [
+        ["dag_a", "run_1", killed],
+        ["dag_b", "run_9", stored_document(_record(), 1, now=1.8e9)],
+        ["dag_a", "run_1", stored_document(resumed, 2, now=1.8e9, kind="facts")],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _QUERY_CHILD, json.dumps(documents)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["table"] == ("task_state_store" if has_task_state_store() else "xcom")
+    assert [d["try"] for d in seen["tab"]] == [2, 1], "the task instance's tries, newest first"
+    assert seen["tab"][1] == json.loads(json.dumps(killed)), "the document as it was stored"
+    assert (seen["fleet"], seen["listed"], seen["total"]) == ([["dag_a", 2], ["dag_a", 1]], 2, 2)
+    assert seen["since"] == [["dag_a", 2], ["dag_b", 1]], "written since the filter's time, newest first"
+    rows = [StoredRow("dag_a", "run_1", "agent", -1, d) for d in seen["tab"]]
+    assert "from try 1: 4 journaled model requests reused" in task_instance_page("t", rows, "/f")
