@@ -172,7 +172,7 @@ COMPAT_TESTS   := tests/unit/test_airflow_compat.py tests/unit/test_mixin.py tes
                   tests/unit/test_fingerprint.py tests/unit/test_durable_stores.py tests/unit/test_usage.py \
                   tests/unit/test_durable_operator.py tests/unit/test_server_stop.py \
                   tests/unit/test_approval.py tests/unit/test_approval_operator.py tests/unit/test_dag_test_compat.py \
-                  tests/unit/test_deferral.py \
+                  tests/unit/test_deferral.py tests/unit/test_cancellations_view.py \
                   tests/process $(addprefix --ignore=,$(VERSION_FREE_PROCESS)) \
                   --ignore=tests/process/test_mcp_kill.py $(MCP_FLOOR_SMOKE) \
                   --ignore=tests/process/test_provider_kills.py $(PROVIDER_FLOOR_SMOKE)

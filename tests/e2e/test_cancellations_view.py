@@ -1,8 +1,11 @@
 """The Cancellations view in the session's real Airflow 3.3, from real kills: the stored record
 of a marked-failed try, an evicted one and a durable try whose retry resumed, each opened in
 headless Chromium as its tab (the plugin's page the task instance's iframe loads) and on the fleet
-page; authorization with a second user the auth manager grants no DAG; a command line holding
-``<script>`` shown as text.
+page; the resumed retry (try 2, not killed) with the facts it stored at its end: the try it
+resumed from and the steps that saved, and a try that waited deferred (``e2e_deferred_timeout``),
+each on its tab and counted on the fleet page; authorization
+with a second user the auth manager grants no DAG; a command line holding ``<script>`` shown as
+text.
 
 Screenshots go to ``tests/e2e/artifacts/cancellations_view/`` (gitignored); their paths are
 printed. Adds ~30-40 s to the e2e session: one durable run (its kill and resumed retry) beside the
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -25,6 +29,7 @@ from tests.e2e.airflow_stack import ADMIN_USER, NO_ACCESS_USER, wait_until
 from tests.e2e.browser import Chromium, ui_cookie
 from tests.e2e.conftest import E2EEnv, KilledRuns
 from tests.e2e.driver import E2E_TEST_TIMEOUT, TASK_ID, PathResult, _ti_path
+from tests.e2e.test_deferred import _drive_to_the_end, _run
 from tests.e2e.test_durable import DurableResult, _drive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(E2E_TEST_TIMEOUT)]
@@ -36,6 +41,8 @@ IFRAME_TEXT = "(() => { const f = document.querySelector('iframe'); "
 IFRAME_TEXT += (
     "return (f && f.contentDocument && f.contentDocument.body) ? f.contentDocument.body.innerText : ''; })()"
 )
+#: The tries a task instance's tab shows, in its order.
+SECTIONS = "Array.from(document.querySelectorAll('section.try')).map(s => s.dataset.try)"
 #: The DOM after the page loaded: no script element, the title untouched.
 NO_SCRIPT_RAN = (
     "document.querySelectorAll('script').length === 0 && document.title.startsWith('Cancellations')"
@@ -78,7 +85,18 @@ def _token(e2e: E2EEnv, user: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(killed_runs: KilledRuns, resumed: DurableResult) -> Iterator[dict[str, PathResult]]:
+def waited(e2e: E2EEnv) -> Iterator[Future[PathResult]]:
+    """A try that waited deferred and was not killed: ``e2e_deferred_timeout``'s wait (12 s, no
+    worker slot) times out, the model is told, the task succeeds. Driven beside the module's
+    other runs (it mostly waits), so it costs the session little time."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="e2e-view-deferred") as pool:
+        yield pool.submit(_drive_to_the_end, e2e, _run("view", "e2e_deferred_timeout"))
+
+
+@pytest.fixture(scope="module")
+def results(
+    waited: Future[PathResult], killed_runs: KilledRuns, resumed: DurableResult
+) -> Iterator[dict[str, PathResult]]:
     found = {name: killed_runs.results[name] for name in ("mark_failed", "eviction")}
     for name, result in found.items():
         if result.error is not None:
@@ -141,6 +159,75 @@ def test_the_fleet_page_counts_the_kills(
         assert result.dag_id in text and result.run_id in text
     assert leftovers == "0"
     assert "e2e_mark_failed" not in filtered and results["eviction"].run_id in filtered
+
+
+def test_the_resumed_try_2_shows_its_resume_on_the_tab_and_on_the_fleet_page(
+    e2e: E2EEnv, results: dict[str, PathResult], chromium: Chromium, screenshots: Path
+) -> None:
+    """The evicted durable run's try 2 was not killed: it resumed try 1's journal and finished,
+    and stored those facts at its end. The steps it saved are try 1's journaled model requests."""
+    result = results["resumed"]
+    killed, finished = _stored(e2e, result, 1), _stored(e2e, result, 2)
+    journaled = killed["record"]["attached"]["durable"]["usage_this_try"]["requests"]
+    assert (finished["kind"], finished["try"], finished["record"]["outcome"]) == ("facts", 2, "completed")
+    resume = finished["record"]["resume"]
+    assert (resume["from_try"], resume["steps_reused"]) == (1, journaled), finished
+    resumed_words = f"from try 1: {journaled} journaled model requests reused instead of repeated"
+    listed_words = f"completed; resumed from try 1, {journaled} steps saved"
+    cookie = ui_cookie(e2e.stack.url, ADMIN_USER, e2e.stack.password)
+    with chromium.page(cookie) as page:
+        page.goto(_ti_page(e2e, result))
+        text = page.wait_for_text("Resume point", timeout=30)
+        sections = page.evaluate(SECTIONS)
+        resumed_cell = page.evaluate("(document.querySelector('section.facts td.resumed') || {}).innerText")
+        tab = page.screenshot(screenshots / "resumed_try2_tab.png")
+        page.goto(f"{e2e.stack.url}/cancellations/fleet?{urlencode({'dag_id': result.dag_id})}")
+        fleet = page.wait_for_text("page 1 of", timeout=30)
+        resumes = int(page.evaluate("document.querySelector('td.resumes').innerText"))
+        saved = int(page.evaluate("document.querySelector('td.steps-saved').innerText"))
+        shot = page.screenshot(screenshots / "resumed_try2_fleet.png")
+    print(f"\n[e2e-ui] resumed try 2: the tab {tab}, the fleet page {shot}")
+    assert sections == ["2", "1"], sections
+    assert "Try 2: not killed" in text and resumed_words in (resumed_cell or ""), text[:2000]
+    assert f"try 2 resumed from try 1 and reused {journaled} journaled model requests" in text
+    # Other durable runs of the session may be in this DAG too: at least this one's.
+    assert resumes >= 1 and saved >= journaled, (resumes, saved)
+    assert listed_words in fleet and result.run_id in fleet
+
+
+def test_a_try_that_waited_deferred_shows_its_wait_on_the_tab_and_on_the_fleet_page(
+    e2e: E2EEnv,
+    results: dict[str, PathResult],
+    waited: Future[PathResult],
+    chromium: Chromium,
+    screenshots: Path,
+) -> None:
+    """A try that was not killed but waited deferred (12 s, then its wait timed out and the model
+    was told): its wait stored at its end, shown on its tab and counted on the fleet page."""
+    result = waited.result(timeout=E2E_TEST_TIMEOUT)
+    assert (result.final_ti["state"], result.final_ti["try_number"]) == ("success", 1), result.final_ti
+    stored = _stored(e2e, result, 1)
+    assert (stored["kind"], stored["record"]["outcome"]) == ("facts", "completed"), stored
+    (wait,) = stored["record"]["waits"]
+    # Its 12 s timeout counts from when the task deferred (the stored seconds are rounded).
+    assert wait["kind"] == "deferred" and wait["timed_out"] == wait["calls"], wait
+    assert wait["waited_s"] >= 11.99, wait
+    cookie = ui_cookie(e2e.stack.url, ADMIN_USER, e2e.stack.password)
+    with chromium.page(cookie) as page:
+        page.goto(_ti_page(e2e, result))
+        text = page.wait_for_text("Try 1: not killed", timeout=30)
+        cell = page.evaluate("(document.querySelector('section.facts td.wait.deferred') || {}).innerText")
+        tab = page.screenshot(screenshots / "deferred_wait_tab.png")
+        page.goto(f"{e2e.stack.url}/cancellations/fleet?{urlencode({'dag_id': result.dag_id})}")
+        fleet = page.wait_for_text("page 1 of", timeout=30)
+        counted = page.evaluate("document.querySelector('td.deferred-waits').innerText")
+        shot = page.screenshot(screenshots / "deferred_wait_fleet.png")
+    print(f"\n[e2e-ui] a deferred wait: the tab {tab}, the fleet page {shot}")
+    assert f"{wait['waited_s']:.1f} s deferred to a trigger" in (cell or ""), text[:2000]
+    assert "holding no worker slot; timed out" in (cell or "")
+    waits, seconds = int(counted.split()[0]), float(counted.split("(")[1].split()[0])
+    assert waits >= 1 and seconds >= 11, counted
+    assert "completed; 1 deferred wait(s)" in fleet and result.run_id in fleet
 
 
 def test_a_user_who_may_not_read_the_dag_gets_403_and_sees_no_record(

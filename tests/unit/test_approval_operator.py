@@ -182,3 +182,46 @@ def test_a_timeout_without_a_default_fails_the_task_for_good() -> None:
     request = ApprovalRequest((PendingCall("c1", "send", {"to": "x"}),), "", 1, "0")
     with pytest.raises(AirflowFailException, match=r"no answer to the approval of \['send'\]"):
         decisions_from_event({"error": "no response", "error_type": "timeout"}, request)
+
+
+@needs_3_3
+def test_the_try_that_waited_for_approval_stores_its_waits_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Cancellations view's facts: the approval wait (from the form to the answer) after the
+    try's earlier waits, which the pause carries in its kwargs; one write, at the end of the try."""
+    import time
+
+    from airflow.sdk.exceptions import TaskAwaitingInput
+    from airflow.sdk.execution_time import hitl
+
+    from cancellable_agents.airflow.kill_record._stored import key_for_try
+    from cancellable_agents.airflow.kill_record._try_facts import TryFacts
+    from cancellable_agents.durable import MemoryStore
+
+    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kwargs: None)
+    counts, store = Counts(), MemoryStore()
+
+    def operator() -> AgentOperator:
+        return AgentOperator(
+            task_id="agent", agent=_agent(counts), prompt="report", durable=DurableOptions(path=str(tmp_path))
+        )
+
+    context = {"ti": TI(), "task_instance": TI(), "task_state_store": store}
+    before = time.time()
+    with pytest.raises(TaskAwaitingInput) as parked:
+        operator().execute(context)
+    kwargs = dict(parked.value.kwargs or {})
+    assert before <= kwargs["asked_at"] <= time.time() and kwargs["waits"] == []
+    assert store.writes == 0
+    # As an earlier pause of this try would have handed it on: a deferral's wait.
+    earlier = {"kind": "deferred", "waited_s": 5.0, "calls": ["c0"], "timed_out": [], "ended_at": before}
+    kwargs["waits"] = [earlier]
+    event = {"chosen_options": ["Approve"], "params_input": {"tool_call_id": "s1"}}
+    operator().resume_execution(RESUME_METHOD, {**kwargs, "event": event}, context)
+    assert store.writes == 1
+    facts = TryFacts.from_dict(store.get(key_for_try(1))["record"])
+    first, approval = facts.waits
+    assert (first.kind, first.waited_s) == ("deferred", 5.0)
+    assert (approval.kind, approval.calls) == ("approval", ("send",))
+    assert 0 <= approval.waited_s <= time.time() - kwargs["asked_at"]

@@ -1,5 +1,7 @@
 """The Cancellations view without a server: the stored record's bound and its one write, the
-pages built from records (escaping, the timeline's bars and lines, the fleet's summaries).
+pages built from records (escaping, the timeline's bars and lines, the fleet's summaries); the
+facts a try that was not killed stores at its end (resumed, wound down, waited), from real
+operator runs, and how the pages show and sum them.
 
 The pages in a real Airflow, in Chromium, with authorization: ``tests/e2e/test_cancellations_view.py``.
 """
@@ -7,10 +9,17 @@ The pages in a real Airflow, in Chromium, with authorization: ``tests/e2e/test_c
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
 
+from cancellable_agents import AgentOperator, DurableOptions, TaskCancelled, WindDown
 from cancellable_agents.airflow.cancellations_view._pages import (
     FleetQuery,
     StoredRow,
@@ -18,6 +27,7 @@ from cancellable_agents.airflow.cancellations_view._pages import (
     task_instance_page,
 )
 from cancellable_agents.airflow.kill_record._stored import (
+    FORMAT,
     KEY_PREFIX,
     MAX_BYTES,
     bounded,
@@ -25,6 +35,7 @@ from cancellable_agents.airflow.kill_record._stored import (
     store_record,
     stored_document,
 )
+from cancellable_agents.airflow.kill_record._try_facts import ResumeFacts, TryFacts
 from cancellable_agents.durable._stores import MemoryStore
 
 SCRIPT = "<script>document.title='owned'</script>"
@@ -184,3 +195,242 @@ def test_an_unmapped_task_instance_tab_takes_the_uis_unfilled_placeholder_as_min
         with pytest.raises(HTTPException) as refused:
             _map_index(bad)
         assert refused.value.status_code == 400 and "map_index" in str(refused.value.detail)
+
+
+# -- a try that was not killed: its facts ------------------------------------------------------
+#
+# Each try here is a real operator's execute (FunctionModel runs, a durable record in files): the
+# facts are what the try itself wrote at its end, read back as the pages read them.
+
+
+@dataclass
+class TI:
+    try_number: int
+    dag_id: str = "d"
+    run_id: str = "manual__1"
+    task_id: str = "agent"
+    map_index: int = -1
+
+
+def _steps_agent(kill_at: int | None, box: list[Any]) -> Agent[None, str]:
+    """Four steps, one tool call each, then the answer; ``kill_at``: a SIGTERM while that tool runs."""
+
+    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < 4:
+            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
+        return ModelResponse(parts=[TextPart("done")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(script))
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        if n == kill_at:
+            box[0].on_kill()
+            box[0].cancellation.wait(5)
+        return f"step {n} ok"
+
+    return agent
+
+
+def _durable_try(tmp_path: Path, store: MemoryStore, try_number: int, kill_at: int | None) -> Any:
+    box: list[Any] = []
+    op = AgentOperator(
+        task_id="agent",
+        agent=_steps_agent(kill_at, box),
+        prompt="four steps",
+        durable=DurableOptions(path=str(tmp_path)),
+        classify_timeout=0.2,
+    )
+    box.append(op)
+    try:
+        return op.execute({"ti": TI(try_number), "task_state_store": store})
+    except TaskCancelled as exc:
+        return exc
+
+
+def _rows_of(store: MemoryStore) -> list[StoredRow]:
+    return [StoredRow("d", "manual__1", "agent", -1, store.get(key)) for key in sorted(store.data)]
+
+
+def test_a_try_that_resumed_and_finished_stores_its_resume_and_the_pages_show_the_steps_saved(
+    tmp_path: Path,
+) -> None:
+    store = MemoryStore()
+    assert isinstance(_durable_try(tmp_path, store, 1, kill_at=3), TaskCancelled)
+    killed = store.get(key_for_try(1))
+    assert killed["kind"] == "killed" and killed["format"] == FORMAT
+    writes = store.writes
+    assert _durable_try(tmp_path, store, 2, kill_at=None) == "done"
+    assert store.writes == writes + 1, "one write at the end of the try"
+    document = store.get(key_for_try(2))
+    assert (document["kind"], document["try"]) == ("facts", 2)
+    facts = TryFacts.from_dict(document["record"])
+    # Try 1 made three model requests (steps 1-3) before the kill: try 2 reused them all.
+    assert isinstance(facts.resume, ResumeFacts)
+    assert (facts.resume.from_try, facts.resume.steps_reused) == (1, 3)
+    assert facts.resume.messages_restored >= 6 and facts.resume.tool_calls_rerun
+    assert (facts.outcome, facts.wound_down, facts.waits) == ("completed", (), ())
+    assert facts.usage["requests"] == 2, "tool 3's step again was not a request: steps 4 and the answer"
+
+    tab = task_instance_page("d / manual__1 / agent", _rows_of(store), "/cancellations/fleet")
+    assert "Try 2: not killed" in tab
+    assert "from try 1: 3 journaled model requests reused instead of repeated" in tab
+    assert "try 2 resumed from try 1 and reused 3 journaled model requests" in tab, "try 1's resume point"
+    assert tab.index("data-try='2'") < tab.index("data-try='1'"), "newest first"
+    rows = _rows_of(store)
+    fleet = fleet_page(rows, rows, 2, FleetQuery(), 50, "/ti", 2000)
+    assert "<td class='resumes'>1</td>" in fleet and "<td class='steps-saved'>3</td>" in fleet
+    assert "<th>unknown</th>" in fleet, "try 1, the kill, is in the kills by cause"
+    assert "completed; resumed from try 1, 3 steps saved" in fleet
+    assert "<tr><td>d</td><td>1</td>" in fleet, "the unwind summary counts the kill alone"
+
+
+def test_a_plain_successful_try_stores_nothing(tmp_path: Path) -> None:
+    store = MemoryStore()
+    assert _durable_try(tmp_path, store, 1, kill_at=None) == "done"
+    assert store.writes == 0 and not store.data
+
+
+def test_a_wound_down_try_stores_why_and_when(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.unit.test_wind_down import Budgeted
+
+    store = MemoryStore()
+    op = Budgeted(task_id="budgeted", wind_down=WindDown(budget=True))
+    started = time.time()
+    assert op.execute({"ti": TI(1), "task_state_store": store}) == "best so far after 3 steps"
+    facts = TryFacts.from_dict(store.get(key_for_try(1))["record"])
+    (wound,) = facts.wound_down
+    assert facts.outcome == "wound_down" and facts.resume is None
+    assert (wound.reason, wound.requests_made, wound.requests_left) == ("request_limit", 3, 1)
+    assert wound.at is not None and started <= wound.at <= time.time()
+    assert wound.final_answer_s is not None
+    rows = _rows_of(store)
+    tab = task_instance_page("t", rows, "/f")
+    assert "wound down: answered at its wind-down" in tab
+    assert "at the request limit at " in tab and "after 3 requests, 1 requests left" in tab
+    fleet = fleet_page(rows, rows, 1, FleetQuery(), 50, "/ti", 2000)
+    assert "<td class='wind-downs'>1</td>" in fleet
+    assert "<table class='by-cause'><tr><th>day</th></tr></table>" in fleet, "no kill counted"
+
+    monkeypatch.setenv("AIRFLOW__CANCELLABLE_AGENTS__STORE_CANCELLATION_RECORD", "False")
+    off = MemoryStore()
+    Budgeted(task_id="budgeted", wind_down=WindDown(budget=True)).execute(
+        {"ti": TI(1), "task_state_store": off}
+    )
+    assert off.writes == 0, "the setting turns the facts off too"
+
+
+def test_waits_of_both_kinds_are_shown_and_summed() -> None:
+    deferred = {
+        "kind": "deferred",
+        "waited_s": 12.5,
+        "calls": ["run_job"],
+        "timed_out": [],
+        "ended_at": 1.8e9,
+    }
+    approval = {"kind": "approval", "waited_s": 30.0, "calls": [SCRIPT], "timed_out": [], "ended_at": 1.8e9}
+    facts = {
+        "outcome": "completed",
+        "waits": [deferred, approval, approval],
+        "wound_down": [],
+        "resume": None,
+    }
+    finished = StoredRow("d", "r", "agent", -1, stored_document(facts, 1, now=1.8e9, kind="facts"))
+    # A killed try that had waited (format 1's last deferral, before waits were kept as a list).
+    killed = _row(
+        _record(attached={"deferred": {"waited_s": 4.0, "calls": ["c1"], "timed_out": []}}), try_number=2
+    )
+    tab = task_instance_page("t", [finished, killed], "/f")
+    assert "12.5 s deferred to a trigger for run_job, holding no worker slot" in tab
+    assert "30.0 s awaiting approval for &lt;script&gt;" in tab and "<script" not in tab
+    assert "4.0 s deferred to a trigger for c1" in tab, "the killed try's wait too"
+    rows = [finished, killed]
+    fleet = fleet_page(rows, rows, 2, FleetQuery(), 50, "/ti", 2000)
+    assert "<td class='deferred-waits'>2 (16 s)</td>" in fleet
+    assert "<td class='approval-waits'>2 (60 s)</td>" in fleet
+    assert "completed; 1 deferred wait(s), 12 s; 2 approval wait(s), 60 s" in fleet
+
+
+def test_a_format_1_document_is_a_kill_record() -> None:
+    old = {"format": 1, "try": 1, "written_at": 1.8e9, "record": _record()}
+    row = StoredRow("d", "r", "agent", -1, old)
+    assert row.killed and row.facts.outcome == "cancelled"
+    assert "1 killed, 0 left" in task_instance_page("t", [row], "/f")
+
+
+# -- the app's queries, on this Airflow's own tables ---------------------------------------------
+
+#: Run in a child with a migrated throwaway Airflow (SQLite): store each document where this
+#: Airflow's tasks store it (the task state store's row on 3.3+, the XCom row the Task SDK's
+#: ``xcom_push`` writes on 3.1/3.2: the value's JSON text), then read them back through the app's
+#: queries. Foreign keys are off: the rows' DAG runs are not what is tested.
+_QUERY_CHILD = """
+import json, sys
+from datetime import datetime, timedelta, timezone
+from sqlalchemy import text
+from airflow.utils.session import create_session
+from cancellable_agents.airflow.cancellations_view._app import FleetFilter, Records
+from cancellable_agents.airflow.kill_record._stored import key_for_try
+
+records = Records.here()
+model = records.model
+start = datetime(2026, 12, 1, tzinfo=timezone.utc)
+with create_session() as session:
+    session.execute(text("PRAGMA foreign_keys=OFF"))
+    for i, (dag_id, run_id, document) in enumerate(json.loads(sys.argv[1])):
+        row = dict(dag_run_id=i + 1, task_id="agent", map_index=-1, key=key_for_try(document["try"]),
+                   dag_id=dag_id, run_id=run_id, value=json.dumps(document))
+        written = start + timedelta(minutes=i)
+        row["updated_at" if records.id is not None else "timestamp"] = written
+        session.add(model(**row))
+with create_session() as session:
+    tab = records.of_task_instance(session, "dag_a", "run_1", "agent", -1)
+    window, listed, total = records.of_fleet(session, FleetFilter({"dag_a"}), 1)
+    since = records.of_fleet(session, FleetFilter({"dag_a", "dag_b"}, since=start + timedelta(minutes=1)), 1)
+print(json.dumps({
+    "table": model.__tablename__,
+    "tab": [r.document for r in tab],
+    "fleet": [[r.dag_id, r.try_number] for r in window],
+    "listed": len(listed),
+    "total": total,
+    "since": [[r.dag_id, r.try_number] for r in since[0]],
+}))
+"""
+
+
+def test_the_apps_queries_read_the_records_where_this_airflow_keeps_them(tmp_path: Path) -> None:
+    """Airflow 3.3+: the task state store (every try). Airflow 3.1/3.2 (the compat venvs run
+    this): XCom, the same key scheme and documents, so the view works there too."""
+    import subprocess
+    import sys
+
+    from cancellable_agents.airflow._adapter import has_task_state_store
+    from tests.airflow_env import airflow_env, migrate
+
+    env = airflow_env(tmp_path / "airflow_home")
+    migrate(env)
+    killed = stored_document(_record(), 1, now=1.8e9)
+    resumed = {"outcome": "completed", "resume": {"from_try": 1, "steps_reused": 4}, "waits": []}
+    documents = [
+        ["dag_a", "run_1", killed],
+        ["dag_b", "run_9", stored_document(_record(), 1, now=1.8e9)],
+        ["dag_a", "run_1", stored_document(resumed, 2, now=1.8e9, kind="facts")],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _QUERY_CHILD, json.dumps(documents)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["table"] == ("task_state_store" if has_task_state_store() else "xcom")
+    assert [d["try"] for d in seen["tab"]] == [2, 1], "the task instance's tries, newest first"
+    assert seen["tab"][1] == json.loads(json.dumps(killed)), "the document as it was stored"
+    assert (seen["fleet"], seen["listed"], seen["total"]) == ([["dag_a", 2], ["dag_a", 1]], 2, 2)
+    assert seen["since"] == [["dag_a", 2], ["dag_b", 1]], "written since the filter's time, newest first"
+    rows = [StoredRow("dag_a", "run_1", "agent", -1, d) for d in seen["tab"]]
+    assert "from try 1: 4 journaled model requests reused" in task_instance_page("t", rows, "/f")

@@ -463,3 +463,34 @@ def test_a_wait_past_a_failing_timeout_ends_the_task_as_timeout_and_stops_every_
 def test_an_unknown_on_timeout_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=r"on_timeout='retry'"):
         defer_to(PollTrigger("my_pkg.jobs.status"), timeout=5, on_timeout="retry")
+
+
+@needs_3_3
+def test_the_try_that_waited_deferred_stores_the_wait_at_its_end(tmp_path: Path) -> None:
+    """The Cancellations view's facts: the wait without a worker slot, stored once, at the end of
+    the try (the resumed execution), under the try's key; the deferral writes nothing."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from cancellable_agents.airflow.kill_record._stored import key_for_try
+    from cancellable_agents.airflow.kill_record._try_facts import TryFacts
+    from cancellable_agents.durable import MemoryStore
+
+    store = MemoryStore()
+    counts = Counts()
+    context = {"ti": TI(), "task_instance": TI(), "task_state_store": store}
+    with pytest.raises(TaskDeferred) as deferred:
+        _operator(_agent(counts, tmp_path), tmp_path).execute(context)
+    assert deferred.value.kwargs == {"run_key": "0", "waits": []}
+    assert store.writes == 0, "a pause is not the end of the try"
+    deferred_jobs.finish(str(tmp_path), "j1", {"rows": 42})
+    event = _fire(deferred.value.trigger)
+    resumed = _operator(_agent(counts, tmp_path), tmp_path)
+    resumed.resume_execution(RESUME_METHOD, {**deferred.value.kwargs, "event": event}, context)
+    assert store.writes == 1
+    document = store.get(key_for_try(1))
+    assert document["kind"] == "facts"
+    facts = TryFacts.from_dict(document["record"])
+    (wait,) = facts.waits
+    assert (wait.kind, wait.calls, wait.timed_out) == ("deferred", ("c-j1",), ())
+    assert wait.waited_s == pytest.approx(event["fired_at"] - event["deferred_at"], abs=0.01)
+    assert facts.resume is None, "continuing its own try after the pause is no resume"

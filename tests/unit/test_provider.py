@@ -315,13 +315,8 @@ TRIGGER_ROOMS = ("airflow", "operators", "decorators", "hooks")
 
 
 #: Modules that cannot import below Airflow 3.3: retry policies are 3.3's (it refuses, naming the
-#: upgrade), and the Cancellations view's app reads 3.3's task state store (its plugin offers
-#: nothing there, so nothing imports the app).
-NEEDS_3_3_MODULES = (
-    frozenset()
-    if has_retry_policies()
-    else frozenset({"cancellable_agents.airflow.retry", "cancellable_agents.airflow.cancellations_view._app"})
-)
+#: upgrade). The Cancellations view's app imports everywhere (it reads XCom before 3.3).
+NEEDS_3_3_MODULES = frozenset() if has_retry_policies() else frozenset({"cancellable_agents.airflow.retry"})
 
 
 def _trigger_classes() -> set[type]:
@@ -411,14 +406,14 @@ def test_every_public_module_says_what_it_exports() -> None:
         assert exported_from.get(module_name, set()) <= set(declared), module_name
 
 
-def test_the_cancellations_view_is_offered_only_where_the_task_state_store_is() -> None:
-    """On 3.3+ a tab and a nav page; on 3.1/3.2 (the compat venvs run this) no app and no view:
-    the app reads 3.3's store, and its imports would fail the API server's start there."""
+def test_the_cancellations_view_is_offered_on_every_supported_airflow() -> None:
+    """A tab and a nav page, served by one app, on 3.3+ and on 3.1/3.2 (the compat venvs run
+    this): its app reads the task state store there, XCom here."""
     from cancellable_agents.airflow._adapter import has_task_state_store
     from cancellable_agents.airflow.cancellations_view._plugin import CancellationsPlugin
 
     views = CancellationsPlugin.external_views
-    if has_task_state_store():
-        assert [view["destination"] for view in views] == ["task_instance", "nav"]
-    else:
-        assert (views, CancellationsPlugin.fastapi_apps) == ([], [])
+    assert [view["destination"] for view in views] == ["task_instance", "nav"]
+    (app,) = CancellationsPlugin.fastapi_apps
+    table = app["app"].state.records.model.__tablename__
+    assert table == ("task_state_store" if has_task_state_store() else "xcom"), table

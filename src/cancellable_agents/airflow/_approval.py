@@ -11,6 +11,7 @@ same payload as the standard provider's ``HITLOperator.execute_complete`` gets.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from cancellable_agents.airflow._adapter import has_task_awaiting_input
@@ -18,6 +19,7 @@ from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable._fingerprint import tools_requiring_approval
 
 if TYPE_CHECKING:  # checked at parse time; the requests and decisions exist when a task runs
+    from cancellable_agents.airflow.task_try import TaskTry
     from cancellable_agents.durable._pauses import ApprovalRequest, Decision
 
 log = logging.getLogger(__name__)
@@ -64,9 +66,12 @@ def check_approvals(operator: Any, tools: Any = (), toolsets: Any = (), agent: A
         )
 
 
-def park(operator: Any, request: ApprovalRequest, context: Any) -> BaseException:
+def park(
+    operator: Any, request: ApprovalRequest, context: Any, waits: list[dict[str, Any]] | None = None
+) -> BaseException:
     """Ask for the answer (the Required Actions form) and return the ``TaskAwaitingInput`` that
-    parks the task until it comes; the request rides along for the resumed execution."""
+    parks the task until it comes; the request, when it was asked and ``waits`` (the try's waits
+    so far) ride along for the resumed execution."""
     from airflow.sdk.exceptions import TaskAwaitingInput
     from airflow.sdk.execution_time.hitl import upsert_hitl_detail
 
@@ -85,7 +90,7 @@ def park(operator: Any, request: ApprovalRequest, context: Any) -> BaseException
     )
     return TaskAwaitingInput(
         method_name=RESUME_METHOD,
-        kwargs={"request": request.as_dict()},
+        kwargs={"request": request.as_dict(), "asked_at": time.time(), "waits": list(waits or ())},
         timeout=getattr(operator, "approval_timeout", None),
     )
 
@@ -115,6 +120,22 @@ def _form(request: ApprovalRequest) -> dict[str, Any]:
         # from a form made for an earlier call; its arguments must not be applied to this one.
         fields[CALL_FIELD] = Param(request.calls[0].tool_call_id, type="string", title="Call (do not edit)")
     return {name: param.serialize() for name, param in fields.items()}
+
+
+def note_approval_wait(task_try: TaskTry, request: ApprovalRequest, asked_at: Any, earlier: Any = ()) -> None:
+    """The approval wait that just ended (from ``asked_at``, when the form was asked, to now),
+    after the try's ``earlier`` waits: the try's facts (``attached["waits"]``: in the kill record
+    of a later kill, or the try's stored facts). A pause parked before ``asked_at`` was carried
+    has no start: its wait is not counted."""
+    from cancellable_agents.airflow.kill_record._try_facts import WaitFacts, wait_facts
+
+    if not isinstance(asked_at, int | float) or isinstance(asked_at, bool):
+        return
+    now = time.time()
+    calls = tuple(sorted(c.tool_name for c in request.calls))
+    wait = WaitFacts("approval", max(0.0, now - asked_at), calls, (), now)
+    task_try.waits = wait_facts(earlier or (), wait)
+    task_try.scope.attach(waits=task_try.waits)
 
 
 def decisions_from_event(event: dict[str, Any], request: ApprovalRequest) -> dict[str, Decision]:

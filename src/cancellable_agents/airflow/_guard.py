@@ -1,5 +1,6 @@
 """The execute guard: ``execute`` ends as ``TaskCancelled`` whenever a kill landed before it
-returned, and the scope's one outcome is settled there.
+returned, and the scope's one outcome is settled there; a try that ends here without a kill
+stores its wind-down, resume and wait facts for the Cancellations view (once, if it has any).
 
 Wrapped around every ``execute`` of an operator with the mixin (its own, or one inherited from a
 plain operator) by `CancellableAgentMixin.__init_subclass__`.
@@ -62,6 +63,7 @@ def _run_guarded(operator: GuardedOperator, execute: Callable[..., Any], context
     from cancellable_agents.airflow._adapter import is_execution_timeout
     from cancellable_agents.airflow._approval import park
     from cancellable_agents.airflow.deferral import deferral_for
+    from cancellable_agents.airflow.kill_record._stored import store_try_facts
     from cancellable_agents.core.exceptions import TaskCancelled
     from cancellable_agents.core.scope import Outcome
     from cancellable_agents.durable._pauses import AwaitingApproval
@@ -92,8 +94,8 @@ def _run_guarded(operator: GuardedOperator, execute: Callable[..., Any], context
         scope.settle(Outcome.COMPLETED)
         task_try.finish_reaper()
         if paused.request.is_deferral:
-            raise deferral_for(operator, paused.request) from None
-        raise park(operator, paused.request, context) from None
+            raise deferral_for(operator, paused.request, task_try.waits) from None
+        raise park(operator, paused.request, context, task_try.waits) from None
     except Exception as exc:
         if scope.cancelled:
             # Whatever broke after the kill (a tool whose process the unwind killed, a closed
@@ -111,4 +113,7 @@ def _run_guarded(operator: GuardedOperator, execute: Callable[..., Any], context
     if scope.settle(Outcome.COMPLETED) is Outcome.CANCELLED:
         raise operator.cancelled_error("killed before execute returned; its result is discarded")
     task_try.close_reaper()
+    # The try ends here: its wind-down, resume and wait facts, if any, in one bounded write for
+    # the Cancellations view (a killed try's record is written on the kill's path instead).
+    store_try_facts(task_try)
     return result

@@ -86,9 +86,12 @@ def _serialized(trigger: Any) -> tuple[str, dict[str, Any]]:
     return classpath, dict(kwargs)
 
 
-def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
+def deferral_for(
+    operator: Any, request: ApprovalRequest, try_waits: list[dict[str, Any]] | None = None
+) -> BaseException:
     """The ``TaskDeferred`` that waits for every pending call of ``request`` (one trigger for all),
-    with the shortest timeout any call gave."""
+    with the shortest timeout any call gave; ``try_waits``, the try's waits so far, ride along to the
+    resumed execution."""
     from airflow.sdk.exceptions import TaskDeferred
 
     from cancellable_agents.airflow.triggers import DeferredCallsTrigger
@@ -116,7 +119,7 @@ def deferral_for(operator: Any, request: ApprovalRequest) -> BaseException:
     return TaskDeferred(
         trigger=DeferredCallsTrigger(request.run_key, calls, time.time()),
         method_name=RESUME_METHOD,
-        kwargs={"run_key": request.run_key},
+        kwargs={"run_key": request.run_key, "waits": list(try_waits or ())},
         timeout=_backstop(list(waits.values())),
     )
 
@@ -164,11 +167,13 @@ def end_if_timed_out(task_try: TaskTry, event: dict[str, Any]) -> str | None:
     return f"the wait for outside work timed out: {wait}"
 
 
-def note_wait(task_try: TaskTry, event: dict[str, Any]) -> None:
+def note_wait(task_try: TaskTry, event: dict[str, Any], earlier: Any = ()) -> None:
     """The wait that just ended, named where a try's facts go: one log line, the try's facts
-    (``attached["deferred"]``, in the kill record of a later kill) and the metrics
+    (``attached["deferred"]``, and with ``earlier``, the try's waits before it, ``attached["waits"]``:
+    in the kill record of a later kill, or the try's stored facts) and the metrics
     (``deferred.wait``: the seconds the task held no worker slot)."""
     from cancellable_agents.airflow._metrics import emit_deferred_wait
+    from cancellable_agents.airflow.kill_record._try_facts import WaitFacts, wait_facts
 
     fired = float(event.get("fired_at") or time.time())
     waited = max(0.0, fired - float(event.get("deferred_at") or fired))
@@ -183,5 +188,8 @@ def note_wait(task_try: TaskTry, event: dict[str, Any]) -> None:
     facts = {"waited_s": round(waited, 3), "calls": sorted(results), "timed_out": timed_out}
     if event.get("failed"):
         facts["failed"] = event["failed"]  # the call whose timeout ended the task
-    task_try.scope.attach(deferred=facts)
+    task_try.waits = wait_facts(
+        earlier or (), WaitFacts("deferred", waited, tuple(sorted(results)), tuple(timed_out), fired)
+    )
+    task_try.scope.attach(deferred=facts, waits=task_try.waits)
     emit_deferred_wait(task_try, waited, len(results))

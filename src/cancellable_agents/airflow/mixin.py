@@ -246,29 +246,42 @@ class CancellableAgentMixin:
 
         return journal_for(self, task_try)
 
-    def resume_after_approval(self, context: Any, request: dict[str, Any], event: dict[str, Any]) -> Any:
+    def resume_after_approval(
+        self,
+        context: Any,
+        request: dict[str, Any],
+        event: dict[str, Any],
+        asked_at: float | None = None,
+        waits: list[dict[str, Any]] | None = None,
+        **_: Any,
+    ) -> Any:
         """Airflow calls this instead of ``execute`` once the reviewer answered (or the wait timed
         out): ``execute`` runs again, and the run that stopped continues from its record with
-        the answer (``durable.pauses``); runs before it in ``execute`` start afresh."""
-        from cancellable_agents.airflow._approval import decisions_from_event
+        the answer (``durable.pauses``); runs before it in ``execute`` start afresh. ``asked_at``
+        and ``waits`` (the try's earlier waits) make the wait one of the try's facts."""
+        from cancellable_agents.airflow._approval import decisions_from_event, note_approval_wait
         from cancellable_agents.durable._pauses import ApprovalRequest
 
         paused = ApprovalRequest.from_dict(request)
-        self.task_try(context).answers = (paused.run_key, decisions_from_event(event, paused))
+        task_try = self.task_try(context)
+        note_approval_wait(task_try, paused, asked_at, waits)
+        task_try.answers = (paused.run_key, decisions_from_event(event, paused))
         return self.execute(context)  # type: ignore[attr-defined]
 
-    def resume_after_deferral(self, context: Any, event: Any = None, **_: Any) -> Any:
+    def resume_after_deferral(
+        self, context: Any, event: Any = None, waits: list[dict[str, Any]] | None = None, **_: Any
+    ) -> Any:
         """Airflow calls this instead of ``execute`` once the trigger a tool deferred to fired:
         ``execute`` runs again, and the run that stopped continues from its record with the
         trigger's event as the deferred calls' results (``airflow.deferral``); or, when a call
         whose ``on_timeout`` is ``"fail"`` timed out, the task ends as ``timeout`` (raises
-        [`TaskCancelled`][]). Reads nothing but ``event``: ``dag.test()`` hands a resumed task
-        the event alone."""
+        [`TaskCancelled`][]). Needs nothing but ``event`` (``dag.test()`` hands a resumed task
+        the event alone); ``waits``, the try's earlier waits, where Airflow passes them."""
         from cancellable_agents.airflow.deferral import answers_from_event, end_if_timed_out, note_wait
 
         task_try = self.task_try(context)
         task_try.answers = answers_from_event(event)
-        note_wait(task_try, event)
+        note_wait(task_try, event, waits)
         if (timed_out := end_if_timed_out(task_try, event)) is not None:
             raise self.cancelled_error(timed_out)
         return self.execute(context)  # type: ignore[attr-defined]

@@ -71,6 +71,9 @@ class TaskTry:
     record_logged: bool = False
     #: The wind-down report of each run of this try that answered at its wind-down.
     wound_down: list[WindDownReport] = field(default_factory=list)
+    #: Each pause of this try that held no worker slot (a deferral, an approval), as plain
+    #: values: the earlier executions' carried in the pause's kwargs, then this one's.
+    waits: list[dict[str, Any]] = field(default_factory=list)
     #: Inside the guarded ``execute`` (a subclass's ``execute`` calling ``super()`` is guarded once).
     in_execute: bool = False
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_ai.messages import ModelResponse
+
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import _run_arguments as run_arguments
 from cancellable_agents.durable._appender import MAX_UNCONFIRMED, OWNER_CHECK_S, Appender
@@ -150,6 +152,8 @@ class Journal:
     _paused: TryUsage | None = None
     #: The try the resumed record began in (``None``: this try's run begins its own).
     _origin: int | None = None
+    #: Model responses restored from earlier tries' segments (the steps not repeated), by try.
+    _reused: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._appender = Appender(
@@ -219,6 +223,7 @@ class Journal:
         except Exception as exc:
             # Whatever was decided before the store failed is void: this try runs fresh.
             self.resume, self._fresh, self._origin = None, FreshStart.STORE_ERROR, None
+            self._reused = {}
             self._appender.turn_off(f"the record could not be read or written ({exc!r})")
             self._attach_facts()
             return user_prompt, run_kwargs
@@ -249,6 +254,7 @@ class Journal:
             return
         self.resume, self.earlier, self._paused = plan.info, plan.earlier, plan.paused
         self._origin = plan.record.segments[0][0]
+        self._reused = _responses_by_try(plan.record, self.try_number)
         self._appender.take_over(fp, self.clear_count, self.earlier, plan.record)
 
     def _answered(self, plan: StartFresh | Resume) -> dict[str, Decision] | None:
@@ -406,6 +412,8 @@ class Journal:
             "resumed_from_try": self.resume.from_try if self.resume else None,
             "messages_restored": self.resume.messages if self.resume else 0,
             "tool_calls_rerun": sorted(self.resume.rerun_tool_calls) if self.resume else [],
+            "steps_reused": sum(self._reused.values()),
+            "reused_from_tries": sorted(self._reused),
             "usage_earlier_tries": [t.as_dict() for t in self.earlier],
             "usage_this_try": this_try.as_dict() if this_try else None,
             "usage_total": total_usage(tries),
@@ -417,6 +425,16 @@ class Journal:
     def _attach_facts(self, this_try: TryUsage | None = None) -> None:
         if self.scope is not None:
             self.scope.attach(durable=self._facts(this_try))
+
+
+def _responses_by_try(record: LoadedRecord, try_number: int) -> dict[int, int]:
+    """The model responses ``record`` restores that earlier tries than ``try_number`` recorded,
+    counted by try: the model requests the run does not repeat."""
+    counts: dict[int, int] = {}
+    for recorded_by, message in zip(record.message_tries, record.messages, strict=True):
+        if recorded_by != try_number and isinstance(message, ModelResponse):
+            counts[recorded_by] = counts.get(recorded_by, 0) + 1
+    return counts
 
 
 def _waiting_for(request: ApprovalRequest) -> str:

@@ -1,6 +1,10 @@
 """The view's FastAPI app: two pages, each authorized by Airflow's auth manager as the built-in
 routes are, each a bounded, paginated query of the stored records.
 
+The records are read where the tasks store them: Airflow 3.3's task state store (every try), or
+XCom on Airflow 3.1/3.2 (the same keys; Airflow clears a task instance's XCom when its next try
+starts, so there only the latest try's record is there). [`Records`][] is that one choice.
+
 - ``/ti``: one task instance's records. ``requires_access_dag(GET, TASK_INSTANCE)`` reads the
   ``dag_id`` query parameter, exactly as ``/api/v2/.../state-store`` does: 403 without access.
 - ``/fleet``: every record the user may read: the DAG ids the auth manager authorizes
@@ -13,7 +17,7 @@ tab, an iframe of the same origin, is authorized as the UI is.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -21,11 +25,11 @@ from airflow.api_fastapi.app import get_auth_manager
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.common.db.common import SessionDep
 from airflow.api_fastapi.core_api.security import GetUserDep, requires_access_dag
-from airflow.models.task_state_store import TaskStateStoreModel
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse
 from sqlalchemy import func, select
 
+from cancellable_agents.airflow._adapter import has_task_state_store
 from cancellable_agents.airflow.cancellations_view._pages import (
     FleetQuery,
     StoredRow,
@@ -34,7 +38,7 @@ from cancellable_agents.airflow.cancellations_view._pages import (
 )
 from cancellable_agents.airflow.kill_record._stored import KEY_PREFIX
 
-__all__ = ["FLEET_WINDOW", "PAGE_SIZE", "build_app"]
+__all__ = ["FLEET_WINDOW", "PAGE_SIZE", "FleetFilter", "Records", "build_app"]
 
 #: Records listed per page of the fleet view.
 PAGE_SIZE = 50
@@ -48,10 +52,106 @@ _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ance
 _READ_TI = Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.TASK_INSTANCE))
 
 
+@dataclass(frozen=True)
+class FleetFilter:
+    """The fleet page's filter, checked: the DAGs the user may read, and the optional DAG and
+    time bounds."""
+
+    readable: frozenset[str] | set[str]
+    dag_id: str = ""
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Records:
+    """Where the stored records are, and the bounded queries of them: the task state store's
+    table (Airflow 3.3+) or XCom's (3.1/3.2). Both have the task instance's columns, the key and
+    the value; they differ in the time a row was written and whether a row has a narrow id."""
+
+    model: Any
+    #: The column of when a row was written.
+    written: Any
+    #: A narrow primary key to sort alone (the task state store's ``id``); XCom has none.
+    id: Any = None
+
+    @classmethod
+    def here(cls) -> Records:
+        """The records of this Airflow."""
+        if has_task_state_store():
+            from airflow.models.task_state_store import TaskStateStoreModel as Store
+
+            return cls(Store, Store.updated_at, Store.id)
+        from airflow.models.xcom import XComModel
+
+        return cls(XComModel, XComModel.timestamp)
+
+    def of_task_instance(
+        self, session: Any, dag_id: str, run_id: str, task_id: str, map_index: int
+    ) -> list[StoredRow]:
+        """One task instance's records, newest first (at most ``TRIES_SHOWN``)."""
+        model = self.model
+        statement = (
+            select(model.value)
+            .where(
+                model.dag_id == dag_id,
+                model.run_id == run_id,
+                model.task_id == task_id,
+                model.map_index == map_index,
+                model.key.startswith(KEY_PREFIX, autoescape=True),
+            )
+            .order_by(self.written.desc())
+            .limit(TRIES_SHOWN)
+        )
+        return [
+            StoredRow(dag_id, run_id, task_id, map_index, _document(v)) for v in session.scalars(statement)
+        ]
+
+    def of_fleet(
+        self, session: Any, where: FleetFilter, page: int
+    ) -> tuple[list[StoredRow], list[StoredRow], int]:
+        """The newest ``FLEET_WINDOW`` records ``where`` matches (the summaries), the listed page
+        (``PAGE_SIZE``, newest first) and how many match."""
+        model = self.model
+        conditions = [model.key.startswith(KEY_PREFIX, autoescape=True), model.dag_id.in_(where.readable)]
+        if where.dag_id:
+            conditions.append(model.dag_id == where.dag_id)
+        if where.since is not None:
+            conditions.append(self.written >= where.since)
+        if where.until is not None:
+            conditions.append(self.written <= where.until)
+        total = session.scalar(select(func.count()).select_from(model).where(*conditions)) or 0
+        window = self._newest(session, conditions, 0, FLEET_WINDOW)
+        listed = self._newest(session, conditions, (page - 1) * PAGE_SIZE, PAGE_SIZE)
+        return window, listed, total
+
+    def _newest(self, session: Any, conditions: list[Any], offset: int, limit: int) -> list[StoredRow]:
+        model = self.model
+        columns = (model.dag_id, model.run_id, model.task_id, model.map_index, model.value)
+        if self.id is None:  # XCom (3.1/3.2): one row per task instance, the latest try's
+            statement = (
+                select(*columns).where(*conditions).order_by(self.written.desc()).offset(offset).limit(limit)
+            )
+        else:
+            # The ids are sorted alone (a narrow sort), then only those rows' values are read:
+            # sorting whole rows made PostgreSQL sort every matching value (10,000 records: 13 MB)
+            # per page.
+            newest = select(self.id).where(*conditions).order_by(self.written.desc())
+            ids = session.scalars(newest.offset(offset).limit(limit)).all()
+            if not ids:
+                return []
+            statement = select(*columns).where(self.id.in_(ids)).order_by(self.written.desc())
+        return [
+            StoredRow(r.dag_id, r.run_id, r.task_id, r.map_index, _document(r.value))
+            for r in session.execute(statement)
+        ]
+
+
 def build_app(url_prefix: str) -> FastAPI:
     """The app the plugin mounts at ``url_prefix`` (its pages link to each other under it)."""
     app = FastAPI(title="Cancellations", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.url_prefix = url_prefix
+    app.state.records = Records.here()
     app.get("/ti", dependencies=[_READ_TI], response_class=HTMLResponse)(task_instance)
     app.get("/fleet", response_class=HTMLResponse)(fleet)
     return app
@@ -71,19 +171,8 @@ def task_instance(
 ) -> HTMLResponse:
     """One task instance's stored records, newest try first."""
     index = _map_index(map_index)
-    statement = (
-        select(TaskStateStoreModel.value)
-        .where(
-            TaskStateStoreModel.dag_id == dag_id,
-            TaskStateStoreModel.run_id == run_id,
-            TaskStateStoreModel.task_id == task_id,
-            TaskStateStoreModel.map_index == index,
-            TaskStateStoreModel.key.startswith(KEY_PREFIX, autoescape=True),
-        )
-        .order_by(TaskStateStoreModel.updated_at.desc())
-        .limit(TRIES_SHOWN)
-    )
-    rows = [StoredRow(dag_id, run_id, task_id, index, _document(v)) for v in session.scalars(statement)]
+    records: Records = request.app.state.records
+    rows = records.of_task_instance(session, dag_id, run_id, task_id, index)
     title = f"{dag_id} / {run_id} / {task_id}" + (f" [{index}]" if index >= 0 else "")
     return _html(task_instance_page(title, rows, f"{request.app.state.url_prefix}/fleet"))
 
@@ -99,22 +188,14 @@ def fleet(
 ) -> HTMLResponse:
     """The fleet's records the user may read, filtered by DAG and time, one page at a time."""
     readable = get_auth_manager().get_authorized_dag_ids(user=user, method="GET")
-    where = [
-        TaskStateStoreModel.key.startswith(KEY_PREFIX, autoescape=True),
-        TaskStateStoreModel.dag_id.in_(readable),
-    ]
-    if dag_id:
-        where.append(TaskStateStoreModel.dag_id == dag_id)
-    if since:
-        where.append(TaskStateStoreModel.updated_at >= _instant(since, "since"))
-    if until:
-        where.append(TaskStateStoreModel.updated_at <= _instant(until, "until"))
-    # The ids are sorted alone (a narrow sort), then only those rows' values are read: sorting whole
-    # rows made PostgreSQL sort every matching value (10,000 records: 13 MB) per page.
-    newest = select(TaskStateStoreModel.id).where(*where).order_by(TaskStateStoreModel.updated_at.desc())
-    total = session.scalar(select(func.count()).select_from(TaskStateStoreModel).where(*where)) or 0
-    window = _rows(session, session.scalars(newest.limit(FLEET_WINDOW)).all())
-    listed = _rows(session, session.scalars(newest.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all())
+    where = FleetFilter(
+        readable,
+        dag_id,
+        _instant(since, "since") if since else None,
+        _instant(until, "until") if until else None,
+    )
+    records: Records = request.app.state.records
+    window, listed, total = records.of_fleet(session, where, page)
     query = FleetQuery(dag_id=dag_id, since=since, until=until, page=page)
     return _html(
         fleet_page(
@@ -123,34 +204,19 @@ def fleet(
     )
 
 
-def _rows(session: Any, ids: Sequence[int]) -> list[StoredRow]:
-    """The records of ``ids``, newest first."""
-    if not ids:
-        return []
-    statement = (
-        select(
-            TaskStateStoreModel.dag_id,
-            TaskStateStoreModel.run_id,
-            TaskStateStoreModel.task_id,
-            TaskStateStoreModel.map_index,
-            TaskStateStoreModel.value,
-        )
-        .where(TaskStateStoreModel.id.in_(ids))
-        .order_by(TaskStateStoreModel.updated_at.desc())
-    )
-    return [
-        StoredRow(r.dag_id, r.run_id, r.task_id, r.map_index, _document(r.value))
-        for r in session.execute(statement)
-    ]
+def _document(value: Any) -> dict[str, Any]:
+    """A stored value as a document; one that does not parse shows as empty, not as an error.
 
-
-def _document(value: str) -> dict[str, Any]:
-    """A stored value as a document; one that does not parse shows as empty, not as an error."""
-    try:
-        parsed = json.loads(value)
-    except (TypeError, ValueError):
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+    The task state store holds JSON text; XCom's JSON column holds the document itself, or (a value
+    pushed through ``serialize_value``) its JSON text."""
+    for _ in range(2):
+        if not isinstance(value, str | bytes):
+            break
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _map_index(text: str) -> int:

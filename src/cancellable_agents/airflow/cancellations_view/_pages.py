@@ -1,5 +1,11 @@
 """The view's HTML and SVG, from stored records: pure functions, no Airflow, no I/O.
 
+A stored document is a killed try's kill record (``kind: killed``; format 1 held only those) or
+another try's facts (``kind: facts``: it wound down, resumed an earlier try's journal, waited
+without a worker slot). Both are read as
+[`TryFacts`][cancellable_agents.airflow.kill_record._try_facts.TryFacts] for those facts, so a
+killed try's waits and a finished try's show the same way; only kill records count as kills.
+
 Every string from a record (a command line, a tool's name, a cause's detail: model and command
 output are attacker-controlled) goes through ``_text`` before it reaches the page; numbers are
 formatted, never interpolated raw. Pages carry no script, and the app serves them with a CSP that
@@ -16,6 +22,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
+
+from cancellable_agents.airflow.kill_record._try_facts import WAIT_KINDS, TryFacts, WaitFacts, WindDownFacts
 
 __all__ = ["GRACE_MS", "FleetQuery", "StoredRow", "fleet_page", "task_instance_page"]
 
@@ -54,6 +62,18 @@ class StoredRow:
     @property
     def written_at(self) -> float:
         return _float(self.document.get("written_at"))
+
+    @property
+    def killed(self) -> bool:
+        """A kill record (``kind: killed``, or format 1, which stored only those)."""
+        return self.document.get("kind", "killed") == "killed"
+
+    @property
+    def facts(self) -> TryFacts:
+        """The try's wind-down, resume and wait facts, from either kind of document."""
+        if self.killed:
+            return TryFacts.of_record(self.record)
+        return TryFacts.from_dict(self.record)
 
 
 def _text(value: Any) -> str:
@@ -100,17 +120,86 @@ def unwound_ms(record: Mapping[str, Any]) -> float | None:
 
 
 def task_instance_page(title: str, rows: Sequence[StoredRow], fleet_href: str) -> str:
-    """One task instance: each stored try, newest first: summary, timeline picture, kills."""
+    """One task instance: each stored try, newest first: a killed try's summary, timeline
+    picture and kills; another try's wind-downs, resume and waits."""
     body = [
         f"<h1>Cancellations of {_text(title)}</h1>",
         f"<p><a href='{_text(fleet_href)}'>All cancellations</a></p>",
     ]
     if not rows:
-        body.append("<p class='muted'>No cancellation recorded for this task instance.</p>")
+        body.append(
+            "<p class='muted'>No try of this task instance was recorded (a try is when it is killed, "
+            "winds down, resumes an earlier try or waits without a worker slot).</p>"
+        )
     ordered = sorted(rows, key=lambda r: r.try_number, reverse=True)
     for index, row in enumerate(ordered):
-        body.extend(_try_section(row, ordered[index - 1] if index else None))
+        later = ordered[index - 1] if index else None
+        body.extend(_try_section(row, later) if row.killed else _facts_section(row))
     return _page(f"Cancellations: {title}", body)
+
+
+def _facts_section(row: StoredRow) -> list[str]:
+    """A try that was not killed: how it ended and its facts, one row each."""
+    facts = row.facts
+    words = {"wound_down": "wound down: answered at its wind-down"}.get(facts.outcome, facts.outcome)
+    usage = facts.usage
+    parts = [
+        f"<section class='try facts' data-try='{row.try_number}'><h2>Try {row.try_number}: not killed</h2>",
+        "<table class='facts'>",
+        f"<tr><th>ended</th><td class='outcome'>{_text(words)}</td></tr>",
+        *_fact_rows(facts, with_resume=True),
+    ]
+    if usage:
+        spent = f"{_int(usage.get('requests'))} model requests, {_int(usage.get('tool_calls'))} tool calls"
+        parts.append(f"<tr><th>this try spent</th><td>{_text(spent)}</td></tr>")
+    parts += [f"<tr><th>recorded</th><td>{_text(_when(row.written_at))}</td></tr>", "</table></section>"]
+    return parts
+
+
+def _fact_rows(facts: TryFacts, with_resume: bool) -> list[str]:
+    """The table rows of a try's facts: its resume, each wind-down, each wait."""
+    rows = []
+    if with_resume and facts.resume is not None:
+        resume = facts.resume
+        rerun = ", ".join(resume.tool_calls_rerun) or "none"
+        words = (
+            f"from try {resume.from_try}: {resume.steps_reused} journaled model requests reused instead "
+            f"of repeated ({resume.messages_restored} messages restored; tool calls run again: {rerun})"
+        )
+        rows.append(f"<tr><th>resumed</th><td class='resumed'>{_text(words)}</td></tr>")
+    for wind_down in facts.wound_down:
+        words = _wind_down_words(wind_down)
+        rows.append(f"<tr><th>wound down</th><td class='wound-down'>{_text(words)}</td></tr>")
+    for wait in facts.waits:
+        rows.append(
+            f"<tr><th>waited ({_text(wait.kind)})</th><td class='wait {_text(wait.kind)}'>"
+            f"{_text(_wait_words(wait))}</td></tr>"
+        )
+    return rows
+
+
+def _wind_down_words(wind_down: WindDownFacts) -> str:
+    why = wind_down.reason.replace("_", " ")
+    before = f", {wind_down.left_s:.1f} s before it" if wind_down.left_s is not None else ""
+    left = f", {wind_down.requests_left} requests left" if wind_down.requests_left is not None else ""
+    took = (
+        f"the final answer took {wind_down.final_answer_s:.2f} s"
+        if wind_down.final_answer_s is not None
+        else "no final answer"
+    )
+    at = f" at {_when(wind_down.at)}" if wind_down.at else ""
+    return (
+        f"at the {why}{before}{at}: {wind_down.started_s:.1f} s into the run, after "
+        f"{wind_down.requests_made} requests{left}; {took}"
+    )
+
+
+def _wait_words(wait: WaitFacts) -> str:
+    what = "deferred to a trigger" if wait.kind == "deferred" else "awaiting approval"
+    calls = f" for {', '.join(wait.calls)}" if wait.calls else ""
+    timed_out = f"; timed out: {', '.join(wait.timed_out)}" if wait.timed_out else ""
+    ended = f"; ended {_when(wait.ended_at)}" if wait.ended_at else ""
+    return f"{wait.waited_s:.1f} s {what}{calls}, holding no worker slot{timed_out}{ended}"
 
 
 def _try_section(row: StoredRow, next_row: StoredRow | None) -> list[str]:
@@ -149,6 +238,9 @@ def _try_section(row: StoredRow, next_row: StoredRow | None) -> list[str]:
         f"; still running after the budget: {', '.join(map(str, stragglers))}" if stragglers else ""
     )
     parts.append(f"<p class='left {left_class}'>{len(killed)} killed, {_text(left_words)}</p>")
+    facts = row.facts
+    if facts.wound_down or facts.waits:
+        parts += ["<table class='facts'>", *_fact_rows(facts, with_resume=False), "</table>"]
     parts.append(_resume_point(row, next_row))
     parts.append("</section>")
     return parts
@@ -178,11 +270,13 @@ def _resume_point(row: StoredRow, next_row: StoredRow | None) -> str:
                 f"; this try resumed from try {_int(durable.get('resumed_from_try'))} "
                 f"({_int(durable.get('messages_restored'))} messages restored, tool calls rerun: {rerun})"
             )
-    if next_row is not None:
+    if next_row is not None and next_row.killed:
         words += f"; try {next_row.try_number} was killed too"
-    deferred = _attached(row.record, "deferred")
-    if deferred:
-        words += f"; waited {_float(deferred.get('waited_s')):.1f} s deferred without a worker slot"
+    elif next_row is not None and (resume := next_row.facts.resume) is not None:
+        words += (
+            f"; try {next_row.try_number} resumed from try {resume.from_try} and reused "
+            f"{resume.steps_reused} journaled model requests"
+        )
     return f"<p class='resume'>Resume point: {_text(words)}</p>"
 
 
@@ -263,34 +357,44 @@ def fleet_page(
     ti_href: str,
     window: int,
 ) -> str:
-    """Kills across the fleet: by cause over time, unwind p50/p99 by DAG, leftovers, resumes,
-    wind-downs; then the records themselves, one page at a time. ``rows`` are the newest
-    ``window`` records the filter matches (the summaries), ``page_rows`` the listed page."""
+    """Kills across the fleet: by cause over time, unwind p50/p99 by DAG, leftovers; every
+    stored try's resumes and steps saved, wind-downs, deferral and approval waits; then the
+    records themselves, one page at a time. ``rows`` are the newest ``window`` records the
+    filter matches (the summaries), ``page_rows`` the listed page."""
     body = ["<h1>Cancellations</h1>", _filter_form(query)]
     body.append(
         f"<p class='muted'>{total} records match; summaries over the newest {min(total, window)}.</p>"
     )
-    body.extend(_by_cause_over_time(rows))
-    body.extend(_unwind_by_dag(rows))
-    leftovers = sum(_int(r.record.get("processes_left")) for r in rows)
-    resumed = [_attached(r.record, "durable") for r in rows]
-    resumes = sum(1 for d in resumed if d.get("resumed_from_try"))
-    restored = sum(_int(d.get("messages_restored")) for d in resumed)
-    wind_downs = sum(1 for r in rows for e in _events(r.record) if e.get("event") == "wind_down_started")
-    waits = [
-        _float(_attached(r.record, "deferred").get("waited_s"))
-        for r in rows
-        if _attached(r.record, "deferred")
-    ]
+    kills = [r for r in rows if r.killed]
+    body.extend(_by_cause_over_time(kills))
+    body.extend(_unwind_by_dag(kills))
+    leftovers = sum(_int(r.record.get("processes_left")) for r in kills)
+    facts = [(r, r.facts) for r in rows]
+    resumed = [f.resume for _, f in facts if f.resume is not None]
+    killed_resumed = sum(1 for r, f in facts if r.killed and f.resume is not None)
+    wind_downs = sum(len(f.wound_down) for _, f in facts)
+    answered = sum(1 for _, f in facts if f.outcome == "wound_down")
     body.append("<h2>Totals</h2><table class='totals'>")
     body.append(f"<tr><th>leftover processes (should be 0)</th><td class='leftovers'>{leftovers}</td></tr>")
-    body.append(f"<tr><th>killed tries that had resumed</th><td>{resumes}</td></tr>")
-    body.append(f"<tr><th>messages restored instead of repeated</th><td>{restored}</td></tr>")
-    body.append(f"<tr><th>wind-downs started</th><td>{wind_downs}</td></tr>")
+    body.append(f"<tr><th>tries that resumed an earlier try</th><td class='resumes'>{len(resumed)}</td></tr>")
     body.append(
-        "<tr><th>deferred waits that held no slot</th>"
-        f"<td>{len(waits)} ({sum(waits):.0f} s)</td></tr></table>"
+        "<tr><th>steps saved (journaled model requests reused instead of repeated)</th>"
+        f"<td class='steps-saved'>{sum(r.steps_reused for r in resumed)}</td></tr>"
     )
+    body.append(f"<tr><th>killed tries that had resumed</th><td>{killed_resumed}</td></tr>")
+    body.append(
+        "<tr><th>messages restored instead of repeated</th>"
+        f"<td>{sum(r.messages_restored for r in resumed)}</td></tr>"
+    )
+    body.append(f"<tr><th>wind-downs started</th><td class='wind-downs'>{wind_downs}</td></tr>")
+    body.append(f"<tr><th>tries that answered at a wind-down</th><td>{answered}</td></tr>")
+    for kind in WAIT_KINDS:
+        waits = [w.waited_s for _, f in facts for w in f.waits_of(kind)]
+        body.append(
+            f"<tr><th>{kind} waits that held no slot</th>"
+            f"<td class='{kind}-waits'>{len(waits)} ({sum(waits):.0f} s)</td></tr>"
+        )
+    body.append("</table>")
     body.extend(_listing(page_rows, ti_href))
     body.append(_pager(query, total, page_size))
     return _page("Cancellations", body)
@@ -356,7 +460,8 @@ def _unwind_by_dag(rows: Sequence[StoredRow]) -> list[str]:
 def _listing(rows: Sequence[StoredRow], ti_href: str) -> list[str]:
     out = [
         "<h2>Records</h2><table class='records'><tr><th>recorded</th><th>DAG</th><th>task</th><th>run</th>"
-        "<th>try</th><th>cause</th><th>unwound</th><th>killed / left</th></tr>"
+        "<th>try</th><th>cause (or how a try that was not killed ended)</th><th>unwound</th>"
+        "<th>killed / left</th></tr>"
     ]
     for row in rows:
         link = (
@@ -371,17 +476,30 @@ def _listing(rows: Sequence[StoredRow], ti_href: str) -> list[str]:
                 }
             )
         )
-        unwound = unwound_ms(row.record)
-        killed = len(row.record.get("killed") or ())
+        unwound = unwound_ms(row.record) if row.killed else None
+        killed = len(row.record.get("killed") or ()) if row.killed else 0
+        what = str(row.record.get("cause", "unknown")) if row.killed else _ended_words(row.facts)
         out.append(
             f"<tr><td>{_text(_when(row.written_at))}</td><td>{_text(row.dag_id)}</td>"
             f"<td><a href='{_text(link)}'>{_text(row.task_id)}</a></td><td>{_text(row.run_id)}</td>"
-            f"<td>{row.try_number}</td><td>{_text(row.record.get('cause', 'unknown'))}</td>"
+            f"<td>{row.try_number}</td><td>{_text(what)}</td>"
             f"<td>{'-' if unwound is None else f'{unwound:.0f} ms'}</td>"
-            f"<td>{killed} / {_int(row.record.get('processes_left'))}</td></tr>"
+            f"<td>{killed} / {_int(row.record.get('processes_left')) if row.killed else 0}</td></tr>"
         )
     out.append("</table>")
     return out
+
+
+def _ended_words(facts: TryFacts) -> str:
+    """A try that was not killed, in the listing: how it ended and what it did."""
+    said = ["wound down" if facts.outcome == "wound_down" else facts.outcome]
+    if facts.resume is not None:
+        said.append(f"resumed from try {facts.resume.from_try}, {facts.resume.steps_reused} steps saved")
+    for kind in WAIT_KINDS:
+        waits = facts.waits_of(kind)
+        if waits:
+            said.append(f"{len(waits)} {kind} wait(s), {sum(w.waited_s for w in waits):.0f} s")
+    return "; ".join(said)
 
 
 def _pager(query: FleetQuery, total: int, page_size: int) -> str:

@@ -1,5 +1,6 @@
 """The Airflow plugin that puts the Cancellations view in the UI (an ``airflow.plugins`` entry
-point; Airflow 3.3+, whose task state store holds the records: before it, the plugin offers nothing).
+point; on Airflow 3.3+ it reads the task state store, on 3.1/3.2 XCom, where only the latest try's
+record is kept).
 
 Every Airflow component imports plugin classes, the task process too (for macros), so this
 module imports only ``AirflowPlugin``: the FastAPI app, SQLAlchemy models and the pages load when
@@ -19,10 +20,9 @@ __all__ = ["URL_PREFIX", "CancellationsPlugin"]
 URL_PREFIX = "/cancellations"
 
 
-class _OnAirflowWithTheStore:
-    """A plugin attribute made on first read (a class attribute read on the class), and empty on
-    Airflow without the task state store (3.1/3.2): the view reads only the store, and its app's
-    imports would fail the API server's start there."""
+class _MadeOnFirstRead:
+    """A plugin attribute made on first read (a class attribute read on the class): the app and
+    what it imports load only where Airflow reads it (the API server)."""
 
     def __init__(self, make: Callable[[], list[dict[str, Any]]]) -> None:
         self._make = make
@@ -30,9 +30,7 @@ class _OnAirflowWithTheStore:
 
     def __get__(self, instance: Any, owner: Any) -> list[dict[str, Any]]:
         if self._value is None:
-            from cancellable_agents.airflow._adapter import has_task_state_store
-
-            self._value = self._make() if has_task_state_store() else []
+            self._value = self._make()
         return self._value
 
 
@@ -66,5 +64,5 @@ class CancellationsPlugin(AirflowPlugin):
     """A tab on the task instance page and a page in the nav, served by one FastAPI app."""
 
     name = "cancellable_agents_cancellations"
-    fastapi_apps = _OnAirflowWithTheStore(_apps)  # type: ignore[assignment]
-    external_views = _OnAirflowWithTheStore(_views)  # type: ignore[assignment]
+    fastapi_apps = _MadeOnFirstRead(_apps)  # type: ignore[assignment]
+    external_views = _MadeOnFirstRead(_views)  # type: ignore[assignment]

@@ -1,16 +1,21 @@
-"""The kill record kept where the API server can query it: one bounded write per killed try.
+"""A try's record kept where the API server can query it: one bounded write at the end of a try
+that was killed, or that wound down, resumed an earlier try's journal or waited without a worker
+slot (a plain successful try writes nothing).
 
-The document is the task log's record (``KillReport.full_record()`` of
-[`document`][cancellable_agents.airflow.kill_record.document]), not a second format, wrapped
-with what a query needs (format, try number, when it was written) and bounded to
-``MAX_BYTES``, under Airflow's
+A killed try's document (``kind: killed``) is the task log's record (``KillReport.full_record()``
+of [`document`][cancellable_agents.airflow.kill_record.document]), not a second format; any other
+try's (``kind: facts``) is its [`TryFacts`][cancellable_agents.airflow.kill_record._try_facts.TryFacts].
+Either is wrapped with what a query needs (format, kind, try number, when it was written) and
+bounded to ``MAX_BYTES``, under Airflow's
 ``[state_store] max_value_storage_bytes`` (64 KB by default). Kept under
 ``cancellable_agents.cancellation.try<N>`` in Airflow 3.3's task state store
 (``context["task_state_store"]``), else in XCom (Airflow 3.1/3.2, where a try's XCom is cleared
 when the next try starts, so only the latest try is there). Turned off by
-``[cancellable_agents] store_cancellation_record = False``.
+``[cancellable_agents] store_cancellation_record = False`` (both kinds: the setting's name is
+older than the facts).
 
-Written once, on the main thread, after the record is logged: never from a signal handler (the
+Written once, on the main thread, after the record is logged (a killed try) or after ``execute``
+returned (any other): never from a signal handler (the
 comms channel's lock is not re-entrant), and a failed write is logged, never raised (the kill's
 own path must end as it would without it).
 """
@@ -21,16 +26,31 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-__all__ = ["FORMAT", "KEY_PREFIX", "MAX_BYTES", "bounded", "key_for_try", "store_record", "stored_document"]
+if TYPE_CHECKING:
+    from cancellable_agents.airflow.task_try import TaskTry
+
+__all__ = [
+    "FORMAT",
+    "KEY_PREFIX",
+    "MAX_BYTES",
+    "bounded",
+    "key_for_try",
+    "store_record",
+    "store_try_facts",
+    "stored_document",
+]
 
 log = logging.getLogger(__name__)
 
 #: Every stored record's key starts with this; the view queries by it.
 KEY_PREFIX = "cancellable_agents.cancellation."
-#: The wrapper's format (the record inside is the task log's, unchanged).
-FORMAT = 1
+#: The wrapper's format: 2 added ``kind`` (format 1 held only kill records).
+FORMAT = 2
+
+#: What a stored document holds: a killed try's kill record, or another try's facts.
+Kind = Literal["killed", "facts"]
 #: The bound on one stored document, in bytes of JSON (half Airflow's default value limit).
 MAX_BYTES = 32_000
 #: A string longer than this (a command line, a model's text) is cut when the bound is exceeded.
@@ -44,10 +64,13 @@ def key_for_try(try_number: int) -> str:
     return f"{KEY_PREFIX}try{int(try_number)}"
 
 
-def stored_document(record: Mapping[str, Any], try_number: int, now: float | None = None) -> dict[str, Any]:
-    """What is stored for one try: the record (bounded) with its try and write time."""
+def stored_document(
+    record: Mapping[str, Any], try_number: int, now: float | None = None, kind: Kind = "killed"
+) -> dict[str, Any]:
+    """What is stored for one try: the record (bounded) with its kind, try and write time."""
     return {
         "format": FORMAT,
+        "kind": kind,
         "try": int(try_number),
         "written_at": time.time() if now is None else now,
         "record": bounded(record),
@@ -79,13 +102,15 @@ def bounded(record: Mapping[str, Any], limit: int = MAX_BYTES) -> dict[str, Any]
     return scalars if _size(scalars) <= limit else {"truncated": ["the whole record"]}
 
 
-def store_record(context: Any, ti: Any, record: Mapping[str, Any], enabled: bool = True) -> str | None:
+def store_record(
+    context: Any, ti: Any, record: Mapping[str, Any], enabled: bool = True, kind: Kind = "killed"
+) -> str | None:
     """Write ``record`` for the try of ``ti``, once; return where (``task_state_store`` or
     ``xcom``) or ``None`` when off or nowhere to write. Never raises."""
     if not enabled or ti is None:
         return None
     try_number = getattr(ti, "try_number", None) or 0
-    document = stored_document(record, try_number)
+    document = stored_document(record, try_number, kind=kind)
     key = key_for_try(try_number)
     accessor = context.get("task_state_store") if hasattr(context, "get") else None
     try:
@@ -97,8 +122,34 @@ def store_record(context: Any, ti: Any, record: Mapping[str, Any], enabled: bool
             return "xcom"
     except Exception as exc:  # the kill's path must not fail on a write for the UI
         # A cleared try is the usual case: Airflow already replaced its task instance (404).
-        log.warning("the cancellation record was not stored for the UI (the task log has it): %s", exc)
+        log.warning("the try's record was not stored for the UI (the task log has it): %s", exc)
     return None
+
+
+def store_try_facts(task_try: TaskTry) -> str | None:
+    """At the end of a try that ``execute`` ended without a kill: store its
+    [`TryFacts`][cancellable_agents.airflow.kill_record._try_facts.TryFacts] (wind-downs, resume,
+    waits) if it has any; a try with none writes nothing. Never raises."""
+    try:
+        from cancellable_agents.airflow.config import deployment_setting
+        from cancellable_agents.airflow.kill_record._try_facts import TryFacts
+
+        scope = task_try.scope
+        started = [e for e in scope.timeline if e.event == "wind_down_started"]
+        reports = [r.as_dict() for r in task_try.wound_down]
+        wind_downs: list[tuple[float | None, dict[str, Any]]]
+        if len(started) == len(reports):
+            wind_downs = [(e.wall, r) for e, r in zip(started, reports, strict=True)]
+        else:  # runs that started a wind-down but did not answer at it: the reports alone
+            wind_downs = [(None, r) for r in reports]
+        facts = TryFacts.of_scope(scope.attached, wind_downs)
+        if not facts:
+            return None
+        enabled = bool(deployment_setting("store_cancellation_record"))
+    except Exception as exc:  # a finished try must not fail on a record for the UI
+        log.warning("the try's facts were not stored for the UI: %r", exc)
+        return None
+    return store_record(task_try.context, task_try.ti, facts.as_dict(), enabled=enabled, kind="facts")
 
 
 def _cut_strings(value: Any) -> Any:
