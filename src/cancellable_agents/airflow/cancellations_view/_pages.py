@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from cancellable_agents.airflow.kill_record._try_facts import WAIT_KINDS, TryFacts, WaitFacts, WindDownFacts
+from cancellable_agents.airflow.kill_record.document import unwound_ms
 
 __all__ = ["GRACE_MS", "FleetQuery", "StoredRow", "fleet_page", "task_instance_page"]
 
@@ -104,16 +105,6 @@ def _when(epoch: float) -> str:
 
 def _events(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [e for e in record.get("timeline") or () if isinstance(e, Mapping)]
-
-
-def unwound_ms(record: Mapping[str, Any]) -> float | None:
-    """The record's unwind time, read as the task log's summary reads it."""
-    ends = [
-        _float(e.get("ms"))
-        for e in _events(record)
-        if e.get("event") in ("run_unwound", "resources_released")
-    ]
-    return max(ends) if ends else None
 
 
 # -- the task instance page -------------------------------------------------------------------

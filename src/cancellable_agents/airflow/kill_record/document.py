@@ -233,9 +233,15 @@ def _cause_words(record: Mapping[str, Any], action: UserAction | None) -> str:
 def unwound_ms(record: Mapping[str, Any]) -> float | None:
     """Milliseconds from the kill to the last of the run's unwind and the resources' release,
     or ``None`` when the record has neither (the unwind did not finish). The one reading of
-    "how long the unwind took" the summary line, the metrics and the span share."""
+    "how long the unwind took" the summary line, the metrics, the span and the Cancellations
+    view share; the view reads stored documents anyone with write access may have edited, so an
+    event that is not an object or a time that is not a number counts as 0 ms, never an error."""
     ends = ("run_unwound", "resources_released")
-    times = [e["ms"] for e in record.get("timeline") or () if e.get("event") in ends]
+    events = [e for e in record.get("timeline") or () if isinstance(e, Mapping) and e.get("event") in ends]
+    times = [
+        float(ms) if isinstance(ms := e.get("ms"), int | float) and not isinstance(ms, bool) else 0.0
+        for e in events
+    ]
     return max(times) if times else None
 
 
