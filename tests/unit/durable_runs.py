@@ -22,6 +22,8 @@ from cancellable_agents.run.runner import run_agent_in_scope
 from cancellable_agents.run.tool_calls import ToolCall, current_tool_call
 
 STEPS = 6
+#: Steps of ``operator_agent``'s run.
+OPERATOR_STEPS = 4
 
 
 @dataclass
@@ -180,3 +182,43 @@ def cancelled_try(verdict: CauseVerdict, store: MemoryStore) -> TaskCancelled:
     exc, _, _ = task.run(store, 1)
     assert isinstance(exc, TaskCancelled)
     return exc
+
+
+def operator_agent(
+    kill_at: int | None, op_box: list[Any], requests: list[int] | None = None
+) -> Agent[None, str]:
+    """Four steps, one ``step`` tool call each, then the answer, for an operator test: while tool
+    ``kill_at`` runs, the operator in ``op_box[0]`` gets its SIGTERM (``on_kill``); each model
+    request is counted in ``requests``."""
+
+    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if requests is not None:
+            requests.append(1)
+        done = sum(isinstance(m, ModelResponse) for m in messages)
+        if done < OPERATOR_STEPS:
+            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
+        return ModelResponse(parts=[TextPart("done")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(script))
+
+    @agent.tool_plain
+    def step(n: int) -> str:
+        if n == kill_at:
+            op_box[0].on_kill()  # the SIGTERM lands while this tool runs (cause: unknown here)
+            # As a cooperative tool does: return only once the run was told to stop, so the
+            # kill lands in this step however slow the unwind thread is to start.
+            op_box[0].cancellation.wait(5)
+        return f"step {n} ok"
+
+    return agent
+
+
+@dataclass
+class TI:
+    """The task instance facts the journal reads from the context (as the Task SDK's ti has them)."""
+
+    try_number: int
+    dag_id: str = "d"
+    run_id: str = "manual__1"
+    task_id: str = "agent"
+    map_index: int = -1

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic_ai import Agent
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
-from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, DurableOptions, TaskCancelled, WindDown
 from cancellable_agents.airflow.cancellations_view._pages import (
@@ -37,6 +33,7 @@ from cancellable_agents.airflow.kill_record._stored import (
 )
 from cancellable_agents.airflow.kill_record._try_facts import ResumeFacts, TryFacts
 from cancellable_agents.durable._stores import MemoryStore
+from tests.unit.durable_runs import TI, operator_agent
 
 SCRIPT = "<script>document.title='owned'</script>"
 
@@ -203,41 +200,11 @@ def test_an_unmapped_task_instance_tab_takes_the_uis_unfilled_placeholder_as_min
 # facts are what the try itself wrote at its end, read back as the pages read them.
 
 
-@dataclass
-class TI:
-    try_number: int
-    dag_id: str = "d"
-    run_id: str = "manual__1"
-    task_id: str = "agent"
-    map_index: int = -1
-
-
-def _steps_agent(kill_at: int | None, box: list[Any]) -> Agent[None, str]:
-    """Four steps, one tool call each, then the answer; ``kill_at``: a SIGTERM while that tool runs."""
-
-    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        done = sum(isinstance(m, ModelResponse) for m in messages)
-        if done < 4:
-            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
-        return ModelResponse(parts=[TextPart("done")])
-
-    agent: Agent[None, str] = Agent(FunctionModel(script))
-
-    @agent.tool_plain
-    def step(n: int) -> str:
-        if n == kill_at:
-            box[0].on_kill()
-            box[0].cancellation.wait(5)
-        return f"step {n} ok"
-
-    return agent
-
-
 def _durable_try(tmp_path: Path, store: MemoryStore, try_number: int, kill_at: int | None) -> Any:
     box: list[Any] = []
     op = AgentOperator(
         task_id="agent",
-        agent=_steps_agent(kill_at, box),
+        agent=operator_agent(kill_at, box),
         prompt="four steps",
         durable=DurableOptions(path=str(tmp_path)),
         classify_timeout=0.2,

@@ -10,33 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic_ai import Agent
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
-from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from cancellable_agents import AgentOperator, DurableOptions, LLMOperator, TaskCancelled
 from cancellable_agents.airflow import mixin
 from cancellable_agents.airflow._adapter import has_task_state_store
 from cancellable_agents.airflow._durable_task import journal_for
 from cancellable_agents.core.exceptions import ConfigurationError
-
-STEPS = 4
-
-
-@dataclass
-class TI:
-    """The task instance facts the journal reads from the context (as the Task SDK's ti has them)."""
-
-    try_number: int
-    dag_id: str = "d"
-    run_id: str = "manual__1"
-    task_id: str = "agent"
-    map_index: int = -1
+from tests.unit.durable_runs import TI, operator_agent
 
 
 def test_durable_needs_a_store_on_airflow_before_3_3_and_says_which() -> None:
@@ -107,34 +91,12 @@ def test_the_old_durable_keywords_still_work_and_each_warns_once(
     assert op.durable == DurableOptions(path=str(tmp_path), resume_after_clear=True, flush_after=0)
 
 
-def _agent(requests: list[int], kill_at: int | None, op_box: list[Any]) -> Agent[None, str]:
-    def script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        requests.append(1)
-        done = sum(isinstance(m, ModelResponse) for m in messages)
-        if done < STEPS:
-            return ModelResponse(parts=[ToolCallPart("step", {"n": done + 1})])
-        return ModelResponse(parts=[TextPart("done")])
-
-    agent: Agent[None, str] = Agent(FunctionModel(script))
-
-    @agent.tool_plain
-    def step(n: int) -> str:
-        if n == kill_at:
-            op_box[0].on_kill()  # the SIGTERM lands while this tool runs (cause: unknown here)
-            # As a cooperative tool does: return only once the run was told to stop, so the
-            # kill lands in this step however slow the unwind thread is to start.
-            op_box[0].cancellation.wait(5)
-        return f"step {n} ok"
-
-    return agent
-
-
 def _try(tmp_path: Path, try_number: int, kill_at: int | None) -> tuple[AgentOperator, list[int], Any]:
     requests: list[int] = []
     box: list[Any] = []
     op = AgentOperator(
         task_id="agent",
-        agent=_agent(requests, kill_at, box),
+        agent=operator_agent(kill_at, box, requests),
         prompt="four steps",
         durable=DurableOptions(path=str(tmp_path)),
         classify_timeout=0.2,
@@ -202,7 +164,7 @@ def test_the_kill_record_is_logged_before_the_store_is_asked_to_write_the_end(
     store = Accessor()
     op = AgentOperator(
         task_id="agent",
-        agent=_agent(requests, 2, box),
+        agent=operator_agent(2, box, requests),
         prompt="four steps",
         durable=True,
         classify_timeout=0.2,

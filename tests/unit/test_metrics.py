@@ -252,7 +252,7 @@ def test_a_try_that_could_not_resume_says_why(statsd: StatsdReceiver, tmp_path: 
 
 def test_a_run_that_stopped_recording_says_why(statsd: StatsdReceiver, tmp_path: Any) -> None:
     from cancellable_agents import AgentOperator
-    from tests.unit.test_durable_operator import TI
+    from tests.unit.durable_runs import TI
 
     broken = threading.Event()
 
