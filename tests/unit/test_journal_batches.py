@@ -174,6 +174,19 @@ def test_items_added_within_the_window_share_one_call_with_no_call_in_flight() -
     assert stored == [[0, 1, 2, 3]]
 
 
+def test_a_wait_with_nothing_queued_leaves_the_next_item_its_window() -> None:
+    stored: list[list[int]] = []
+    writer: StoreWriter[int] = StoreWriter(stored.append, max_unconfirmed=10, batch_window_s=WAIT_S * 10)
+    writer.add(0)
+    writer.wait()
+    writer.wait()  # nothing unconfirmed: nothing to hurry
+    writer.add(1)
+    writer.add(2)
+    assert stored == [[0]] and writer.unconfirmed == 2, "item 1 went out without its window"
+    writer.wait()
+    assert stored == [[0], [1, 2]]
+
+
 def test_the_window_closes_on_its_own() -> None:
     """Nobody waits: the items go out once their head has waited the window."""
     landed = threading.Event()

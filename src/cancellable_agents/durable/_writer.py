@@ -105,8 +105,9 @@ class StoreWriter(Generic[Item]):
 
     def _hurry(self) -> None:
         """(Under the lock.) The run waits: what is queued goes out without waiting for the window."""
-        self._urgent = True
-        self._cond.notify_all()
+        if self._added > self._done:  # else nothing to hurry: the next item keeps its window
+            self._urgent = True
+            self._cond.notify_all()
 
     def _window_left(self) -> float:
         """(Under the lock.) Seconds until the queue's head has waited ``batch_window_s``."""
@@ -130,6 +131,7 @@ class StoreWriter(Generic[Item]):
                     self._done += len(self._queue)  # after an error: dropped, nobody waits for them
                     self._queue = []
                     self._running = False
+                    self._urgent = False  # a wait met nothing queued: the next item has its window
                     self._cond.notify_all()
                     return
                 self._cond.wait_for(self._window_closed, timeout=self._window_left())
