@@ -3,7 +3,9 @@
 Reads JSON requests (one a line) on stdin, answers on stdout. ``start`` runs the command in a new
 session, waits ``reply_delay`` and only then answers (and counts the command as *announced*: what
 ``stop_all`` stops, as the protocol says). Each request runs on its own thread. When stdin closes
-(the task side went away or destroyed the sandbox) every command is stopped.
+(the task side went away or destroyed the sandbox) every command is stopped, and the requests
+still running (a ``wait`` on a command just stopped) answer before the helper exits: a wait the
+task sent before it destroyed the sandbox gets its result, not a closed pipe.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ class _Helper:
         self.stopped: set[str] = set()
         self.timed_out: set[str] = set()
         self.out_lock = threading.Lock()
+        self.handlers: list[threading.Thread] = []  # each request's thread
+        self.waits: list[threading.Thread] = []  # each wait's, until its command ends
+
+    @staticmethod
+    def spawn(into: list[threading.Thread], target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        into.append(thread)
+        thread.start()
 
     def reply(self, req: str, **fields: Any) -> None:
         with self.out_lock:
@@ -56,7 +66,7 @@ class _Helper:
             self.announced.append(command_id)
             self.reply(req, id=command_id)
         elif op == "wait":
-            threading.Thread(target=self._wait, args=(req, msg["id"], msg.get("wait_s")), daemon=True).start()
+            self.spawn(self.waits, self._wait, req, msg["id"], msg.get("wait_s"))
         elif op == "stop":
             self._stop(msg["id"])
             self.reply(req)
@@ -106,9 +116,14 @@ def _feed(proc: subprocess.Popen[str], text: str) -> None:
 def _serve(stdin: IO[str], reply_delay: float) -> None:
     helper = _Helper(reply_delay)
     for line in stdin:  # each request on its own thread: a slow start does not hold up a stop
-        threading.Thread(target=helper.handle, args=(json.loads(line),), daemon=True).start()
+        helper.spawn(helper.handlers, helper.handle, json.loads(line))
+    deadline = time.monotonic() + 10
+    for thread in helper.handlers:  # a start in progress adds its command before the stop
+        thread.join(max(0.0, deadline - time.monotonic()))
     for command_id in list(helper.procs):  # the task side went away: nothing outlives it
         helper._stop(command_id)
+    for thread in list(helper.waits):  # the waits on what was just stopped answer before the exit
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 if __name__ == "__main__":
