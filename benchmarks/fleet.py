@@ -365,8 +365,12 @@ class Row:
     #: The ``set`` calls alone (the journal's writes): latency and bytes.
     set_ms: list[float] = field(default_factory=list)
     set_bytes: list[int] = field(default_factory=list)
-    #: Airflow's task heartbeats (ms) sent while each steady-state variant ran.
+    #: Airflow's task heartbeats (ms) sent while each steady-state variant ran: over the whole
+    #: phase (its wave of process starts included), and only while every member ran.
     heartbeat_ms: dict[str, list[float]] = field(default_factory=dict)
+    heartbeat_steady_ms: dict[str, list[float]] = field(default_factory=dict)
+    #: Each round's step p50 durable / control: how far the ratio moves between rounds.
+    step_ratio_rounds: list[float] = field(default_factory=list)
     store_ops: dict[str, int] = field(default_factory=dict)
     calls_per_step: list[float] = field(default_factory=list)
     step_durable_ms: list[float] = field(default_factory=list)
@@ -392,10 +396,11 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
         *([("fleet_write_ahead", "ahead", row.step_write_ahead_ms)] if write_ahead else []),
         ("fleet_control", "control", row.step_control_ms),
     ]
-    order = [v for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+    order = [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
     busy_by: dict[str, float] = {}
     steps_by: dict[str, int] = {}
-    for dag_id, name, step_ms in order:
+    round_p50: dict[tuple[int, str], float | None] = {}
+    for round_no, (dag_id, name, step_ms) in order:
         busy_before, started = _busy_cpu_s(), time.time()
         runs = trigger(fleet, dag_id, row.n, name)
         await_runs(fleet, dag_id, runs, timeout)
@@ -405,7 +410,12 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
             run_id: sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
             for run_id in runs
         }
-        step_ms.extend(steps_while_all_run(list(starts_by_run.values())))
+        window = all_running(list(starts_by_run.values()))
+        if window is not None:
+            row.heartbeat_steady_ms.setdefault(name, []).extend(fleet.heartbeats(*window))
+        steps = steps_while_all_run(list(starts_by_run.values()))
+        step_ms.extend(steps)
+        round_p50[(round_no, name)] = pct(steps, 0.5)
         for run_id in runs:
             if dag_id != "fleet_durable":
                 continue
@@ -422,6 +432,20 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
     for name, steps in steps_by.items():
         if steps > 0:
             row.cpu_ms_per_step[name] = busy_by[name] * 1000 / steps
+    for round_no in range(rounds):
+        durable, control = round_p50.get((round_no, "durable")), round_p50.get((round_no, "control"))
+        if durable and control:
+            row.step_ratio_rounds.append(round(durable / control, 2))
+
+
+def all_running(starts_by_run: list[list[float]]) -> tuple[float, float] | None:
+    """The wall-time span in which every member ran (after the last member's first tool, before
+    the first member's last), or ``None`` if they never all ran at once."""
+    starts = [s for s in starts_by_run if s]
+    if not starts:
+        return None
+    begin, end = max(s[0] for s in starts), min(s[-1] for s in starts)
+    return (begin, end) if begin < end else None
 
 
 def steps_while_all_run(starts_by_run: list[list[float]]) -> list[float]:
@@ -431,11 +455,13 @@ def steps_while_all_run(starts_by_run: list[list[float]]) -> list[float]:
     which is what the phase's wave of starts costs, not what a step costs. All steps if the
     window is empty (a fleet too small or too staggered to overlap)."""
     starts = [s for s in starts_by_run if s]
-    if not starts:
-        return []
-    begin, end = max(s[0] for s in starts), min(s[-1] for s in starts)
+    window = all_running(starts)
+    every = [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s)]
+    if window is None:
+        return every
+    begin, end = window
     inside = [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s) if a >= begin and b <= end]
-    return inside or [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s)]
+    return inside or every
 
 
 def _busy_cpu_s() -> float:
@@ -606,6 +632,9 @@ def summary(row: Row) -> dict[str, Any]:
         "set_bytes_p50": pct([float(b) for b in row.set_bytes], 0.5),
         "heartbeat_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_ms.items()},
         "heartbeats": {name: len(ms) for name, ms in row.heartbeat_ms.items()},
+        "heartbeat_steady_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_steady_ms.items()},
+        "heartbeats_steady": {name: len(ms) for name, ms in row.heartbeat_steady_ms.items()},
+        "step_ratio_rounds": row.step_ratio_rounds,
         "evict_eviction": sum(c.startswith("eviction/") for c in ev.get("causes", [])),
         "evict_sources": {s: ev.get("cause_sources", []).count(s) for s in set(ev.get("cause_sources", []))},
         "mf_user": sum(c.startswith("user/") for c in mf.get("causes", [])),
@@ -672,23 +701,27 @@ def table(rows: list[dict[str, Any]]) -> str:
 def comparison(rows: list[dict[str, Any]]) -> str:
     """The issue's table (#42): one line per code and API server setup, side by side."""
     head = (
-        "| code | db | API workers | N | step p50 durable / control ms (ratio) | store calls per step "
-        "| bytes per set p50 | set p50 / p95 / max ms | heartbeat p95 ms durable / control (count) "
+        "| code | db | API workers | N | step p50 durable / control ms (ratio; by round) "
+        "| store calls per step | bytes per set p50 | set p50 / p95 / max ms "
+        "| heartbeat p95 ms durable / control: while all ran (count); whole phase "
         "| eviction: cause right (sources) | unwound max ms | resumed | mark failed: user, retried "
         "| RSS / PSS per task MiB (bare) |"
     )
     lines = [head, "|" + "---|" * 14]
     for s in rows:
-        n, beats, counts = s["n"], s.get("heartbeat_p95_ms") or {}, s.get("heartbeats") or {}
+        n, beats = s["n"], s.get("heartbeat_p95_ms") or {}
+        steady, counts = s.get("heartbeat_steady_p95_ms") or {}, s.get("heartbeats_steady") or {}
+        by_round = ", ".join(f"{r:.2f}" for r in s.get("step_ratio_rounds") or [])
         sources = ", ".join(f"{k}: {v}" for k, v in sorted((s.get("evict_sources") or {}).items()))
         lines.append(
             f"| {s['code']} | {s['db']} | {s['api_workers']} | {n} "
             f"| {_fmt(s['step_durable_p50_ms'])} / {_fmt(s['step_control_p50_ms'])} "
-            f"({_fmt(s.get('step_ratio'), 2)}) | {_fmt(s['calls_per_step'], 2)} "
+            f"({_fmt(s.get('step_ratio'), 2)}; {by_round}) | {_fmt(s['calls_per_step'], 2)} "
             f"| {_fmt(s.get('set_bytes_p50'))} "
             f"| {_fmt(s.get('set_p50_ms'))} / {_fmt(s.get('set_p95_ms'))} / {_fmt(s.get('set_max_ms'))} "
-            f"| {_fmt(beats.get('durable'))} / {_fmt(beats.get('control'))} "
-            f"({counts.get('durable', 0)} / {counts.get('control', 0)}) "
+            f"| {_fmt(steady.get('durable'))} / {_fmt(steady.get('control'))} "
+            f"({counts.get('durable', 0)} / {counts.get('control', 0)}); "
+            f"{_fmt(beats.get('durable'))} / {_fmt(beats.get('control'))} "
             f"| {s.get('evict_eviction')}/{n} ({sources}) | {_fmt(s['evict_unwound_max_ms'])} "
             f"| {s['evict_resumed']}/{n} {s['evict_requests']} "
             f"| {s.get('mf_user')}/{s['mf_patched']}, {s['mf_retried']} "

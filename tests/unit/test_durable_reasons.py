@@ -15,8 +15,18 @@ from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation
 from cancellable_agents.durable import FreshStart, Journal, MemoryStore, RecordingOff
+from cancellable_agents.durable._appender import Appender
 from cancellable_agents.run.runner import run_agent_in_scope
-from tests.unit.durable_runs import STEPS, Task, cancel_on, cancelled_try, entries, killed_at
+from tests.unit.durable_runs import (
+    RECORD,
+    STEPS,
+    Counting,
+    Task,
+    cancel_on,
+    cancelled_try,
+    entries,
+    killed_at,
+)
 
 EVICTED = CauseVerdict(CancelCause.EVICTION, "worker shutdown")
 
@@ -123,6 +133,28 @@ def test_a_record_deleted_while_the_run_goes_on_stops_recording() -> None:
     assert result.output == "all done"
     assert journal.recording_off is RecordingOff.DELETED and journal.fresh_start is FreshStart.NO_RECORD
     assert _facts(scope)["recording_off"] == "deleted"
+
+
+def test_the_ownership_check_reads_once_and_looks_for_a_deletion_every_third_time() -> None:
+    """Due every ``owner_check_s``, the check reads the newer try's first key only; whether the
+    record is still there costs a second read every third check (once the try stored anything):
+    what a long run adds to the store between its steps."""
+    store = Counting()
+    now = [0.0]
+    appender = Appender(store, RECORD, 1, clock=lambda: now[0], owner_check_s=10)
+    appender.take_over("fp", None, [], None)
+    reads = []
+    for _ in range(7):
+        now[0] += 10
+        before = store.calls["get"]
+        appender.append({"kind": "step"}, owned=True)
+        reads.append(store.calls["get"] - before)
+    assert reads == [1, 1, 1, 2, 1, 1, 2], reads  # the first: nothing of this try stored yet
+    store.store.data.clear()
+    for _ in range(3):
+        now[0] += 10
+        appender.append({"kind": "step"}, owned=True)
+    assert appender.off_reason is RecordingOff.DELETED, "a deleted record went unnoticed"
 
 
 @dataclass

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 #: How often a try looks whether a newer try took over (its only reads while the run goes).
 OWNER_CHECK_S = 10.0
+#: Every this many ownership checks also look whether the record was deleted: a second read,
+#: which at every check doubled what a long run adds to the store between its steps.
+DELETION_CHECK_EVERY = 3
 #: How many entries may be appended but not yet stored before the run waits for the store. A
 #: SIGKILL loses at most these (each a completed step or a parallel call's result): the next try
 #: repeats at most this many completed steps. Eight steps of a few hundred milliseconds ride out
@@ -94,6 +97,7 @@ class Appender:
         # The writer's thread only, once take_over set them (no write is in flight before it).
         self._stored_any = False  # this try's segment has an entry in the store
         self._next_check = 0.0  # when the ownership check is next due (``clock``)
+        self._checks = 0  # ownership checks made
         # Either thread: the run's on a store error it was told of, the writer's when fenced
         # or the record was deleted. Written under the lock (the first reason stays, but fencing
         # always wins); read without it: a run-thread read that misses a fence set a moment ago
@@ -234,14 +238,18 @@ class Appender:
 
     def _still_owner(self) -> bool:
         """(On the writer's thread.) No newer try took over, looked up at most every
-        ``owner_check_s``. Two reads when due, none otherwise."""
+        ``owner_check_s``: one read when due, none otherwise; every ``DELETION_CHECK_EVERY``-th
+        check, one more for whether the record is still there."""
         now = self._clock()
         if now < self._next_check:
             return True
         self._next_check = now + self._owner_check_s
+        self._checks += 1
         newer = self.try_number + 1
         if self.store.get(segment_key(self.key, newer, 0)) is None:
-            if self._stored_any and self.store.get(segment_key(self.key, self.try_number, 0)) is None:
+            deletion_due = self._checks % DELETION_CHECK_EVERY == 1
+            own_first = segment_key(self.key, self.try_number, 0)
+            if deletion_due and self._stored_any and self.store.get(own_first) is None:
                 self.turn_off(
                     "the record was deleted while the run went on; later steps are not recorded",
                     RecordingOff.DELETED,

@@ -348,8 +348,11 @@ class Journal:
 
         ``wound_down`` (a ``WindDownReport``): the run answered at its wind-down; the entry's
         state is ``wound_down`` and holds the report. Like ``completed``, it ends the record: the
-        answer is the task's result, so a Clear starts fresh."""
-        self._appender.settle()  # an entry that failed to store turns the record off (not the end)
+        answer is the task's result, so a Clear starts fresh.
+
+        The end joins the entries still queued: one store call ends the run, not two (a fleet's
+        API server sees one call fewer per run). After a failed store call nothing more is
+        stored, the end included: the record turns off, as it would have at the next step."""
         usage = self._ended(getattr(result, "usage", None))
         facts = self._facts(usage)
         state = "wound_down" if wound_down is not None else "completed"
@@ -360,15 +363,20 @@ class Journal:
             facts["usage_total"],
         )
         if self._appender.off is not None or (self._appender.segment_length == 0 and self.resume is None):
+            self._appender.settle()
             return  # nothing of this run is where a later try looks
         end: dict[str, Any] = {"kind": "end", "state": state, "usage": usage.as_dict()}
         if wound_down is not None:
             end["wound_down"] = wound_down.as_dict()
         try:
             self._appender.append(end)
+        except Exception as exc:
+            self._appender.turn_off(f"appending the end of the completed run failed ({exc!r})")
+            return
+        try:
             self._appender.drop_record()
         except Exception as exc:
-            log.warning("durable: could not end the record of a completed run: %r", exc)
+            log.warning("durable: could not drop the record of a completed run: %r", exc)
 
     def detach(self) -> None:
         """The run ended any other way (an ordinary failure): keep the record (its last append
