@@ -239,13 +239,15 @@ def source_now() -> Iterator[Path]:
 # -- driving runs --------------------------------------------------------------------------------
 
 
-def trigger(fleet: Fleet, dag_id: str, n: int, phase: str) -> list[str]:
-    """N runs of ``dag_id`` (ids ``PHASE-N-i-xxxx``); returns their run ids."""
+def trigger(fleet: Fleet, dag_id: str, n: int, phase: str, together: bool = False) -> list[str]:
+    """N runs of ``dag_id`` (ids ``PHASE-N-i-xxxx``); returns their run ids. ``together``: their
+    first steps wait until all N reached them (``await_batch`` in the fleet DAGs)."""
+    batch = uuid.uuid4().hex[:8]
     runs = [f"{phase}-n{n}-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
+    conf = {"batch": batch, "members": n} if together else {}
     for run_id in runs:
-        fleet.rest.json(
-            "POST", f"/api/v2/dags/{dag_id}/dagRuns", json={"dag_run_id": run_id, "logical_date": None}
-        )
+        body = {"dag_run_id": run_id, "logical_date": None, "conf": conf}
+        fleet.rest.json("POST", f"/api/v2/dags/{dag_id}/dagRuns", json=body)
     return runs
 
 
@@ -402,7 +404,7 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
     round_p50: dict[tuple[int, str], float | None] = {}
     for round_no, (dag_id, name, step_ms) in order:
         busy_before, started = _busy_cpu_s(), time.time()
-        runs = trigger(fleet, dag_id, row.n, name)
+        runs = trigger(fleet, dag_id, row.n, name, together=True)
         await_runs(fleet, dag_id, runs, timeout)
         busy_by[name] = busy_by.get(name, 0.0) + _busy_cpu_s() - busy_before
         row.heartbeat_ms.setdefault(name, []).extend(fleet.heartbeats(started, time.time()))

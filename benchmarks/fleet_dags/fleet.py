@@ -92,11 +92,35 @@ def begin_try(context: Any) -> None:
     _write_json(STATE_DIR / f"{base}.json", {"pid": os.getpid(), "ppid": os.getppid(), "at": time.time()})
 
 
+#: How long the first step waits for the other members of its batch (``await_batch``).
+BARRIER_S = 180.0
+
+
+def await_batch(conf: dict[str, Any], run_id: str) -> None:
+    """Wait until every member of this run's batch (the run's ``conf``: ``batch``, ``members``)
+    reached its first step, at most ``BARRIER_S``: the steady phases time the steps of N agents
+    running at once, and without this the members' process starts (seconds of imports each, on
+    the same cores) spread over most of a run. Nothing for a run without a batch."""
+    batch, members = conf.get("batch"), int(conf.get("members") or 0)
+    if not batch or members < 2:
+        return
+    arrived = STATE_DIR / f"barrier-{batch}"
+    arrived.mkdir(exist_ok=True)
+    (arrived / run_id).touch()
+    deadline = time.monotonic() + BARRIER_S
+    while len(list(arrived.iterdir())) < members and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def work(n: int) -> str:
-    """One step's tool: note when it started (and on which try), then take ``FLEET_TOOL_S``."""
+    """One step's tool: note when it started (and on which try), then take ``FLEET_TOOL_S``. The
+    first step of a steady run first waits for its batch (``await_batch``)."""
     from airflow.sdk import get_current_context
 
-    ti = get_current_context()["ti"]
+    context = get_current_context()
+    ti = context["ti"]
+    if n == 1 and ti.try_number == 1:
+        await_batch(context["dag_run"].conf or {}, ti.run_id)
     resume = current_resume()
     line = {"n": n, "try": ti.try_number, "at": time.time(), "resumed": resume is not None}
     with (STATE_DIR / f"{ti.run_id}.tools.jsonl").open("a") as out:
