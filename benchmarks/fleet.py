@@ -102,6 +102,21 @@ class Fleet:
     rest: RestClient
     model_server: ScriptedModelServer
     state_dir: Path
+    #: The PostgreSQL postmaster's pid (``None`` on SQLite).
+    db_pid: int | None = None
+
+    def cpu_s_by_part(self) -> dict[str, float]:
+        """CPU seconds each part of the stack has used so far (``tree_cpu_s``): where a step's
+        CPU goes, durable or not, on cores they all share."""
+        parts = {
+            "tasks + supervisors": self.stack.components["scheduler"].proc.pid,
+            "API server": self.stack.components["api-server"].proc.pid,
+            "PostgreSQL": self.db_pid,
+        }
+        used = {name: tree_cpu_s(pid) for name, pid in parts.items() if pid is not None}
+        me = psutil.Process().cpu_times()  # the model server answers from threads of this process
+        used["model server + driver"] = me.user + me.system
+        return used
 
     def tag(self, run_id: str) -> str:
         return f"[{run_id}]"
@@ -119,6 +134,15 @@ class Fleet:
     def heartbeats(self, start: float, end: float) -> list[float]:
         """Milliseconds of every task heartbeat sent between ``start`` and ``end`` (wall)."""
         return [h["ms"] for h in self.jsonl("heartbeats.jsonl") if start <= h["at"] - h["ms"] / 1000 <= end]
+
+    def pool_timeouts(self) -> int:
+        """Requests the API server failed because its database connection pool stayed exhausted
+        for ``pool_timeout`` (30 s) since it started: each logs SQLAlchemy's ``TimeoutError``.
+        On Airflow 3.2+/3.3 a REST request's token check waits for a connection on the server's
+        event loop, so while it waits every request stalls (apache/airflow#66493)."""
+        log_file = self.stack.home / "components" / "api-server.log"
+        text = log_file.read_text(errors="replace") if log_file.exists() else ""
+        return text.count("raise exc.TimeoutError(")
 
     def jsonl(self, name: str) -> list[dict[str, Any]]:
         path = self.state_dir / name
@@ -147,21 +171,25 @@ def fleet_stack(
     api_workers: int = 1,
     code: Path | None = None,
     settings: dict[str, str] | None = None,
+    db_pool: int | None = None,
 ) -> Iterator[Fleet]:
     """Airflow on ``db`` (``sqlite`` or ``postgres``) with the fleet DAGs, until the block ends.
 
     :param api_workers: the API server's workers (``[api] workers``).
     :param code: a ``src`` directory whose provider the stack imports instead of this checkout's.
     :param settings: ``[cancellable_agents]`` options for every component (name -> value).
+    :param db_pool: every component's ``[database] sql_alchemy_pool_size`` and
+        ``sql_alchemy_max_overflow`` (``None``: Airflow's 5 and 10).
     """
     home = Path(tempfile.mkdtemp(prefix=f"cancellable-agents-fleet-{db}-"))
     state_dir = home / "fleet_state"
     state_dir.mkdir()
     with contextlib.ExitStack() as stack_of:
         model_server = stack_of.enter_context(ScriptedModelServer())
-        url = None
+        url, db_pid = None, None
         if db == "postgres":
-            url = stack_of.enter_context(PostgresCluster()).sqlalchemy_url
+            cluster = stack_of.enter_context(PostgresCluster())
+            url, db_pid = cluster.sqlalchemy_url, cluster.proc.pid if cluster.proc else None
         env = {
             "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(
                 {"conn_type": "cancellable_agents_model", "host": model_server.base_url}
@@ -172,6 +200,14 @@ def fleet_stack(
             "AIRFLOW__API__WORKERS": str(api_workers),
             "FLEET_HEARTBEAT_LOG": str(state_dir / "heartbeats.jsonl"),
             **{f"AIRFLOW__CANCELLABLE_AGENTS__{k.upper()}": v for k, v in (settings or {}).items()},
+            **(
+                {
+                    "AIRFLOW__DATABASE__SQL_ALCHEMY_POOL_SIZE": str(db_pool),
+                    "AIRFLOW__DATABASE__SQL_ALCHEMY_MAX_OVERFLOW": str(db_pool),
+                }
+                if db_pool
+                else {}
+            ),
             "PYTHONPATH": os.pathsep.join(
                 [*([str(code)] if code else []), str(HEARTBEAT_SITE), os.environ.get("PYTHONPATH", "")]
             ),
@@ -183,7 +219,7 @@ def fleet_stack(
             stack.wait_healthy()
             rest = stack.client()
             _await_dags(stack, rest)
-            fleet = Fleet(db, stack, rest, model_server, state_dir)
+            fleet = Fleet(db, stack, rest, model_server, state_dir, db_pid)
             # One run first: the first tasks of a fresh stack meet an API server still warming up
             # (on a busy machine their start calls time out), which is not what is measured.
             await_runs(fleet, "fleet_control", trigger(fleet, "fleet_control", 1, "warm-up"), 600)
@@ -252,12 +288,15 @@ def trigger(fleet: Fleet, dag_id: str, n: int, phase: str, together: bool = Fals
 
 
 def await_runs(fleet: Fleet, dag_id: str, runs: list[str], timeout: float) -> dict[str, str]:
-    """Until every run is success/failed; returns run id -> state."""
+    """Until every run is success/failed; returns run id -> state. Reads the newest 100 runs
+    (the API's page limit, ``[api] maximum_page_limit``: a larger ``limit`` is cut to it, and
+    from the fourth round on the oldest runs filled the page), so ``runs`` must be among them."""
     states: dict[str, str] = {}
+    newest = {"limit": 100, "order_by": "-id"}
 
     def done() -> bool:
         fleet.stack.check_alive()
-        body = fleet.rest.json("GET", f"/api/v2/dags/{dag_id}/dagRuns", params={"limit": 1000})
+        body = fleet.rest.json("GET", f"/api/v2/dags/{dag_id}/dagRuns", params=newest)
         states.update({r["dag_run_id"]: r["state"] for r in body["dag_runs"] if r["dag_run_id"] in runs})
         return all(states.get(r) in FINISHED for r in runs)
 
@@ -378,6 +417,8 @@ class Row:
     step_durable_ms: list[float] = field(default_factory=list)
     step_control_ms: list[float] = field(default_factory=list)
     step_write_ahead_ms: list[float] = field(default_factory=list)
+    #: CPU ms per step by part of the stack (``Fleet.cpu_s_by_part``), by steady-state variant.
+    cpu_ms_per_step_by_part: dict[str, dict[str, float]] = field(default_factory=dict)
     #: The whole machine's busy CPU (all processes: tasks, supervisors, API server, database)
     #: per step, by steady-state variant, over the whole phase (the members' process starts
     #: included): what the journal costs where everything shares the cores.
@@ -385,6 +426,8 @@ class Row:
     evict: dict[str, Any] = field(default_factory=dict)
     mark_failed: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, Any] = field(default_factory=dict)
+    #: The API server's pool timeouts since the stack started (``Fleet.pool_timeouts``).
+    pool_timeouts: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -402,11 +445,15 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
     busy_by: dict[str, float] = {}
     steps_by: dict[str, int] = {}
     round_p50: dict[tuple[int, str], float | None] = {}
+    by_part: dict[str, dict[str, float]] = {}
     for round_no, (dag_id, name, step_ms) in order:
-        busy_before, started = _busy_cpu_s(), time.time()
+        busy_before, parts_before, started = _busy_cpu_s(), fleet.cpu_s_by_part(), time.time()
         runs = trigger(fleet, dag_id, row.n, name, together=True)
         await_runs(fleet, dag_id, runs, timeout)
         busy_by[name] = busy_by.get(name, 0.0) + _busy_cpu_s() - busy_before
+        for part, used in fleet.cpu_s_by_part().items():
+            spent = by_part.setdefault(name, {})
+            spent[part] = spent.get(part, 0.0) + used - parts_before.get(part, 0.0)
         row.heartbeat_ms.setdefault(name, []).extend(fleet.heartbeats(started, time.time()))
         starts_by_run = {
             run_id: sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
@@ -434,6 +481,9 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
     for name, steps in steps_by.items():
         if steps > 0:
             row.cpu_ms_per_step[name] = busy_by[name] * 1000 / steps
+            row.cpu_ms_per_step_by_part[name] = {
+                part: round(cpu_s * 1000 / steps, 1) for part, cpu_s in by_part.get(name, {}).items()
+            }
     for round_no in range(rounds):
         durable, control = round_p50.get((round_no, "durable")), round_p50.get((round_no, "control"))
         if durable and control:
@@ -464,6 +514,22 @@ def steps_while_all_run(starts_by_run: list[list[float]]) -> list[float]:
     begin, end = window
     inside = [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s) if a >= begin and b <= end]
     return inside or every
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants, with what each has reaped (the exited
+    tasks and supervisors are in their parents' children times)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 def _busy_cpu_s() -> float:
@@ -604,6 +670,7 @@ def measure(
         except Exception as exc:
             row.errors.append(f"{name}: {exc!r}"[:2000])
         print(f"[fleet] {fleet.db} N={n}: {name} {time.monotonic() - started:.0f}s", flush=True)
+    row.pool_timeouts = fleet.pool_timeouts()
     return row
 
 
@@ -647,6 +714,7 @@ def summary(row: Row) -> dict[str, Any]:
         "step_control_p50_ms": pct(row.step_control_ms, 0.5),
         "step_write_ahead_p50_ms": pct(row.step_write_ahead_ms, 0.5),
         "cpu_ms_per_step": row.cpu_ms_per_step,
+        "cpu_ms_per_step_by_part": row.cpu_ms_per_step_by_part,
         "evict_unwound_p50_ms": pct(ev.get("unwound_ms", []), 0.5),
         "evict_unwound_max_ms": pct(ev.get("unwound_ms", []), 1.0),
         "evict_cause_p50_ms": pct(ev.get("cause_decided_ms", []), 0.5),
@@ -665,6 +733,7 @@ def summary(row: Row) -> dict[str, Any]:
         "pss_agent_mib": _mem(row.memory.get("agent", []), 1),
         "rss_bare_mib": _mem(row.memory.get("bare", []), 0),
         "pss_bare_mib": _mem(row.memory.get("bare", []), 1),
+        "pool_timeouts": row.pool_timeouts,
         "errors": row.errors,
     }
 
@@ -707,9 +776,9 @@ def comparison(rows: list[dict[str, Any]]) -> str:
         "| store calls per step | bytes per set p50 | set p50 / p95 / max ms "
         "| heartbeat p95 ms durable / control: while all ran (count); whole phase "
         "| eviction: cause right (sources) | unwound max ms | resumed | mark failed: user, retried "
-        "| RSS / PSS per task MiB (bare) |"
+        "| RSS / PSS per task MiB (bare) | API server pool timeouts |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for s in rows:
         n, beats = s["n"], s.get("heartbeat_p95_ms") or {}
         steady, counts = s.get("heartbeat_steady_p95_ms") or {}, s.get("heartbeats_steady") or {}
@@ -728,8 +797,22 @@ def comparison(rows: list[dict[str, Any]]) -> str:
             f"| {s['evict_resumed']}/{n} {s['evict_requests']} "
             f"| {s.get('mf_user')}/{s['mf_patched']}, {s['mf_retried']} "
             f"| {_fmt(s['rss_agent_mib'])} / {_fmt(s['pss_agent_mib'])} "
-            f"({_fmt(s['rss_bare_mib'])} / {_fmt(s['pss_bare_mib'])}) |"
+            f"({_fmt(s['rss_bare_mib'])} / {_fmt(s['pss_bare_mib'])}) | {s.get('pool_timeouts', '-')} |"
         )
+    return "\n".join(lines)
+
+
+def cpu_parts(rows: list[dict[str, Any]]) -> str:
+    """CPU ms per step by part of the stack, durable beside control: where the journal's cost
+    lands on the shared cores."""
+    lines = ["| code | N | part | CPU ms per step durable / control (difference) |", "|---|---|---|---|"]
+    for s in rows:
+        parts = s.get("cpu_ms_per_step_by_part") or {}
+        durable, control = parts.get("durable") or {}, parts.get("control") or {}
+        for part in durable:
+            d, c = durable[part], control.get(part)
+            diff = f"{d - c:+.1f}" if c is not None else "-"
+            lines.append(f"| {s['code']} | {s['n']} | {part} | {d:.1f} / {_fmt(c, 1)} ({diff}) |")
     return "\n".join(lines)
 
 
@@ -797,6 +880,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="S[,S...]",
         help="run this checkout once per value of [cancellable_agents] durable_batch_window",
     )
+    parser.add_argument(
+        "--db-pool",
+        type=int,
+        metavar="K",
+        help="every component's [database] sql_alchemy_pool_size and max_overflow (default: Airflow's 5, 10)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.n.split(",")]
@@ -814,6 +903,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.before:
             before = exports.enter_context(source_as_of(args.before))
             codes.insert(0, (f"before ({args.before})", before, {}))
+        if args.db_pool:
+            codes = [(f"{label}, DB pool {args.db_pool}+{args.db_pool}", c, st) for label, c, st in codes]
         for db in args.db.split(","):
             if db == "postgres" and postgres_missing() is not None:
                 print(f"[fleet] postgres skipped: {postgres_missing()}")
@@ -821,7 +912,8 @@ def main(argv: list[str] | None = None) -> None:
             for workers in [int(w) for w in args.api_workers.split(",")]:
                 for label, code, settings in codes:
                     print(f"[fleet] {db}, {workers} API worker(s), {label}", flush=True)
-                    with fleet_stack(db, max(32, 2 * max(sizes)), workers, code, settings) as fleet:
+                    parallelism = max(32, 2 * max(sizes))
+                    with fleet_stack(db, parallelism, workers, code, settings, args.db_pool) as fleet:
                         for n in sizes:
                             row = measure(
                                 fleet,
@@ -837,6 +929,7 @@ def main(argv: list[str] | None = None) -> None:
                             raw.append(row.__dict__)
                             loads.append(os.getloadavg())
                             print(comparison(rows[-1:]), flush=True)
+                            print(cpu_parts(rows[-1:]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     meta = {
@@ -846,12 +939,15 @@ def main(argv: list[str] | None = None) -> None:
         "api_load": args.api_load,
         "sizes": sizes,
         "before": args.before,
+        "db_pool": args.db_pool,
     }
     (args.out / "fleet.json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
     print(f"\nload average at the end: {load[0]:.1f} on {os.cpu_count()} cores\n")
     print(table(rows))
     print()
     print(comparison(rows))
+    print()
+    print(cpu_parts(rows))
     for s in rows:
         for error in s["errors"]:
             print(f"[fleet] {s['db']} N={s['n']}: {error}")
