@@ -8,10 +8,13 @@ model server. For each N (ascending), N members at once:
 1. **steady**: N durable runs, then N control runs (``durable=False``), each a 20-step job whose
    tool takes 0.2 s; between them N durable runs written ahead (``durable_write_ahead=True``:
    each step stored before its tool starts); ``--rounds`` times, every other round in reverse
-   order. Measured: every task state store call (``TimedStore``: op and latency), store calls
-   per step (per model request), and step time (one tool start to the next) durable vs written
-   ahead vs control, of the steps taken while all N members ran (the wave of process starts
-   before and the tail after are not a step's cost).
+   order. The members' first steps wait for the whole batch (``await_batch`` in the DAGs), so
+   the steps are N agents running at once. Measured: every task state store call
+   (``TimedStore``: op and latency), store calls per step (per model request), step time (one
+   tool start to the next) durable vs written ahead vs control, of the steps taken while all N
+   members ran (the wave of process starts before and the tail after are not a step's cost),
+   each round's ratio, Airflow's heartbeats in that span and over the phase, and CPU per step
+   by part of the stack (``Fleet.cpu_s_by_part``).
 2. **eviction storm**: N durable runs, all mid-stream in their 4th model request; then every
    supervisor is SIGTERMed at once. From each try-1 record: unwound (``resources_released``) and
    when the cause was decided; the task process gone before Airflow's SIGKILL (5 s); whether the
@@ -26,14 +29,15 @@ model server. For each N (ascending), N members at once:
 
 ``--api-load K`` runs K threads of REST reads against the api-server during the storms (a slower
 API server: the cause must still be ``user``). ``--api-workers 1,4`` repeats everything with that
-many API server workers. ``--before REV`` runs each configuration twice, side by side in the same
-session: first with the provider as of git revision ``REV`` (its ``src/`` exported to a temporary
-directory, first on the stack's ``PYTHONPATH``), then with this checkout's; the closing table
-compares them (step ratio, store calls per step and bytes per call, ``set`` p50/p95/max, heartbeat
-p95 durable vs control, causes right, unwound max, RSS/PSS per task). Airflow's task heartbeats are
-timed in the supervisors by ``benchmarks/fleet_site/sitecustomize.py``. Prints one markdown table
-per database and writes ``benchmarks/results/fleet.json`` and ``fleet.png`` (each metric against
-N).
+many API server workers; ``--db-pool K`` sizes every component's database pool (the API server's
+pool timeouts are counted: ``Fleet.pool_timeouts``). ``--before REV`` runs each configuration
+twice, side by side in the same session: first with the provider as of git revision ``REV`` (its
+``src/`` exported to a temporary directory, first on the stack's ``PYTHONPATH``), then with this
+checkout's; the closing table compares them (step ratio, store calls per step and bytes per call,
+``set`` p50/p95/max, heartbeat p95 durable vs control, causes right, unwound max, RSS/PSS per
+task). Airflow's task heartbeats are timed in the supervisors by
+``benchmarks/fleet_site/sitecustomize.py``. Prints one markdown table per database and writes
+``benchmarks/results/fleet.json`` and ``fleet.png`` (each metric against N).
 
 ``make bench-fleet`` (= ``python -m benchmarks.fleet``); not part of CI. The full table (N up to
 16 and 32) is for a quiet machine: on a busy one the numbers measure the neighbours.

@@ -371,7 +371,9 @@ class Journal:
         try:
             self._appender.append(end)
         except Exception as exc:
-            self._appender.turn_off(f"appending the end of the completed run failed ({exc!r})")
+            why = f"storing the record's last entries failed ({exc!r}); the run's end is not recorded"
+            self._appender.turn_off(why)
+            self._attach_facts(usage)  # the run's facts say that, and why, recording went off
             return
         try:
             self._appender.drop_record()
