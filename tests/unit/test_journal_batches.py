@@ -187,6 +187,21 @@ def test_a_wait_with_nothing_queued_leaves_the_next_item_its_window() -> None:
     assert stored == [[0], [1, 2]]
 
 
+def test_batches_in_close_succession_share_one_writer_thread() -> None:
+    """Once the queue is empty the writer's thread waits ``linger_s`` for the next item: a
+    thread started per batch made the run wait, at every batch, until the OS first ran it."""
+    threads: list[threading.Thread] = []
+    writer: StoreWriter[int] = StoreWriter(
+        lambda batch: threads.append(threading.current_thread()), max_unconfirmed=10, linger_s=WAIT_S
+    )
+    for item in range(3):
+        writer.add(item)
+        writer.wait()
+        threads[-1].join(0.05)  # a thread that ends on an empty queue ends here; a lingering one waits
+        assert threads[-1].is_alive(), "the writer's thread ended with the queue"
+    assert len(threads) == 3 and all(t is threads[0] for t in threads), threads
+
+
 def test_the_window_closes_on_its_own() -> None:
     """Nobody waits: the items go out once their head has waited the window."""
     landed = threading.Event()

@@ -24,6 +24,11 @@ from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 
+#: How long the writer's thread waits for the next item once the queue is empty before it ends.
+#: Starting a thread waits until the OS first runs it: at 32 agents on two cores that wait fell
+#: on the run's thread at every batch. Steps that come sooner reuse the thread.
+LINGER_S = 10.0
+
 
 class StoreWriter(Generic[Item]):
     """Stores queued items in batches, one ``store(batch)`` call at a time, on a daemon thread.
@@ -33,16 +38,21 @@ class StoreWriter(Generic[Item]):
     ``max_unconfirmed`` items unconfirmed).
 
     Used from one thread (the run's): [`add`][], [`wait`][] and [`wait_for_room`][] are not for
-    concurrent callers. The thread lives while there is something to store and ends when the
-    queue is empty (the next [`add`][] starts another): nothing needs stopping when the try
-    ends, and a daemon thread left in a store call never holds up the process's exit.
+    concurrent callers. The thread lives while there is something to store, and ``linger_s``
+    longer for the next item (then the next [`add`][] starts another): nothing needs stopping
+    when the try ends, and a daemon thread left waiting or in a store call never holds up the
+    process's exit.
 
     After a ``store`` call raised, nothing more is stored (a later batch would leave a gap in the
     record); the error is raised once, by the next [`add`][] or [`wait`][].
     """
 
     def __init__(
-        self, store: Callable[[list[Item]], None], max_unconfirmed: int, batch_window_s: float = 0.0
+        self,
+        store: Callable[[list[Item]], None],
+        max_unconfirmed: int,
+        batch_window_s: float = 0.0,
+        linger_s: float = LINGER_S,
     ) -> None:
         if max_unconfirmed < 1:
             raise ValueError(f"max_unconfirmed must be at least 1, not {max_unconfirmed}")
@@ -51,6 +61,7 @@ class StoreWriter(Generic[Item]):
         self._store = store
         self._max_unconfirmed = max_unconfirmed
         self._window_s = batch_window_s
+        self._linger_s = linger_s
         self._cond = threading.Condition()
         # Under the condition's lock (both threads):
         self._queue: list[Item] = []
@@ -77,7 +88,9 @@ class StoreWriter(Generic[Item]):
             self._queue.append(item)
             self._added += 1
             ticket = self._added
-            if not self._running:
+            if self._running:
+                self._cond.notify_all()  # a lingering thread takes it
+            else:
                 self._running = True
                 name = "cancellable-agents-journal-write"
                 threading.Thread(target=self._run, name=name, daemon=True).start()
@@ -124,14 +137,19 @@ class StoreWriter(Generic[Item]):
             raise self._error
 
     def _run(self) -> None:
-        """(The writer's thread.) Store what is queued, in batches, until nothing is."""
+        """(The writer's thread.) Store what is queued, in batches, until nothing is for
+        ``linger_s``."""
         while True:
             with self._cond:
+                if not self._queue and self._error is None:
+                    self._urgent = False  # a wait met nothing queued: the next item has its window
+                    self._cond.notify_all()
+                    self._cond.wait_for(lambda: bool(self._queue) or self._error is not None, self._linger_s)
                 if not self._queue or self._error is not None:
                     self._done += len(self._queue)  # after an error: dropped, nobody waits for them
                     self._queue = []
                     self._running = False
-                    self._urgent = False  # a wait met nothing queued: the next item has its window
+                    self._urgent = False
                     self._cond.notify_all()
                     return
                 self._cond.wait_for(self._window_closed, timeout=self._window_left())
