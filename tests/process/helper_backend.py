@@ -49,6 +49,7 @@ class HelperSandbox:
         self._arrived = threading.Condition(self._lock)
         self._closed = False
         self._gone = False  # guarded by _lock: the helper's stdout closed, no reply comes any more
+        self.pending = 0  # guarded by _lock: calls sent to the helper and not answered yet
         self.started: list[str] = []
         self.argvs: list[list[str]] = []  # what each start was given to run, as it was given
         threading.Thread(target=self._read, daemon=True).start()
@@ -71,10 +72,20 @@ class HelperSandbox:
         with self._lock:
             if self._closed:
                 raise SandboxClosed("helper sandbox destroyed")
+            if self._gone:
+                raise SandboxClosed(f"the helper exited; it cannot {op}")
             assert self.helper.stdin is not None
-            self.helper.stdin.write(json.dumps({"req": req, "op": op, **args}) + "\n")
-            self.helper.stdin.flush()
-            if not self._arrived.wait_for(lambda: req in self._replies or self._gone, timeout):
+            try:
+                self.helper.stdin.write(json.dumps({"req": req, "op": op, **args}) + "\n")
+                self.helper.stdin.flush()
+            except BrokenPipeError as exc:  # it died before its stdout's end was read
+                raise SandboxClosed(f"the helper exited; it cannot {op}") from exc
+            self.pending += 1
+            try:
+                answered = self._arrived.wait_for(lambda: req in self._replies or self._gone, timeout)
+            finally:
+                self.pending -= 1
+            if not answered:
                 raise TimeoutError(f"helper did not answer {op} within {timeout}s")
             if req not in self._replies:
                 raise SandboxClosed(f"the helper exited before it answered {op}")

@@ -93,8 +93,8 @@ def test_a_call_pending_when_the_helper_exits_fails_at_once(marker: str) -> None
 
         waiter = threading.Thread(target=wait, daemon=True)
         waiter.start()
-        eventually(lambda: sleepers(marker))
-        backend.helper.kill()  # the helper dies without answering
+        eventually(lambda: sleepers(marker) and backend.pending == 1)
+        backend.helper.kill()  # the helper dies without answering the wait it was sent
         waiter.join(10)
         assert outcome and isinstance(outcome[0], SandboxClosed), outcome
     finally:
