@@ -34,8 +34,10 @@ class StoreWriter(Generic[Item]):
     """Stores queued items in batches, one ``store(batch)`` call at a time, on a daemon thread.
 
     A batch goes out once its first item has waited ``batch_window_s`` (``0``: as soon as no call
-    is in flight), or at once when the run waits for it ([`wait`][], or [`wait_for_room`][] with
-    ``max_unconfirmed`` items unconfirmed).
+    is in flight), once it holds half of ``max_unconfirmed`` items, or at once when the run waits
+    for it ([`wait`][], or [`wait_for_room`][] with ``max_unconfirmed`` items unconfirmed). Half,
+    so the other half can queue behind its call: with a window longer than ``max_unconfirmed``
+    quick steps, waiting for the window would make the run wait for the store at every batch.
 
     Used from one thread (the run's): [`add`][], [`wait`][] and [`wait_for_room`][] are not for
     concurrent callers. The thread lives while there is something to store, and ``linger_s``
@@ -61,6 +63,7 @@ class StoreWriter(Generic[Item]):
         self._store = store
         self._max_unconfirmed = max_unconfirmed
         self._window_s = batch_window_s
+        self._full = max(1, max_unconfirmed // 2)
         self._linger_s = linger_s
         self._cond = threading.Condition()
         # Under the condition's lock (both threads):
@@ -127,9 +130,14 @@ class StoreWriter(Generic[Item]):
         return max(0.0, self._oldest + self._window_s - time.monotonic())
 
     def _window_closed(self) -> bool:
-        """(Under the lock.) Store the queue now: the run waits for it, or its head waited long
-        enough."""
-        return self._urgent or self._error is not None or self._window_left() <= 0
+        """(Under the lock.) Store the queue now: the run waits for it, it is a full batch, or its
+        head waited long enough."""
+        return (
+            self._urgent
+            or self._error is not None
+            or len(self._queue) >= self._full
+            or self._window_left() <= 0
+        )
 
     def _raise_once(self) -> None:
         if self._error is not None and not self._raised:
