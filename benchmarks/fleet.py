@@ -904,9 +904,11 @@ def main(argv: list[str] | None = None) -> None:
                 (f"this checkout, window {w}", now, {"durable_batch_window": w})
                 for w in args.batch_window.split(",")
             ]
-        if args.before:
+        if args.before:  # with the first window asked for, so that only the code differs
             before = exports.enter_context(source_as_of(args.before))
-            codes.insert(0, (f"before ({args.before})", before, {}))
+            window = codes[0][2]
+            suffix = f", window {window['durable_batch_window']}" if window else ""
+            codes.insert(0, (f"before ({args.before}){suffix}", before, window))
         if args.db_pool:
             codes = [(f"{label}, DB pool {args.db_pool}+{args.db_pool}", c, st) for label, c, st in codes]
         for db in args.db.split(","):

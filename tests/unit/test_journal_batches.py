@@ -220,17 +220,16 @@ def test_the_window_closes_on_its_own() -> None:
 
 def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> None:
     """The first batch stalls in the store; the run, at ``max_unconfirmed``, waits for the store
-    alone: the batch queued behind the stalled call goes out as soon as that call returns."""
+    alone: what queued behind the stalled call goes out as soon as that call returns."""
     store = Stalled()
     writer: StoreWriter[int] = StoreWriter(
         lambda batch: store.set("k", batch), max_unconfirmed=4, batch_window_s=WAIT_S * 10
     )
-    writer.add(0)
-    writer.add(1)  # a full batch: half of max_unconfirmed
-    assert store.entered.wait(WAIT_S), "the full batch waited for its window"
-    for item in (2, 3):
-        writer.wait_for_room()
+    for item in range(3):  # a full batch: three quarters of max_unconfirmed
         writer.add(item)
+    assert store.entered.wait(WAIT_S), "the full batch waited for its window"
+    writer.wait_for_room()
+    writer.add(3)
     done = threading.Event()
     waiter = threading.Thread(target=lambda: (writer.wait_for_room(), done.set()), daemon=True)
     waiter.start()
@@ -238,12 +237,12 @@ def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> Non
     store.released.set()
     assert done.wait(WAIT_S), "the run waited for the window, not for the store"
     writer.wait()
-    assert store.calls == [[0, 1], [2, 3]]
+    assert store.calls == [[0, 1, 2], [3]]
 
 
-def test_a_batch_of_half_max_unconfirmed_goes_out_without_waiting_for_the_window() -> None:
+def test_a_batch_of_three_quarters_of_max_unconfirmed_goes_out_without_waiting_for_the_window() -> None:
     """With a window longer than ``max_unconfirmed`` quick steps the run would otherwise fill the
-    bound and wait for the store at every batch: half of it is a full batch."""
+    bound and wait for the store at every batch: three quarters of it is a full batch."""
     landed = threading.Event()
     stored: list[list[int]] = []
 
@@ -252,12 +251,12 @@ def test_a_batch_of_half_max_unconfirmed_goes_out_without_waiting_for_the_window
         landed.set()
 
     writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=8, batch_window_s=WAIT_S * 10)
-    for item in range(3):
+    for item in range(5):
         writer.add(item)
-    assert not landed.wait(0.05) and stored == [], "a batch of 3 of 8 went out before its window"
-    writer.add(3)
+    assert not landed.wait(0.05) and stored == [], "a batch of 5 of 8 went out before its window"
+    writer.add(5)
     assert landed.wait(WAIT_S), "a full batch waited for its window"
-    assert stored == [[0, 1, 2, 3]]
+    assert stored == [[0, 1, 2, 3, 4, 5]]
 
 
 def test_a_windowed_run_stores_its_steps_in_few_calls_and_resumes_as_any() -> None:
@@ -266,7 +265,7 @@ def test_a_windowed_run_stores_its_steps_in_few_calls_and_resumes_as_any() -> No
     repeats none."""
     store = MemoryStore()
     task = Task()
-    # A bound above the run's entries: a batch of half of it would go out before the window.
+    # A bound above the run's entries: three quarters of it would go out before the window.
     result, _, _ = task.run(store, 1, batch_window_s=WAIT_S * 10, max_unconfirmed=16)
     assert result.output == "all done"
     assert store.writes == 1, f"{store.writes} store calls for one run and its end in one window"
