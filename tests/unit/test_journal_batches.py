@@ -219,44 +219,16 @@ def test_the_window_closes_on_its_own() -> None:
 
 
 def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> None:
-    """The first batch stalls in the store; the run, at ``max_unconfirmed``, waits for the store
-    alone: what queued behind the stalled call goes out as soon as that call returns."""
-    store = Stalled()
-    writer: StoreWriter[int] = StoreWriter(
-        lambda batch: store.set("k", batch), max_unconfirmed=4, batch_window_s=WAIT_S * 10
-    )
-    for item in range(3):  # a full batch: three quarters of max_unconfirmed
+    stored: list[list[int]] = []
+    writer: StoreWriter[int] = StoreWriter(stored.append, max_unconfirmed=3, batch_window_s=WAIT_S * 10)
+    for item in range(3):
+        writer.wait_for_room()
         writer.add(item)
-    assert store.entered.wait(WAIT_S), "the full batch waited for its window"
-    writer.wait_for_room()
-    writer.add(3)
     done = threading.Event()
     waiter = threading.Thread(target=lambda: (writer.wait_for_room(), done.set()), daemon=True)
     waiter.start()
-    assert not done.wait(0.05), "the run did not wait with max_unconfirmed entries unconfirmed"
-    store.released.set()
     assert done.wait(WAIT_S), "the run waited for the window, not for the store"
-    writer.wait()
-    assert store.calls == [[0, 1, 2], [3]]
-
-
-def test_a_batch_of_three_quarters_of_max_unconfirmed_goes_out_without_waiting_for_the_window() -> None:
-    """With a window longer than ``max_unconfirmed`` quick steps the run would otherwise fill the
-    bound and wait for the store at every batch: three quarters of it is a full batch."""
-    landed = threading.Event()
-    stored: list[list[int]] = []
-
-    def store(batch: list[int]) -> None:
-        stored.append(batch)
-        landed.set()
-
-    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=8, batch_window_s=WAIT_S * 10)
-    for item in range(5):
-        writer.add(item)
-    assert not landed.wait(0.05) and stored == [], "a batch of 5 of 8 went out before its window"
-    writer.add(5)
-    assert landed.wait(WAIT_S), "a full batch waited for its window"
-    assert stored == [[0, 1, 2, 3, 4, 5]]
+    assert stored == [[0, 1, 2]]
 
 
 def test_a_windowed_run_stores_its_steps_in_few_calls_and_resumes_as_any() -> None:
@@ -265,13 +237,12 @@ def test_a_windowed_run_stores_its_steps_in_few_calls_and_resumes_as_any() -> No
     repeats none."""
     store = MemoryStore()
     task = Task()
-    # A bound above the run's entries: three quarters of it would go out before the window.
-    result, _, _ = task.run(store, 1, batch_window_s=WAIT_S * 10, max_unconfirmed=16)
+    result, _, _ = task.run(store, 1, batch_window_s=WAIT_S * 10)
     assert result.output == "all done"
     assert store.writes == 1, f"{store.writes} store calls for one run and its end in one window"
     killed = MemoryStore()
     first = Task(on_call=cancel_on(4, CauseVerdict(CancelCause.EVICTION, "test")))
-    exc, _, _ = first.run(killed, 1, batch_window_s=WAIT_S * 10, max_unconfirmed=16)
+    exc, _, _ = first.run(killed, 1, batch_window_s=WAIT_S * 10)
     assert isinstance(exc, TaskCancelled)
     assert killed.writes == 1, f"{killed.writes} store calls for 4 steps and the end in one window"
     second = Task()

@@ -34,12 +34,8 @@ class StoreWriter(Generic[Item]):
     """Stores queued items in batches, one ``store(batch)`` call at a time, on a daemon thread.
 
     A batch goes out once its first item has waited ``batch_window_s`` (``0``: as soon as no call
-    is in flight), once it holds three quarters of ``max_unconfirmed`` items, or at once when the
-    run waits for it ([`wait`][], or [`wait_for_room`][] with ``max_unconfirmed`` items
-    unconfirmed). Three quarters, so that a few more can queue behind its call: with a window
-    longer than ``max_unconfirmed`` quick steps, a batch that waited for the window would make the
-    run wait for the store at every batch. (Half made twice the calls of a full batch, and at 32
-    agents on two cores the calls cost more than the waits.)
+    is in flight), or at once when the run waits for it ([`wait`][], or [`wait_for_room`][] with
+    ``max_unconfirmed`` items unconfirmed).
 
     Used from one thread (the run's): [`add`][], [`wait`][] and [`wait_for_room`][] are not for
     concurrent callers. The thread lives while there is something to store, and ``linger_s``
@@ -65,7 +61,6 @@ class StoreWriter(Generic[Item]):
         self._store = store
         self._max_unconfirmed = max_unconfirmed
         self._window_s = batch_window_s
-        self._full = max_unconfirmed - max_unconfirmed // 4
         self._linger_s = linger_s
         self._cond = threading.Condition()
         # Under the condition's lock (both threads):
@@ -132,14 +127,9 @@ class StoreWriter(Generic[Item]):
         return max(0.0, self._oldest + self._window_s - time.monotonic())
 
     def _window_closed(self) -> bool:
-        """(Under the lock.) Store the queue now: the run waits for it, it is a full batch, or its
-        head waited long enough."""
-        return (
-            self._urgent
-            or self._error is not None
-            or len(self._queue) >= self._full
-            or self._window_left() <= 0
-        )
+        """(Under the lock.) Store the queue now: the run waits for it, or its head waited long
+        enough."""
+        return self._urgent or self._error is not None or self._window_left() <= 0
 
     def _raise_once(self) -> None:
         if self._error is not None and not self._raised:

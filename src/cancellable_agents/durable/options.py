@@ -35,9 +35,8 @@ class DurableOptions:
     :param batch_window: seconds a completed step's entry may wait for later steps to share its
         store call: at fleet scale every call is a round trip through Airflow's API server, which
         the fleet's heartbeats share. Only a SIGKILL in the window repeats its steps (never more
-        than 8); an unwind, the run's end, ``write_ahead`` and 6 entries waiting store them at
-        once. ``0``: as soon as no call is in flight. ``None``: ``[cancellable_agents]
-        durable_batch_window`` (3 s).
+        than 8); an unwind, the run's end and ``write_ahead`` store what waits at once. ``0``: as
+        soon as no call is in flight. ``None``: ``[cancellable_agents] durable_batch_window`` (3 s).
     """
 
     path: Any = None
