@@ -83,3 +83,26 @@ def test_api_summary_names_every_public_name() -> None:
     reference = (PAGES / "reference.md").read_text()
     undocumented = [name for name in cancellable_agents.__all__ if f"`{name}" not in reference]
     assert not undocumented, f"reference.md does not describe: {undocumented}"
+
+
+def test_a_list_item_rendered_as_text_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The docs hook that fails the strict build on a bullet Python-Markdown left as a paragraph
+    line (after a block indented by two spaces inside the item before it); code is not prose."""
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        import list_items
+    finally:
+        sys.path.remove(str(DOCS / "hooks"))
+
+    class Page:
+        class file:
+            src_path = "page.md"
+
+    broken = "<p>refused.\n- <code>True</code>: the host's network</p>"
+    in_code = "<pre><code>- item\n- <em>x</em></code></pre>\n<ul><li>fine</li></ul>"
+    with caplog.at_level("WARNING", logger="mkdocs.plugins.list_items"):
+        assert list_items.on_page_content(in_code, Page, None, None) == in_code
+        assert caplog.records == []
+        list_items.on_page_content(broken, Page, None, None)
+    [record] = caplog.records
+    assert "page.md: a list item rendered as text" in record.getMessage()
