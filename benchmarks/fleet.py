@@ -416,6 +416,9 @@ class Row:
     heartbeat_steady_ms: dict[str, list[float]] = field(default_factory=dict)
     #: Each round's step p50 durable / control: how far the ratio moves between rounds.
     step_ratio_rounds: list[float] = field(default_factory=list)
+    #: Each round's heartbeat p95 durable / control while all ran: a p95 of a few hundred
+    #: heartbeats moves with the API server's stalls, which hit many heartbeats at once.
+    heartbeat_ratio_rounds: list[float] = field(default_factory=list)
     store_ops: dict[str, int] = field(default_factory=dict)
     calls_per_step: list[float] = field(default_factory=list)
     step_durable_ms: list[float] = field(default_factory=list)
@@ -449,6 +452,7 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
     busy_by: dict[str, float] = {}
     steps_by: dict[str, int] = {}
     round_p50: dict[tuple[int, str], float | None] = {}
+    round_beats_p95: dict[tuple[int, str], float | None] = {}
     by_part: dict[str, dict[str, float]] = {}
     for round_no, (dag_id, name, step_ms) in order:
         busy_before, parts_before, started = _busy_cpu_s(), fleet.cpu_s_by_part(), time.time()
@@ -465,7 +469,9 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
         }
         window = all_running(list(starts_by_run.values()))
         if window is not None:
-            row.heartbeat_steady_ms.setdefault(name, []).extend(fleet.heartbeats(*window))
+            beats = fleet.heartbeats(*window)
+            row.heartbeat_steady_ms.setdefault(name, []).extend(beats)
+            round_beats_p95[(round_no, name)] = pct(beats, 0.95)
         steps = steps_while_all_run(list(starts_by_run.values()))
         step_ms.extend(steps)
         round_p50[(round_no, name)] = pct(steps, 0.5)
@@ -492,6 +498,10 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
         durable, control = round_p50.get((round_no, "durable")), round_p50.get((round_no, "control"))
         if durable and control:
             row.step_ratio_rounds.append(round(durable / control, 2))
+        beats_durable = round_beats_p95.get((round_no, "durable"))
+        beats_control = round_beats_p95.get((round_no, "control"))
+        if beats_durable and beats_control:
+            row.heartbeat_ratio_rounds.append(round(beats_durable / beats_control, 2))
 
 
 def all_running(starts_by_run: list[list[float]]) -> tuple[float, float] | None:
@@ -708,6 +718,7 @@ def summary(row: Row) -> dict[str, Any]:
         "heartbeat_steady_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_steady_ms.items()},
         "heartbeats_steady": {name: len(ms) for name, ms in row.heartbeat_steady_ms.items()},
         "step_ratio_rounds": row.step_ratio_rounds,
+        "heartbeat_ratio_rounds": row.heartbeat_ratio_rounds,
         "evict_eviction": sum(c.startswith("eviction/") for c in ev.get("causes", [])),
         "evict_sources": {s: ev.get("cause_sources", []).count(s) for s in set(ev.get("cause_sources", []))},
         "mf_user": sum(c.startswith("user/") for c in mf.get("causes", [])),
@@ -778,7 +789,7 @@ def comparison(rows: list[dict[str, Any]]) -> str:
     head = (
         "| code | db | API workers | N | step p50 durable / control ms (ratio; by round) "
         "| store calls per step | bytes per set p50 | set p50 / p95 / max ms "
-        "| heartbeat p95 ms durable / control: while all ran (count); whole phase "
+        "| heartbeat p95 ms durable / control: while all ran (count; ratio by round); whole phase "
         "| eviction: cause right (sources) | unwound max ms | resumed | mark failed: user, retried "
         "| RSS / PSS per task MiB (bare) | API server pool timeouts |"
     )
@@ -787,6 +798,7 @@ def comparison(rows: list[dict[str, Any]]) -> str:
         n, beats = s["n"], s.get("heartbeat_p95_ms") or {}
         steady, counts = s.get("heartbeat_steady_p95_ms") or {}, s.get("heartbeats_steady") or {}
         by_round = ", ".join(f"{r:.2f}" for r in s.get("step_ratio_rounds") or [])
+        beats_by_round = ", ".join(f"{r:.2f}" for r in s.get("heartbeat_ratio_rounds") or [])
         sources = ", ".join(f"{k}: {v}" for k, v in sorted((s.get("evict_sources") or {}).items()))
         lines.append(
             f"| {s['code']} | {s['db']} | {s['api_workers']} | {n} "
@@ -795,7 +807,7 @@ def comparison(rows: list[dict[str, Any]]) -> str:
             f"| {_fmt(s.get('set_bytes_p50'))} "
             f"| {_fmt(s.get('set_p50_ms'))} / {_fmt(s.get('set_p95_ms'))} / {_fmt(s.get('set_max_ms'))} "
             f"| {_fmt(steady.get('durable'))} / {_fmt(steady.get('control'))} "
-            f"({counts.get('durable', 0)} / {counts.get('control', 0)}); "
+            f"({counts.get('durable', 0)} / {counts.get('control', 0)}; {beats_by_round}); "
             f"{_fmt(beats.get('durable'))} / {_fmt(beats.get('control'))} "
             f"| {s.get('evict_eviction')}/{n} ({sources}) | {_fmt(s['evict_unwound_max_ms'])} "
             f"| {s['evict_resumed']}/{n} {s['evict_requests']} "

@@ -36,8 +36,12 @@ from cancellable_agents.durable._writer import StoreWriter
 
 log = logging.getLogger(__name__)
 
-#: How often a try looks whether a newer try took over (its only reads while the run goes).
-OWNER_CHECK_S = 10.0
+#: How often a try looks whether a newer try took over (its only reads while the run goes). A
+#: backstop: Airflow itself ends a superseded try within a heartbeat (its heartbeat is refused
+#: once the newer try runs), and fencing never depends on it. At 10 s these reads were a third
+#: of a 20-second run's store calls at 32 durable agents, every one a round trip through the
+#: API server the fleet's heartbeats share.
+OWNER_CHECK_S = 30.0
 #: Every this many ownership checks also look whether the record was deleted: a second read,
 #: which at every check doubled what a long run adds to the store between its steps.
 DELETION_CHECK_EVERY = 3
