@@ -83,13 +83,18 @@ class StoreWriter(Generic[Item]):
         """Queue ``item``; returns its ticket for [`wait`][]. Raises a previous call's error."""
         with self._cond:
             self._raise_once()
-            if not self._queue:
+            first = not self._queue
+            if first:
                 self._oldest = time.monotonic()
             self._queue.append(item)
             self._added += 1
             ticket = self._added
             if self._running:
-                self._cond.notify_all()  # a lingering thread takes it
+                # Only a thread waiting for an item needs waking: one waiting for the window
+                # waits for the head's age, which a later item does not change (waking it at
+                # every step would hand it the GIL for nothing).
+                if first:
+                    self._cond.notify_all()
             else:
                 self._running = True
                 name = "cancellable-agents-journal-write"
