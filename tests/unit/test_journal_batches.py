@@ -218,6 +218,31 @@ def test_the_window_closes_on_its_own() -> None:
     assert stored == [[0, 1]] and writer.unconfirmed == 0
 
 
+def test_an_item_that_comes_slower_than_half_the_window_waits_for_none() -> None:
+    """Steps that take seconds are stored as they complete: at that pace no later item would
+    share the call, so waiting would only lengthen what a SIGKILL repeats. Items that then come
+    fast wait for the window again."""
+    now = [0.0]
+    landed = threading.Event()
+    stored: list[list[int]] = []
+
+    def store(batch: list[int]) -> None:
+        stored.append(batch)
+        landed.set()
+
+    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=10, batch_window_s=60, clock=lambda: now[0])
+    now[0] = 30.0  # half the window after the writer was made: the first step took that long
+    writer.add(0)
+    assert landed.wait(WAIT_S), "an item that came slowly waited for the window"
+    writer.wait()
+    now[0] = 31.0
+    writer.add(1)
+    writer.add(2)
+    assert stored == [[0]], "an item that came fast went out without its window"
+    writer.wait()
+    assert stored == [[0], [1, 2]]
+
+
 def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> None:
     stored: list[list[int]] = []
     writer: StoreWriter[int] = StoreWriter(stored.append, max_unconfirmed=3, batch_window_s=WAIT_S * 10)

@@ -47,10 +47,11 @@ OWNER_CHECK_S = 30.0
 DELETION_CHECK_EVERY = 3
 #: How many entries may be appended but not yet stored before the run waits for the store. A
 #: SIGKILL loses at most these (each a completed step or a parallel call's result): the next try
-#: repeats at most this many completed steps. Eight steps of a few hundred milliseconds ride out
-#: a store stall of seconds (p95 3 s at 32 durable agents on one API server) without the run
-#: waiting, and eight model requests are what a SIGKILL may cost on top of the one in flight.
-MAX_UNCONFIRMED = 8
+#: repeats at most this many completed steps, and only those of the last batch window (steps
+#: slower than half a window are stored as they complete). Sixteen steps of a few hundred
+#: milliseconds fill a 6 s window, one call for all of them, and ride out a store stall of
+#: seconds (p95 3 s at 32 durable agents on one API server) without the run waiting.
+MAX_UNCONFIRMED = 16
 
 
 @dataclass(frozen=True)

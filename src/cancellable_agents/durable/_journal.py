@@ -110,7 +110,8 @@ class Journal:
         (``0``: it goes out as soon as no call is in flight). Where every call is a round trip
         through a shared server (Airflow's API server), fewer calls leave it to the fleet's
         heartbeats; a SIGKILL in the window repeats its steps, still at most
-        ``max_unconfirmed``. An unwind, the run's end, ``write_ahead`` and a full
+        ``max_unconfirmed``. An entry that came more than half a window after the one before
+        waits for none; an unwind, the run's end, ``write_ahead`` and a full
         ``max_unconfirmed`` store what waits at once.
     :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
         the task took over, and cancels itself if so (``0``: before every append). Fencing does

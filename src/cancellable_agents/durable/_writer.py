@@ -9,7 +9,8 @@ are not yet stored (a SIGKILL then costs at most that many completed steps, repe
 try), and however many entries queued during one call, the next call stores them all: the
 store's latency no longer multiplies with the number of steps, and the API server sees fewer
 calls. Fewer still with a batch window: an entry waits up to ``batch_window_s`` for later ones
-to share its call (the fleet's heartbeats share the API server), unless the run waits for it.
+to share its call (the fleet's heartbeats share the API server), unless the run waits for it or
+it came slower than half a window after the one before (then none would come to share it).
 Entries land in order (one call at a time), and a store error reaches the appender at its next
 append. Airflow's comms channel may be called from any thread (its own lock orders the
 calls).
@@ -35,7 +36,10 @@ class StoreWriter(Generic[Item]):
 
     A batch goes out once its first item has waited ``batch_window_s`` (``0``: as soon as no call
     is in flight), or at once when the run waits for it ([`wait`][], or [`wait_for_room`][] with
-    ``max_unconfirmed`` items unconfirmed).
+    ``max_unconfirmed`` items unconfirmed). An item that came at least half a window after the
+    one before it (or after the writer was made) waits for no company: at that pace hardly any
+    would come, and waiting would only lengthen what a SIGKILL repeats. So the window batches
+    fast steps, and a run whose steps take seconds has each stored as it completes.
 
     Used from one thread (the run's): [`add`][], [`wait`][] and [`wait_for_room`][] are not for
     concurrent callers. The thread lives while there is something to store, and ``linger_s``
@@ -53,6 +57,7 @@ class StoreWriter(Generic[Item]):
         max_unconfirmed: int,
         batch_window_s: float = 0.0,
         linger_s: float = LINGER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_unconfirmed < 1:
             raise ValueError(f"max_unconfirmed must be at least 1, not {max_unconfirmed}")
@@ -62,10 +67,12 @@ class StoreWriter(Generic[Item]):
         self._max_unconfirmed = max_unconfirmed
         self._window_s = batch_window_s
         self._linger_s = linger_s
+        self._clock = clock
         self._cond = threading.Condition()
         # Under the condition's lock (both threads):
         self._queue: list[Item] = []
-        self._oldest = 0.0  # when the queue's head was added (``time.monotonic``)
+        self._due = 0.0  # when the queue's head goes out at the latest (``clock``)
+        self._last_added = clock()  # when the latest item was added (or the writer made)
         self._urgent = False  # the run waits for the queue: store it now, not at the window's end
         self._added = 0  # items ever added
         self._done = 0  # items stored, or dropped after an error
@@ -83,16 +90,19 @@ class StoreWriter(Generic[Item]):
         """Queue ``item``; returns its ticket for [`wait`][]. Raises a previous call's error."""
         with self._cond:
             self._raise_once()
+            now = self._clock()
             first = not self._queue
             if first:
-                self._oldest = time.monotonic()
+                paced = now - self._last_added < self._window_s / 2
+                self._due = now + self._window_s if paced else now
+            self._last_added = now
             self._queue.append(item)
             self._added += 1
             ticket = self._added
             if self._running:
                 # Only a thread waiting for an item needs waking: one waiting for the window
-                # waits for the head's age, which a later item does not change (waking it at
-                # every step would hand it the GIL for nothing).
+                # waits for the head's due time, which a later item does not change (waking it
+                # at every step would hand it the GIL for nothing).
                 if first:
                     self._cond.notify_all()
             else:
@@ -128,8 +138,8 @@ class StoreWriter(Generic[Item]):
             self._cond.notify_all()
 
     def _window_left(self) -> float:
-        """(Under the lock.) Seconds until the queue's head has waited ``batch_window_s``."""
-        return max(0.0, self._oldest + self._window_s - time.monotonic())
+        """(Under the lock.) Seconds until the queue's head is due (its window closes)."""
+        return max(0.0, self._due - self._clock())
 
     def _window_closed(self) -> bool:
         """(Under the lock.) Store the queue now: the run waits for it, or its head waited long

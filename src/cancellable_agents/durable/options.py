@@ -34,9 +34,11 @@ class DurableOptions:
         durable_write_ahead`` (``False``).
     :param batch_window: seconds a completed step's entry may wait for later steps to share its
         store call: at fleet scale every call is a round trip through Airflow's API server, which
-        the fleet's heartbeats share. Only a SIGKILL in the window repeats its steps (never more
-        than 8); an unwind, the run's end and ``write_ahead`` store what waits at once. ``0``: as
-        soon as no call is in flight. ``None``: ``[cancellable_agents] durable_batch_window`` (3 s).
+        the fleet's heartbeats share. A step that took more than half the window is stored as it
+        completes (no later one would share the call). Only a SIGKILL in the window repeats its
+        steps (never more than 16); an unwind, the run's end and ``write_ahead`` store what waits
+        at once. ``0``: as soon as no call is in flight. ``None``: ``[cancellable_agents]
+        durable_batch_window`` (6 s).
     """
 
     path: Any = None
