@@ -7,7 +7,9 @@ round trip, stalled, without a clock."""
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,7 @@ from cancellable_agents.core.causes import CancelCause, CauseVerdict
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.durable import MemoryStore
 from cancellable_agents.durable._record_format import chain, segment_key
-from cancellable_agents.durable._writer import StoreWriter
+from cancellable_agents.durable._writer import FIRST_WINDOW_MIN, StoreWriter
 from tests.unit.durable_runs import RECORD, STEPS, Task, cancel_on, entries, killed_at
 
 #: Every wait for the run's thread or the writer's is bounded by this.
@@ -241,6 +243,39 @@ def test_an_item_that_comes_slower_than_half_the_window_waits_for_none() -> None
     assert stored == [[0]], "an item that came fast went out without its window"
     writer.wait()
     assert stored == [[0], [1, 2]]
+
+
+def test_the_first_window_is_shorter_by_a_random_share_and_later_ones_are_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tasks that start together step alike: with equal windows they would store together,
+    window after window. A writer's first window is drawn from [FIRST_WINDOW_MIN, 1] of it, so
+    that their calls stay apart; later windows are whole."""
+    draws: list[tuple[float, float]] = []
+
+    def uniform(low: float, high: float) -> float:
+        draws.append((low, high))
+        return 0.2
+
+    monkeypatch.setattr(random, "uniform", uniform)
+    landed = threading.Event()
+    stored: list[list[int]] = []
+
+    def store(batch: list[int]) -> None:
+        stored.append(batch)
+        landed.set()
+
+    started = time.monotonic()
+    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=10, batch_window_s=10)
+    writer.add(0)
+    assert landed.wait(WAIT_S) and stored == [[0]]
+    assert time.monotonic() - started < 9, "the first window was whole"
+    assert draws == [(FIRST_WINDOW_MIN, 1.0)]
+    writer.wait()
+    writer.add(1)
+    assert stored == [[0]], "a later window was cut short"
+    writer.wait()
+    assert stored == [[0], [1]]
 
 
 def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> None:

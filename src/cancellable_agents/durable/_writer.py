@@ -18,6 +18,7 @@ calls).
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,12 @@ Item = TypeVar("Item")
 #: Starting a thread waits until the OS first runs it: at 32 agents on two cores that wait fell
 #: on the run's thread at every batch. Steps that come sooner reuse the thread.
 LINGER_S = 10.0
+#: A writer's first window is a fraction of ``batch_window_s`` drawn from [this, 1]. Tasks that
+#: start together (a mapped task's instances, a fleet's retries after an eviction storm) step
+#: alike, so with equal windows they stored together, window after window: bursts of a dozen
+#: store calls within half a second at 32 agents, which Airflow's heartbeats queued behind.
+#: Spread over half a window at the start, they stay apart.
+FIRST_WINDOW_MIN = 0.5
 
 
 class StoreWriter(Generic[Item]):
@@ -39,7 +46,10 @@ class StoreWriter(Generic[Item]):
     ``max_unconfirmed`` items unconfirmed). An item that came at least half a window after the
     one before it (or after the writer was made) waits for no company: at that pace hardly any
     would come, and waiting would only lengthen what a SIGKILL repeats. So the window batches
-    fast steps, and a run whose steps take seconds has each stored as it completes.
+    fast steps, and a run whose steps take seconds has each stored as it completes. The first
+    window is shorter by a random share (``first_window``: its fraction of ``batch_window_s``;
+    ``None``: drawn between ``FIRST_WINDOW_MIN`` and 1), so that writers started together stay
+    apart.
 
     Used from one thread (the run's): [`add`][], [`wait`][] and [`wait_for_room`][] are not for
     concurrent callers. The thread lives while there is something to store, and ``linger_s``
@@ -58,6 +68,7 @@ class StoreWriter(Generic[Item]):
         batch_window_s: float = 0.0,
         linger_s: float = LINGER_S,
         clock: Callable[[], float] = time.monotonic,
+        first_window: float | None = None,
     ) -> None:
         if max_unconfirmed < 1:
             raise ValueError(f"max_unconfirmed must be at least 1, not {max_unconfirmed}")
@@ -68,6 +79,9 @@ class StoreWriter(Generic[Item]):
         self._window_s = batch_window_s
         self._linger_s = linger_s
         self._clock = clock
+        # The run's thread only: what the next window lasts (its first drawn, see FIRST_WINDOW_MIN).
+        fraction = random.uniform(FIRST_WINDOW_MIN, 1.0) if first_window is None else first_window
+        self._next_window_s = batch_window_s * fraction
         self._cond = threading.Condition()
         # Under the condition's lock (both threads):
         self._queue: list[Item] = []
@@ -94,7 +108,9 @@ class StoreWriter(Generic[Item]):
             first = not self._queue
             if first:
                 paced = now - self._last_added < self._window_s / 2
-                self._due = now + self._window_s if paced else now
+                self._due = now + self._next_window_s if paced else now
+                if paced:
+                    self._next_window_s = self._window_s
             self._last_added = now
             self._queue.append(item)
             self._added += 1
