@@ -17,7 +17,12 @@ from pydantic_ai.toolsets import FunctionToolset
 from cancellable_agents.core.causes import CancelCause
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
-from cancellable_agents.run._tracker import current_run_tracker
+from cancellable_agents.run._tracker import (
+    RunTracker,
+    ToolThreadExecutor,
+    current_run_tracker,
+    report_stragglers,
+)
 from cancellable_agents.run.runner import run_agent_in_scope
 from tests.unit.scopes import cancel_when
 
@@ -252,6 +257,29 @@ def test_sync_tool_threads_are_reused_within_a_run_and_gone_after_it() -> None:
     assert len(set(threads)) == 1, "one thread serves the run's sequential sync calls"
     assert threads[0].daemon, "a tool thread can never keep the task process alive"
     assert not threads[0].is_alive(), "the run's tool threads end with the run"
+
+
+def test_a_cancelled_runs_tool_threads_are_stopped_at_its_end_and_joined_after_it_unwound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scope = TaskCancellation()
+    tracker = RunTracker(scope)
+    executor = ToolThreadExecutor(tracker)
+    assert executor.submit(lambda: "done").result(5) == "done"
+    joined: list[str] = []
+    join = threading.Thread.join
+
+    def recorded_join(thread: threading.Thread, timeout: float | None = None) -> None:
+        joined.append(thread.name)
+        join(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", recorded_join)
+    scope.cancel(CancelCause.EVICTION)
+    executor.close()
+    assert [n for n in joined if n.startswith("tool-")] == [], "the unwind waits for no thread"
+    report_stragglers(scope, tracker)
+    assert [n for n in joined if n.startswith("tool-")] == ["tool-sync tool"]
+    assert tracker.live_threads() == [] and scope.stragglers == []
 
 
 def test_result_that_arrives_after_the_cancel_is_discarded() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 import pytest
@@ -88,6 +89,26 @@ def test_in_flight_resources_are_released_concurrently() -> None:
         scope.register(gate.wait, name=f"cmd{n}")
     scope.cancel(CancelCause.USER)
     assert scope.wait_released(5)
+    assert not [e for e in scope.timeline if e.event == "release_failed"]
+
+
+def test_an_inline_resource_is_released_on_the_unwinding_thread_beside_the_others() -> None:
+    scope = TaskCancellation("task")
+    gate = threading.Barrier(2, timeout=2)
+    released_on: dict[str, str] = {}
+
+    def cleanup(name: str) -> Callable[[], None]:
+        def release() -> None:
+            released_on[name] = threading.current_thread().name
+            gate.wait()  # returns only while the other one is being released too
+
+        return release
+
+    scope.register(cleanup("own"), name="own")
+    scope.register(cleanup("inline"), name="inline", inline=True)
+    scope.cancel(CancelCause.USER)
+    assert scope.wait_released(5)
+    assert released_on == {"own": "release-own", "inline": "cancellable-agents-unwind-task"}
     assert not [e for e in scope.timeline if e.event == "release_failed"]
 
 

@@ -314,17 +314,20 @@ class TaskCancellation:
         *,
         name: str,
         phase: Phase = Phase.IN_FLIGHT,
+        inline: bool = False,
     ) -> ResourceHandle:
         """Release ``cleanup`` (sync or async callable) when this scope is cancelled.
 
         Async callables registered from a running event loop are run on that loop; others run
         on a helper thread. Registering after the scope was cancelled releases at once.
+        ``inline``: the cleanup returns within the scope's budget by itself (it never waits on
+        anything that may hang), so the unwind runs it without a thread of its own.
         """
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        resource = Resource(name, cleanup, phase, loop)
+        resource = Resource(name, cleanup, phase, loop, inline)
         with self._lock:
             self._resources.append(resource)
             late = self._cancelled.is_set() and self._claim([resource])

@@ -111,7 +111,7 @@ class DescendantReaper:
         reaper = cls(baseline)
         reaper.subreaper = subreaper
         reaper._handle = scope.register(
-            lambda: reaper.reap(scope), name="descendant reaper", phase=Phase.TEARDOWN
+            lambda: reaper.reap(scope), name="descendant reaper", phase=Phase.TEARDOWN, inline=True
         )
         reaper._thread = threading.Thread(target=reaper._poll, name="cancellable-agents-reaper", daemon=True)
         reaper._thread.start()

@@ -180,6 +180,12 @@ class RunTracker:
         with self.lock:
             return [t for t in self.tool_threads if not t.future.done()]
 
+    def live_threads(self) -> list[threading.Thread]:
+        """The run's sync tool threads still alive, each once (a thread serves several calls)."""
+        with self.lock:
+            threads = {id(t.thread): t.thread for t in self.tool_threads}
+        return [t for t in threads.values() if t.is_alive()]
+
 
 #: Longest a signal handler waits for the main thread while a run is active (see ``poll_signals``).
 SIGNAL_POLL_INTERVAL = 0.05
@@ -234,7 +240,8 @@ class ToolThreadExecutor(concurrent.futures.Executor):
         """The run ended: its threads exit, and those whose call returned are joined (briefly).
 
         A thread still in its call (a straggler) exits once the call returns; it is left to
-        [`report_stragglers`][].
+        [`report_stragglers`][]. So is the join of a cancelled run's threads: its unwind waits
+        for no thread, since on a machine whose every core is busy each one is a wait for a CPU.
         """
         with self._tracker.lock:
             self._closed = True
@@ -242,6 +249,8 @@ class ToolThreadExecutor(concurrent.futures.Executor):
             workers = list(self._workers)
         for worker in idle:
             worker.stop()
+        if self._tracker.scope.cancelled:
+            return
         deadline = time.monotonic() + _WORKER_EXIT_TIMEOUT
         for worker in workers:
             if worker.current is None or worker.current.done():
@@ -375,13 +384,15 @@ STRAGGLER_GRACE = 1.0
 def report_stragglers(scope: TaskCancellation, tracker: RunTracker) -> None:
     """Give sync tools a moment to notice the cancel, then name the ones that did not.
 
-    A straggler is left behind on its daemon thread: it cannot keep the task from ending.
+    A straggler is left behind on its daemon thread: it cannot keep the task from ending. The
+    threads whose call had returned are joined here too, after the run unwound (see
+    [`ToolThreadExecutor.close`][]); they exit at once.
     """
-    running = tracker.running_threads()
-    if not running or not scope.cancelled:
+    if not scope.cancelled:
         return
-    for item in running:
-        item.thread.join(min(scope.remaining(), STRAGGLER_GRACE))
+    running = tracker.running_threads()
+    for thread in tracker.live_threads():
+        thread.join(min(scope.remaining(), STRAGGLER_GRACE))
     for item in running:
         if item.thread.is_alive():
             scope.note_straggler(f"sync tool {item.tool!r}", item.thread)

@@ -80,7 +80,9 @@ class _ScopedRun:
             blocking_requests.watch_botocore()
         tracker = tracker if tracker is not None else RunTracker(scope)
         tracker.identity = run_identity(identity)
-        handle = scope.register(tracker.cancel_tool_tasks, name="in-flight tools", phase=Phase.IN_FLIGHT)
+        handle = scope.register(
+            tracker.cancel_tool_tasks, name="in-flight tools", phase=Phase.IN_FLIGHT, inline=True
+        )
         capabilities = [CancellationCapability(tracker), *(run_kwargs.pop("capabilities", None) or [])]
         scope.record("run_started")
         kwargs = {"cancellation_token": scope.token, "capabilities": capabilities, **run_kwargs}
@@ -402,13 +404,13 @@ async def run_agent_in_scope_async(
             result = await agent.run(user_prompt, **run.kwargs)
     except BaseException as exc:
         cancelled = run.end(exc, wound_down=winding.report() is not None)
-        await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.running_threads()))
+        await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.live_threads()))
         if cancelled and not isinstance(exc, asyncio.CancelledError):
             raise await _off_loop(run.error, exc, needed=scope.cause is None) from exc
         raise
     winding.settle(result)
     if run.end(None):
-        await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.running_threads()))
+        await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.live_threads()))
         raise await _off_loop(run.error, None, result, needed=scope.cause is None)
     return result
 
