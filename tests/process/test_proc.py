@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +45,49 @@ def test_reap_zombie_collects_exactly_that_exited_child(
             if proc.poll() is None:  # not reaped above: the test failed early
                 proc.kill()
                 proc.wait(10)
+
+
+#: A child that starts a thread, runs ``what`` (Python source), starts another, and prints the nice
+#: value of each of its threads.
+_NICE_CHILD = """
+import json, os, sys, threading
+from cancellable_agents.core.causes import CancelCause
+from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.procs._proc import lower_priority
+from cancellable_agents.airflow.kill_record._task_log import yield_cpu_if_evicted
+hold = threading.Event()
+before = threading.Thread(target=hold.wait, args=(30,)); before.start()
+{what}
+after = threading.Thread(target=hold.wait, args=(30,)); after.start()
+print(json.dumps(sorted(os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task"))))
+hold.set()
+"""
+
+
+def _nice_of_threads(what: str) -> set[int]:
+    """The nice values of the child's threads (the one it inherits from us, unless lowered)."""
+    code = _NICE_CHILD.format(what=what)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    return set(json.loads(done.stdout))
+
+
+#: This process's nice value, which a child starts with.
+OURS = os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_lower_priority_lowers_every_thread_and_never_raises_it_back() -> None:
+    assert _nice_of_threads("lower_priority(10)") == {max(OURS, 10)}
+    assert _nice_of_threads("lower_priority(12); lower_priority(5)") == {max(OURS, 12)}
+
+
+@pytest.mark.parametrize(("cause", "nice"), [("EVICTION", max(OURS, 10)), ("USER", OURS), ("TIMEOUT", OURS)])
+def test_only_an_evicted_task_yields_the_cpu_once_unwound(cause: str, nice: int) -> None:
+    """A worker shutdown stops all its tasks at once: those done yield to those still unwinding.
+    A user's stop leaves the task beside others that keep running: it keeps its share."""
+    what = (
+        f"scope = TaskCancellation(); scope.cancel(CancelCause.{cause}); scope.wait_released(5); "
+        "yield_cpu_if_evicted(scope)"
+    )
+    assert _nice_of_threads(what) == {nice}

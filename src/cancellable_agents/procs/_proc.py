@@ -7,6 +7,7 @@ Airflow-free.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -329,6 +330,19 @@ def _wait_nohang(pid: int, pidfd: int | None) -> int | None:
     if reaped == 0:
         return None
     return os.waitstatus_to_exitcode(status)
+
+
+def lower_priority(niceness: int) -> None:
+    """Lower every thread of this process to at least ``niceness`` (Linux's per-thread nice;
+    threads started later inherit it from the one that starts them). An unprivileged process
+    may always lower its own priority and never raise it again, so this is for a process whose
+    remaining work may wait. Nothing off Linux; a thread that ended meanwhile is skipped."""
+    if not IS_LINUX:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError, ValueError):
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) < niceness:
+                os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
 
 
 def become_subreaper() -> bool:
