@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -35,6 +35,7 @@ from cancellable_agents.toolsets.sandbox import (
     attach_sandbox,
 )
 from tests.process.helper_backend import HelperSandbox
+from tests.process.trees import eventually
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 
@@ -49,13 +50,8 @@ def sleepers(marker: str) -> list[int]:
     return found
 
 
-def eventually(predicate: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.01)
-    return value
+#: How long a sandboxed command may take to start on a busy machine.
+START_S = 10.0
 
 
 @pytest.fixture
@@ -93,7 +89,7 @@ def test_a_call_pending_when_the_helper_exits_fails_at_once(marker: str) -> None
 
         waiter = threading.Thread(target=wait, daemon=True)
         waiter.start()
-        eventually(lambda: sleepers(marker) and backend.pending == 1)
+        eventually(lambda: sleepers(marker) and backend.pending == 1, timeout=START_S)
         backend.helper.kill()  # the helper dies without answering the wait it was sent
         waiter.join(10)
         assert outcome and isinstance(outcome[0], SandboxClosed), outcome
@@ -106,7 +102,7 @@ def test_a_kill_stops_an_attached_backends_commands_and_destroys_it(marker: str)
     backend = HelperSandbox()
     attachment = attach_sandbox(backend, scope, name="helper")
     command_id = attachment.start(f"sleep {marker}")
-    eventually(lambda: sleepers(marker))
+    eventually(lambda: sleepers(marker), timeout=START_S)
     scope.cancel(CancelCause.USER)
     assert scope.wait_released(5)
     assert sleepers(marker) == []
@@ -136,7 +132,7 @@ def test_a_kill_during_start_stops_the_command_start_was_starting(marker: str) -
 
     starter = threading.Thread(target=start)
     starter.start()
-    eventually(lambda: sleepers(marker))  # running, and start() has not returned
+    eventually(lambda: sleepers(marker), timeout=START_S)  # running, and start() has not returned
     assert not outcome
     cancelled_at = time.monotonic()
     scope.cancel(CancelCause.USER)
@@ -169,7 +165,7 @@ def test_a_stop_begun_by_the_tool_is_recorded_before_the_scope_is_released(marke
     backend = SlowStopSandbox()
     attachment = attach_sandbox(backend, scope, name="helper")
     command_id = attachment.start(f"sleep {marker}")
-    eventually(lambda: sleepers(marker))
+    eventually(lambda: sleepers(marker), timeout=START_S)
     stopper = threading.Thread(target=attachment.stop, args=(command_id,))
     stopper.start()
     assert backend.stop_entered.wait(5)
@@ -202,7 +198,7 @@ def test_sandbox_toolset_takes_any_backend_and_a_kill_stops_its_command(marker: 
 
     runner = threading.Thread(target=run)
     runner.start()
-    eventually(lambda: sleepers(marker))
+    eventually(lambda: sleepers(marker), timeout=START_S)
     scope.cancel(CancelCause.USER)
     assert scope.wait_released(5)
     runner.join(10)
@@ -343,7 +339,7 @@ def test_each_declared_capability_has_its_one_effect_on_a_kill(
     backend = DeclaringSandbox(SandboxCapabilities(records_kills, stops_all_at_once))
     attachment = attach_sandbox(backend, scope, name="helper")
     command_id = attachment.start(f"sleep {marker}")
-    eventually(lambda: sleepers(marker))
+    eventually(lambda: sleepers(marker), timeout=START_S)
     scope.cancel(CancelCause.USER)
     assert scope.wait_released(5)
     assert sleepers(marker) == []

@@ -334,9 +334,9 @@ def _wait_nohang(pid: int, pidfd: int | None) -> int | None:
 
 def lower_priority(niceness: int) -> None:
     """Lower every thread of this process to at least ``niceness`` (Linux's per-thread nice;
-    threads started later inherit it from the one that starts them). An unprivileged process
-    may always lower its own priority and never raise it again, so this is for a process whose
-    remaining work may wait. Nothing off Linux; a thread that ended meanwhile is skipped."""
+    threads started later inherit it from the one that starts them). A process may always lower
+    its own priority but, unprivileged, not raise it back: this is for a process whose remaining
+    work may wait. Nothing off Linux; a thread that ended meanwhile is skipped."""
     if not IS_LINUX:
         return
     for tid in os.listdir("/proc/self/task"):
