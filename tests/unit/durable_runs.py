@@ -215,9 +215,10 @@ def operator_agent(
 
 @dataclass
 class TI:
-    """The task instance facts the journal reads from the context (as the Task SDK's ti has them)."""
+    """The task instance facts the operators read from the context (as the Task SDK's ti has them)."""
 
-    try_number: int
+    try_number: int = 1
+    id: str = "0192f0e0-0000-7000-8000-000000000001"
     dag_id: str = "d"
     run_id: str = "manual__1"
     task_id: str = "agent"

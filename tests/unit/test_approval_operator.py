@@ -31,20 +31,9 @@ from cancellable_agents.airflow._adapter import has_task_awaiting_input
 from cancellable_agents.airflow._approval import LATER_PAUSES_NOTE, RESUME_METHOD, decisions_from_event
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.durable._pauses import ApprovalRequest, PendingCall
+from tests.unit.durable_runs import TI
 
 needs_3_3 = pytest.mark.skipif(not has_task_awaiting_input(), reason="TaskAwaitingInput is Airflow 3.3+")
-
-
-@dataclass
-class TI:
-    """What the operator reads from the context's task instance (as the Task SDK's has it)."""
-
-    try_number: int = 1
-    id: str = "0192f0e0-0000-7000-8000-000000000001"
-    dag_id: str = "d"
-    run_id: str = "manual__1"
-    task_id: str = "agent"
-    map_index: int = -1
 
 
 @dataclass

@@ -35,18 +35,9 @@ from cancellable_agents.airflow.deferral import RESUME_METHOD, answers_from_even
 from cancellable_agents.airflow.triggers import DeferredCallsTrigger
 from cancellable_agents.core.exceptions import ConfigurationError
 from cancellable_agents.testing import jobs as deferred_jobs
+from tests.unit.durable_runs import TI
 
 needs_3_3 = pytest.mark.skipif(not has_trigger_on_kill(), reason="a trigger's on_kill is Airflow 3.3+")
-
-
-@dataclass
-class TI:
-    try_number: int = 1
-    id: str = "0192f0e0-0000-7000-8000-000000000001"
-    dag_id: str = "d"
-    run_id: str = "manual__1"
-    task_id: str = "agent"
-    map_index: int = -1
 
 
 @dataclass

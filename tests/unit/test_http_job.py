@@ -28,7 +28,8 @@ from cancellable_agents import AgentOperator, DurableOptions, defer_to
 from cancellable_agents.airflow.deferral import RESUME_METHOD
 from cancellable_agents.airflow.http_job import HttpJobFailed, HttpJobTrigger
 from cancellable_agents.airflow.triggers import import_callable
-from tests.unit.test_deferral import TI, _fire, needs_3_3
+from tests.unit.durable_runs import TI
+from tests.unit.test_deferral import _fire, needs_3_3
 
 
 class JobService:

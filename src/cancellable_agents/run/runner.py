@@ -404,15 +404,20 @@ async def run_agent_in_scope_async(
             result = await agent.run(user_prompt, **run.kwargs)
     except BaseException as exc:
         cancelled = run.end(exc, wound_down=winding.report() is not None)
-        await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.live_threads()))
+        await _off_loop(report_stragglers, scope, run.tracker, needed=_may_join_threads(scope, run))
         if cancelled and not isinstance(exc, asyncio.CancelledError):
             raise await _off_loop(run.error, exc, needed=scope.cause is None) from exc
         raise
     winding.settle(result)
     if run.end(None):
-        await _off_loop(report_stragglers, scope, run.tracker, needed=bool(run.tracker.live_threads()))
+        await _off_loop(report_stragglers, scope, run.tracker, needed=_may_join_threads(scope, run))
         raise await _off_loop(run.error, None, result, needed=scope.cause is None)
     return result
+
+
+def _may_join_threads(scope: TaskCancellation, run: _ScopedRun) -> bool:
+    """Whether `report_stragglers` may block: only a cancelled run's live tool threads wait."""
+    return scope.cancelled and bool(run.tracker.live_threads())
 
 
 async def _off_loop(fn: Callable[..., Any], *args: Any, needed: bool) -> Any:
