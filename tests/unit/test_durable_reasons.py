@@ -157,6 +157,21 @@ def test_the_ownership_check_reads_once_and_looks_for_a_deletion_every_third_tim
     assert appender.off_reason is RecordingOff.DELETED, "a deleted record went unnoticed"
 
 
+def test_the_batch_that_ends_the_run_is_stored_without_an_ownership_look() -> None:
+    """The look only stops a stale try's remaining work: due as the run ends, it would stop
+    nothing, and a fleet's runs paid two reads for it just before their end."""
+    store = Counting()
+    now = [0.0]
+    appender = Appender(store, RECORD, 1, clock=lambda: now[0], owner_check_s=10, batch_window_s=60)
+    appender.take_over("fp", None, [], None)
+    now[0] += 10  # the look is due
+    appender.append({"kind": "step"}, land=False, owned=True)  # waits for the window's company
+    appender.append({"kind": "end", "state": "completed"})  # lands: one call for both
+    assert store.calls == {"get": 0, "set": 1, "delete": 0}
+    appender.append({"kind": "step"}, owned=True)  # a run that goes on still looks
+    assert store.calls["get"] == 2  # the first look also sees whether the record is still there
+
+
 @dataclass
 class SlowWrites(MemoryStore):
     """Each entry write takes ``latency`` seconds (a store across a network), and is counted."""
