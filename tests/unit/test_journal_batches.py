@@ -280,6 +280,37 @@ def test_the_first_window_is_shorter_by_a_random_share_and_later_ones_are_whole(
     assert stored == [[0], [1]]
 
 
+def test_the_first_window_after_a_pause_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writers that waited out the same stall (or the same slow step) resume together: with whole
+    windows from there on they would store together again, so the window after a pause is drawn
+    as the first one is (here: a share of 0, so the item goes out at once)."""
+    monkeypatch.setattr(random, "uniform", lambda low, high: 0.0)
+    now = [0.0]
+    landed = threading.Event()
+    stored: list[list[int]] = []
+
+    def store(batch: list[int]) -> None:
+        stored.append(batch)
+        landed.set()
+
+    writer: StoreWriter[int] = StoreWriter(
+        store, max_unconfirmed=10, batch_window_s=60, clock=lambda: now[0], first_window=1.0
+    )
+    now[0] = 1.0
+    writer.add(0)
+    writer.wait()
+    landed.clear()
+    now[0] = 50.0  # a pause: stored as it comes, and the next window is drawn
+    writer.add(1)
+    assert landed.wait(WAIT_S)
+    writer.wait()
+    landed.clear()
+    now[0] = 51.0
+    writer.add(2)
+    assert landed.wait(WAIT_S), "the window after a pause was whole"
+    assert stored == [[0], [1], [2]]
+
+
 def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> None:
     stored: list[list[int]] = []
     writer: StoreWriter[int] = StoreWriter(stored.append, max_unconfirmed=3, batch_window_s=WAIT_S * 10)

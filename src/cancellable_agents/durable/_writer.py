@@ -30,12 +30,14 @@ Item = TypeVar("Item")
 #: Starting a thread waits until the OS first runs it: at 32 agents on two cores that wait fell
 #: on the run's thread at every batch. Steps that come sooner reuse the thread.
 LINGER_S = 10.0
-#: A writer's first window is a fraction of ``batch_window_s`` drawn from [this, 1]. Tasks that
-#: start together (a mapped task's instances, a fleet's retries after an eviction storm) step
-#: alike, so with equal windows they stored together, window after window: bursts of a dozen
-#: store calls within half a second at 32 agents, which Airflow's heartbeats queued behind.
-#: Spread over half a window at the start, they stay apart.
-FIRST_WINDOW_MIN = 0.5
+#: The first window of a writer, and the first after a pause (an item that waited for no
+#: company), is a fraction of ``batch_window_s`` drawn from [this, 1]. Tasks that start together
+#: (a mapped task's instances, a fleet's retries after an eviction storm) or resume together
+#: (after a stall they all waited out) step alike, so with equal windows they stored together,
+#: window after window: bursts of a dozen store calls within half a second at 32 agents, which
+#: Airflow's heartbeats queued behind. Drawn over half a window (0.5), and only at the start,
+#: the calls still came in waves. A short draw costs one call at most.
+FIRST_WINDOW_MIN = 0.0
 
 
 class StoreWriter(Generic[Item]):
@@ -47,9 +49,9 @@ class StoreWriter(Generic[Item]):
     one before it (or after the writer was made) waits for no company: at that pace hardly any
     would come, and waiting would only lengthen what a SIGKILL repeats. So the window batches
     fast steps, and a run whose steps take seconds has each stored as it completes. The first
-    window is shorter by a random share (``first_window``: its fraction of ``batch_window_s``;
-    ``None``: drawn between ``FIRST_WINDOW_MIN`` and 1), so that writers started together stay
-    apart.
+    window, and the first after such a pause, is shorter by a random share (``first_window``: the
+    first one's fraction of ``batch_window_s``; ``None``: drawn between ``FIRST_WINDOW_MIN`` and
+    1, as the others are), so that writers started or resumed together stay apart.
 
     Used from one thread (the run's): [`add`][], [`wait`][] and [`wait_for_room`][] are not for
     concurrent callers. The thread lives while there is something to store, and ``linger_s``
@@ -79,9 +81,8 @@ class StoreWriter(Generic[Item]):
         self._window_s = batch_window_s
         self._linger_s = linger_s
         self._clock = clock
-        # The run's thread only: what the next window lasts (its first drawn, see FIRST_WINDOW_MIN).
-        fraction = random.uniform(FIRST_WINDOW_MIN, 1.0) if first_window is None else first_window
-        self._next_window_s = batch_window_s * fraction
+        # The run's thread only: what the next window lasts (drawn after a pause, see FIRST_WINDOW_MIN).
+        self._next_window_s = self._drawn_window() if first_window is None else batch_window_s * first_window
         self._cond = threading.Condition()
         # Under the condition's lock (both threads):
         self._queue: list[Item] = []
@@ -109,8 +110,7 @@ class StoreWriter(Generic[Item]):
             if first:
                 paced = now - self._last_added < self._window_s / 2
                 self._due = now + self._next_window_s if paced else now
-                if paced:
-                    self._next_window_s = self._window_s
+                self._next_window_s = self._window_s if paced else self._drawn_window()
             self._last_added = now
             self._queue.append(item)
             self._added += 1
@@ -126,6 +126,10 @@ class StoreWriter(Generic[Item]):
                 name = "cancellable-agents-journal-write"
                 threading.Thread(target=self._run, name=name, daemon=True).start()
             return ticket
+
+    def _drawn_window(self) -> float:
+        """A window shorter by a random share, to start a rhythm apart from other writers'."""
+        return self._window_s * random.uniform(FIRST_WINDOW_MIN, 1.0)
 
     def wait(self, ticket: int | None = None) -> None:
         """Until every item up to ``ticket`` (default: all added) is stored; raises what a store
