@@ -27,6 +27,20 @@ WAIT_S = 30.0
 
 
 @dataclass
+class Landings:
+    """A writer's ``store``: keeps each batch and when it came, and signals each call."""
+
+    stored: list[list[int]] = field(default_factory=list)
+    stored_at: list[float] = field(default_factory=list)
+    landed: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, batch: list[int]) -> None:
+        self.stored_at.append(time.monotonic())
+        self.stored.append(batch)
+        self.landed.set()
+
+
+@dataclass
 class Stalled(MemoryStore):
     """A MemoryStore whose ``set`` waits until ``released`` (a store stalled at the API server),
     and that keeps each call's value (``calls``) and notes when one has started (``entered``)."""
@@ -206,12 +220,8 @@ def test_batches_in_close_succession_share_one_writer_thread() -> None:
 
 def test_the_window_closes_on_its_own() -> None:
     """Nobody waits: the items go out once their head has waited the window."""
-    landed = threading.Event()
-    stored: list[list[int]] = []
-
-    def store(batch: list[int]) -> None:
-        stored.append(batch)
-        landed.set()
+    store = Landings()
+    landed, stored = store.landed, store.stored
 
     writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=10, batch_window_s=0.05)
     writer.add(0)
@@ -225,12 +235,8 @@ def test_an_item_that_comes_slower_than_half_the_window_waits_for_none() -> None
     share the call, so waiting would only lengthen what a SIGKILL repeats. Items that then come
     fast wait for the window again."""
     now = [0.0]
-    landed = threading.Event()
-    stored: list[list[int]] = []
-
-    def store(batch: list[int]) -> None:
-        stored.append(batch)
-        landed.set()
+    store = Landings()
+    landed, stored = store.landed, store.stored
 
     writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=10, batch_window_s=60, clock=lambda: now[0])
     now[0] = 30.0  # half the window after the writer was made: the first step took that long
@@ -258,14 +264,8 @@ def test_the_first_window_is_shorter_by_a_random_share_and_later_ones_are_whole(
         return 0.2
 
     monkeypatch.setattr(random, "uniform", uniform)
-    landed = threading.Event()
-    stored: list[list[int]] = []
-    stored_at: list[float] = []
-
-    def store(batch: list[int]) -> None:
-        stored_at.append(time.monotonic())
-        stored.append(batch)
-        landed.set()
+    store = Landings()
+    landed, stored, stored_at = store.landed, store.stored, store.stored_at
 
     writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=10, batch_window_s=10)
     added = time.monotonic()
@@ -286,12 +286,8 @@ def test_the_first_window_after_a_pause_is_drawn_again(monkeypatch: pytest.Monke
     as the first one is (here: a share of 0, so the item goes out at once)."""
     monkeypatch.setattr(random, "uniform", lambda low, high: 0.0)
     now = [0.0]
-    landed = threading.Event()
-    stored: list[list[int]] = []
-
-    def store(batch: list[int]) -> None:
-        stored.append(batch)
-        landed.set()
+    store = Landings()
+    landed, stored = store.landed, store.stored
 
     writer: StoreWriter[int] = StoreWriter(
         store, max_unconfirmed=10, batch_window_s=60, clock=lambda: now[0], first_window=1.0
