@@ -307,17 +307,39 @@ def test_the_first_window_after_a_pause_is_drawn_again(monkeypatch: pytest.Monke
     assert stored == [[0], [1], [2]]
 
 
-def test_a_run_at_max_unconfirmed_stores_at_once_not_at_the_windows_end() -> None:
+def test_a_batch_that_holds_half_of_max_unconfirmed_goes_out_before_its_window_closes() -> None:
+    """Steps of a few hundred milliseconds fill a long window with more entries than a SIGKILL may
+    cost: the batch goes out once it holds half of ``max_unconfirmed``, not at the window's end,
+    so the run, stepping on while that call is in flight, does not reach the bound and wait."""
+    store = Landings()
+    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=6, batch_window_s=WAIT_S * 10)
+    writer.add(0)
+    writer.add(1)
+    assert store.stored == [] and writer.unconfirmed == 2
+    writer.add(2)
+    assert store.landed.wait(WAIT_S), "a batch of half max_unconfirmed waited for its window"
+    assert store.stored == [[0, 1, 2]]
+
+
+def test_a_run_at_max_unconfirmed_waits_for_the_call_in_flight_not_for_the_window() -> None:
+    gate = threading.Event()
     stored: list[list[int]] = []
-    writer: StoreWriter[int] = StoreWriter(stored.append, max_unconfirmed=3, batch_window_s=WAIT_S * 10)
-    for item in range(3):
-        writer.wait_for_room()
-        writer.add(item)
+
+    def store(batch: list[int]) -> None:
+        assert gate.wait(WAIT_S)
+        stored.append(batch)
+
+    writer: StoreWriter[int] = StoreWriter(store, max_unconfirmed=2, batch_window_s=WAIT_S * 10)
+    writer.add(0)  # a full batch (half of 2): its call starts, and stalls at the gate
+    writer.wait_for_room()
+    writer.add(1)
     done = threading.Event()
     waiter = threading.Thread(target=lambda: (writer.wait_for_room(), done.set()), daemon=True)
     waiter.start()
+    assert not done.wait(0.2), "the run went past max_unconfirmed"
+    gate.set()
     assert done.wait(WAIT_S), "the run waited for the window, not for the store"
-    assert stored == [[0, 1, 2]]
+    assert [item for batch in stored for item in batch] == [0, 1]
 
 
 def test_a_windowed_run_stores_its_steps_in_few_calls_and_resumes_as_any() -> None:

@@ -32,7 +32,7 @@ OPTIONS: dict[str, Option] = {
     "classify_timeout": Option(float, 1.0),
     "durable_flush_after": Option(float, 1.0),
     "durable_write_ahead": Option(bool, False),
-    "durable_batch_window": Option(float, 6.0),
+    "durable_batch_window": Option(float, 20.0),
     "genai_spans": Option(bool, False),
     "genai_span_content": Option(bool, False),
     #: Store each killed try's record for the Cancellations view (one bounded write).

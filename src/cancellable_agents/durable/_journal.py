@@ -111,8 +111,9 @@ class Journal:
         through a shared server (Airflow's API server), fewer calls leave it to the fleet's
         heartbeats; a SIGKILL in the window repeats its steps, still at most
         ``max_unconfirmed``. An entry that came more than half a window after the one before
-        waits for none; an unwind, the run's end, ``write_ahead`` and a full
-        ``max_unconfirmed`` store what waits at once.
+        waits for none; a batch that holds half of ``max_unconfirmed`` goes out without waiting
+        for the rest of its window (the other half rides out the call); an unwind, the run's
+        end, ``write_ahead`` and a full ``max_unconfirmed`` store what waits at once.
     :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
         the task took over, and cancels itself if so (``0``: before every append). Fencing does
         not depend on it: a stale try's appends never reach what a newer try resumes from; this

@@ -9,10 +9,11 @@ are not yet stored (a SIGKILL then costs at most that many completed steps, repe
 try), and however many entries queued during one call, the next call stores them all: the
 store's latency no longer multiplies with the number of steps, and the API server sees fewer
 calls. Fewer still with a batch window: an entry waits up to ``batch_window_s`` for later ones
-to share its call (the fleet's heartbeats share the API server), unless the run waits for it or
-it came slower than half a window after the one before (then none would come to share it).
-Entries land in order (one call at a time), and a store error reaches the appender at its next
-append. Airflow's comms channel may be called from any thread (its own lock orders the
+to share its call (the fleet's heartbeats share the API server), unless the run waits for it,
+it came slower than half a window after the one before (then none would come to share it), or
+its batch holds half of ``max_unconfirmed`` (the other half rides out the call without the run
+waiting). Entries land in order (one call at a time), and a store error reaches the appender at
+its next append. Airflow's comms channel may be called from any thread (its own lock orders the
 calls).
 """
 
@@ -44,8 +45,10 @@ class StoreWriter(Generic[Item]):
     """Stores queued items in batches, one ``store(batch)`` call at a time, on a daemon thread.
 
     A batch goes out once its first item has waited ``batch_window_s`` (``0``: as soon as no call
-    is in flight), or at once when the run waits for it ([`wait`][], or [`wait_for_room`][] with
-    ``max_unconfirmed`` items unconfirmed). An item that came at least half a window after the
+    is in flight), once it holds half of ``max_unconfirmed`` items (so that the run, still
+    stepping while that call is in flight, does not reach ``max_unconfirmed`` and wait), or at once
+    when the run waits for it ([`wait`][], or [`wait_for_room`][] with ``max_unconfirmed`` items
+    unconfirmed). An item that came at least half a window after the
     one before it (or after the writer was made) waits for no company: at that pace hardly any
     would come, and waiting would only lengthen what a SIGKILL repeats. So the window batches
     fast steps, and a run whose steps take seconds has each stored as it completes. The first
@@ -78,6 +81,7 @@ class StoreWriter(Generic[Item]):
             raise ValueError(f"batch_window_s must be >= 0 seconds, not {batch_window_s}")
         self._store = store
         self._max_unconfirmed = max_unconfirmed
+        self._full_batch = max(1, max_unconfirmed // 2)
         self._window_s = batch_window_s
         self._linger_s = linger_s
         self._clock = clock
@@ -116,10 +120,10 @@ class StoreWriter(Generic[Item]):
             self._added += 1
             ticket = self._added
             if self._running:
-                # Only a thread waiting for an item needs waking: one waiting for the window
-                # waits for the head's due time, which a later item does not change (waking it
-                # at every step would hand it the GIL for nothing).
-                if first:
+                # Only a thread waiting for an item, or for a window that this item fills, needs
+                # waking: one waiting for the window waits for the head's due time, which a later
+                # item does not change (waking it at every step would hand it the GIL for nothing).
+                if first or len(self._queue) == self._full_batch:
                     self._cond.notify_all()
             else:
                 self._running = True
@@ -162,9 +166,14 @@ class StoreWriter(Generic[Item]):
         return max(0.0, self._due - self._clock())
 
     def _window_closed(self) -> bool:
-        """(Under the lock.) Store the queue now: the run waits for it, or its head waited long
-        enough."""
-        return self._urgent or self._error is not None or self._window_left() <= 0
+        """(Under the lock.) Store the queue now: the run waits for it, it is a full batch, or its
+        head waited long enough."""
+        return (
+            self._urgent
+            or self._error is not None
+            or len(self._queue) >= self._full_batch
+            or self._window_left() <= 0
+        )
 
     def _raise_once(self) -> None:
         if self._error is not None and not self._raised:
