@@ -49,9 +49,10 @@ DELETION_CHECK_EVERY = 3
 #: SIGKILL loses at most these (each a completed step or a parallel call's result): the next try
 #: repeats at most this many completed steps, and only those of the last batch window (steps
 #: slower than half a window are stored as they complete). A batch goes out once it holds half
-#: of them, so steps of a few hundred milliseconds share one call per 32 (not one per 8, as with
-#: 16: at 32 durable agents those calls were most of what the journal added to the API server),
-#: and the other half rides out a store stall of seconds without the run waiting.
+#: of them: steps of a few hundred milliseconds share one call per 32 steps or per window, and
+#: the other half rides out a store stall of seconds without the run waiting. At 32 durable
+#: agents the calls were most of what the journal added to the API server (with 16 and a 6 s
+#: window 0.13 calls per step, now 0.06).
 MAX_UNCONFIRMED = 64
 
 

@@ -46,11 +46,11 @@ class StoreWriter(Generic[Item]):
 
     A batch goes out once its first item has waited ``batch_window_s`` (``0``: as soon as no call
     is in flight), once it holds half of ``max_unconfirmed`` items (so that the run, still
-    stepping while that call is in flight, does not reach ``max_unconfirmed`` and wait), or at once
-    when the run waits for it ([`wait`][], or [`wait_for_room`][] with ``max_unconfirmed`` items
-    unconfirmed). An item that came at least half a window after the
-    one before it (or after the writer was made) waits for no company: at that pace hardly any
-    would come, and waiting would only lengthen what a SIGKILL repeats. So the window batches
+    stepping while that call is in flight, does not reach ``max_unconfirmed`` and wait), or at
+    once when the run waits for it ([`wait`][], or [`wait_for_room`][] with ``max_unconfirmed``
+    items unconfirmed). An item that came at least half a window after the one before it (or
+    after the writer was made) waits for no company: at that pace hardly any would come, and
+    waiting would only lengthen what a SIGKILL repeats. So the window batches
     fast steps, and a run whose steps take seconds has each stored as it completes. The first
     window, and the first after such a pause, is shorter by a random share (``first_window``: the
     first one's fraction of ``batch_window_s``; ``None``: drawn between ``FIRST_WINDOW_MIN`` and

@@ -35,11 +35,12 @@ class DurableOptions:
     :param batch_window: seconds a completed step's entry may wait for later steps to share its
         store call: at fleet scale every call is a round trip through Airflow's API server, which
         the fleet's heartbeats share (at 20 s a run of quick steps adds about one call per four
-        of Airflow's 5 s heartbeats). A step that took more than half the window is stored as it completes
-        (no later one would share the call), and 32 waiting steps go out without waiting for the
-        rest. Only a SIGKILL in the window repeats its steps (never more than 64); an unwind, the
-        run's end and ``write_ahead`` store what waits at once. ``0``: as soon as no call is in
-        flight. ``None``: ``[cancellable_agents] durable_batch_window`` (20 s).
+        of Airflow's 5 s heartbeats). A step that took more than half the window is stored as it
+        completes (no later one would share the call), and 32 waiting steps go out without
+        waiting for the rest. Only a SIGKILL in the window repeats its steps (never more than
+        64); an unwind, the run's end and ``write_ahead`` store what waits at once. ``0``: as
+        soon as no call is in flight. ``None``: ``[cancellable_agents] durable_batch_window``
+        (20 s).
     """
 
     path: Any = None
