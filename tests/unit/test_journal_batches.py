@@ -362,6 +362,26 @@ def test_a_windowed_run_stores_its_steps_in_few_calls_and_resumes_as_any() -> No
     assert [n for n, _ in second.calls] == [4, 5, 6] and second.calls[0] == (4, True)
 
 
+def test_a_batch_goes_out_in_parts_under_the_stores_value_limit() -> None:
+    """Airflow logs a warning at every task state store value over ``[state_store]
+    max_value_storage_bytes``: a batch of many steps is stored in consecutive parts under the
+    store's limit (an entry over it alone would still go alone), and the next try resumes from
+    them as from one."""
+    limit = 2500
+    killed = MemoryStore(max_value_bytes=limit)
+    first = Task(on_call=cancel_on(4, CauseVerdict(CancelCause.EVICTION, "test")))
+    exc, _, _ = first.run(killed, 1, batch_window_s=WAIT_S * 10)
+    assert isinstance(exc, TaskCancelled)
+    values = [json.loads(raw) for raw in killed.data.values()]
+    assert killed.writes > 1, "the batch went out in one call, over the limit"
+    assert all(len(json.dumps(v)) <= limit for v in values if isinstance(v, list)), "a part over the limit"
+    assert any(isinstance(v, list) for v in values), "no part held more than one entry"
+    second = Task()
+    result, journal, _ = second.run(MemoryStore(dict(killed.data)), 2)
+    assert result.output == "all done" and journal.resume is not None
+    assert [n for n, _ in second.calls] == [4, 5, 6] and second.calls[0] == (4, True)
+
+
 def test_a_format_2_record_still_resumes() -> None:
     """A record an older version wrote (format 2: one entry per key, its head saying 2) resumes
     after an upgrade, exactly as one this version wrote."""

@@ -114,4 +114,6 @@ def _store(options: DurableOptions, context: Any, ti: Any) -> Store:
             f"{ti.task_id}: durable=True but this task's context has no task_state_store; pass "
             f"durable=DurableOptions(path=...) (an ObjectStoragePath) to keep the record there."
         )
-    return TaskStateStore(accessor)
+    from airflow.configuration import conf
+
+    return TaskStateStore(accessor, conf.getint("state_store", "max_value_storage_bytes", fallback=0))

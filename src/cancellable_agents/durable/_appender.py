@@ -19,6 +19,7 @@ stops a stale try's wasted work sooner than Airflow's heartbeat does.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -66,6 +67,25 @@ class _Queued:
     entry: dict[str, Any]
     owned: bool
     timed: bool
+
+
+def _parts_under(batch: list[_Queued], max_bytes: int) -> list[list[_Queued]]:
+    """``batch`` cut into consecutive parts whose stored JSON stays within ``max_bytes`` (``0``:
+    one part), each an entry alone or a list, as ``json.dumps`` (Airflow's size check) counts
+    it. A batch of 32 quick steps of a few kB each would otherwise log Airflow's size warning
+    at every call; an entry over the limit on its own still goes alone."""
+    if max_bytes <= 0 or len(batch) == 1:
+        return [batch]
+    parts: list[list[_Queued]] = [[]]
+    size = 2  # the list's brackets
+    for queued in batch:
+        entry_size = len(json.dumps(queued.entry)) + 2  # its separator
+        if parts[-1] and size + entry_size > max_bytes:
+            parts.append([])
+            size = 2
+        parts[-1].append(queued)
+        size += entry_size
+    return parts
 
 
 class Appender:
@@ -236,9 +256,10 @@ class Appender:
         started = time.perf_counter()
         if batch[-1].owned and not self._still_owner():
             return
-        value: Any = batch[0].entry if len(batch) == 1 else [q.entry for q in batch]
-        self.store.set(segment_key(self.key, self.try_number, batch[0].own), value)
-        self._stored_any = True
+        for part in _parts_under(batch, getattr(self.store, "max_value_bytes", 0)):
+            value: Any = part[0].entry if len(part) == 1 else [q.entry for q in part]
+            self.store.set(segment_key(self.key, self.try_number, part[0].own), value)
+            self._stored_any = True
         if self._on_step_written is None:
             return
         took_ms = (time.perf_counter() - started) * 1000

@@ -31,7 +31,10 @@ from cancellable_agents.core.exceptions import ConfigurationError
 
 
 class Store(Protocol):
-    """A key-value store of JSON values that survives the task's retries."""
+    """A key-value store of JSON values that survives the task's retries. One that warns about
+    values over a size has ``max_value_bytes`` (their JSON's length; absent or ``0``: no limit),
+    and the journal keeps each of its calls under it where it can (an entry larger on its own
+    still goes alone)."""
 
     def get(self, key: str) -> Any:
         """The value, or ``None`` if the key does not exist."""
@@ -57,6 +60,7 @@ class MemoryStore:
     data: dict[str, str] = field(default_factory=dict)
     writes: int = 0
     bytes_written: int = 0
+    max_value_bytes: int = 0
 
     def get(self, key: str) -> Any:
         raw = self.data.get(key)
@@ -77,9 +81,12 @@ class MemoryStore:
 
 @dataclass
 class TaskStateStore:
-    """Airflow 3.3's task state store (``context["task_state_store"]``), scoped to the task instance."""
+    """Airflow 3.3's task state store (``context["task_state_store"]``), scoped to the task instance.
+    ``max_value_bytes``: Airflow's ``[state_store] max_value_storage_bytes`` (64 kB by default),
+    above which every write logs Airflow's warning in the task log."""
 
     accessor: Any
+    max_value_bytes: int = 0
 
     def get(self, key: str) -> Any:
         return self.accessor.get(key)
