@@ -28,7 +28,9 @@ model server. For each N (ascending), N members at once:
    the eviction storm, beside N bare ``@task`` s (no provider, no pydantic-ai) sampled the same way.
 
 ``--api-load K`` runs K threads of REST reads against the api-server during the storms (a slower
-API server: the cause must still be ``user``). ``--api-workers 1,4`` repeats everything with that
+API server: the cause must still be ``user``). While a steady phase's members all run, the
+driver waits on their tool notes, not the REST API (``await_span_over``); ``--ui-poll`` lists the
+runs every 3 s throughout, as an open UI grid does. ``--api-workers 1,4`` repeats everything with that
 many API server workers; ``--db-pool K`` sizes every component's database pool (the API server's
 pool timeouts are counted: ``Fleet.pool_timeouts``). ``--before REV`` runs each configuration
 twice, side by side in the same session: first with the provider as of git revision ``REV`` (its
@@ -91,7 +93,13 @@ FINISHED = ("success", "failed")
 #: time p50 67 ms, p95 0.4 s at N=32); polled every 0.5 s it was 1.5 requests a second beside
 #: the fleet's 6 heartbeats, and the heartbeats it overlapped had a p95 of 0.2-0.6 s against
 #: 0.05-0.1 s for the others: the driver's own load, in both the durable and the plain runs.
+#: In the steady state it waits so only once all members no longer run (``await_span_over``).
 RUNS_POLL_S = 3.0
+#: Tool calls of one steady run (``FLEET_STEADY_STEPS`` of the fleet DAGs, 20).
+STEADY_STEPS = int(os.environ.get("FLEET_STEADY_STEPS", "20"))
+#: How often the driver lists the runs while a steady phase's members all run (unless
+#: ``--ui-poll``): only to notice a phase whose members all failed before that span ended.
+QUIET_POLL_S = 30.0
 #: One line of the API server's access log (structlog's ``http.access`` ``request finished``).
 ACCESS_LINE = re.compile(r"^(?P<at>\S+) .*request finished.* duration_us=(?P<us>\d+) .* path=(?P<path>\S+)")
 #: The kinds of request counted while every member ran, by path (the first that matches).
@@ -157,19 +165,21 @@ class Fleet:
         return [h["ms"] for h in self.jsonl("heartbeats.jsonl") if start <= h["at"] - h["ms"] / 1000 <= end]
 
     def api_requests(self, start: float, end: float) -> list[tuple[str, float]]:
-        """Every request the API server finished between ``start`` and ``end`` (wall), as
-        (kind, server milliseconds) from its access log: what the fleet asks of it, by kind
-        (``API_KINDS``), and how long a heartbeat took inside it rather than end to end."""
+        """Every request the API server began between ``start`` and ``end`` (wall; as
+        ``heartbeats`` counts them), as (kind, server milliseconds) from its access log: what the
+        fleet asks of it, by kind (``API_KINDS``), and how long a heartbeat took inside it rather
+        than end to end. (Counted by their end, a few stalled before the span and ended in it.)"""
         log_file = self.stack.home / "components" / "api-server.log"
         found = []
         for line in log_file.read_text(errors="replace").splitlines() if log_file.exists() else []:
             match = ACCESS_LINE.match(line)
             if match is None:
                 continue
-            at = datetime.fromisoformat(match["at"].replace("Z", "+00:00")).timestamp()
-            if start <= at <= end:
+            server_ms = int(match["us"]) / 1000
+            began = datetime.fromisoformat(match["at"].replace("Z", "+00:00")).timestamp() - server_ms / 1000
+            if start <= began <= end:
                 kind = next((k for k, pattern in API_KINDS if re.search(pattern, match["path"])), "other")
-                found.append((kind, int(match["us"]) / 1000))
+                found.append((kind, server_ms))
         return found
 
     def pool_timeouts(self) -> int:
@@ -324,22 +334,48 @@ def trigger(fleet: Fleet, dag_id: str, n: int, phase: str, together: bool = Fals
     return runs
 
 
+def newest_run_states(fleet: Fleet, dag_id: str) -> dict[str, str]:
+    """Run id -> state of the newest 100 runs of ``dag_id``: one listing, as the UI's grid makes."""
+    body = fleet.rest.json("GET", f"/api/v2/dags/{dag_id}/dagRuns", params={"limit": 100, "order_by": "-id"})
+    return {r["dag_run_id"]: r["state"] for r in body["dag_runs"]}
+
+
 def await_runs(fleet: Fleet, dag_id: str, runs: list[str], timeout: float) -> dict[str, str]:
     """Until every run is success/failed; returns run id -> state. Reads the newest 100 runs
     (the API's page limit, ``[api] maximum_page_limit``: a larger ``limit`` is cut to it, and
     from the fourth round on the oldest runs filled the page), so ``runs`` must be among them,
     every ``RUNS_POLL_S``, as the UI's grid does."""
     states: dict[str, str] = {}
-    newest = {"limit": 100, "order_by": "-id"}
 
     def done() -> bool:
         fleet.stack.check_alive()
-        body = fleet.rest.json("GET", f"/api/v2/dags/{dag_id}/dagRuns", params=newest)
-        states.update({r["dag_run_id"]: r["state"] for r in body["dag_runs"] if r["dag_run_id"] in runs})
+        states.update({r: state for r, state in newest_run_states(fleet, dag_id).items() if r in runs})
         return all(states.get(r) in FINISHED for r in runs)
 
     wait_until(done, timeout, f"{len(runs)} runs of {dag_id} to finish", interval=RUNS_POLL_S)
     return states
+
+
+def await_span_over(fleet: Fleet, dag_id: str, runs: list[str], timeout: float) -> None:
+    """Until the span in which every member ran is over (a member started its last tool call,
+    ``STEADY_STEPS``), read from the members' own tool notes (local files), with one REST
+    listing every ``QUIET_POLL_S``. The UI-rate polling of ``await_runs`` is the driver's own
+    load, alike for both variants; but on Airflow 3.2+ a listing can stall every request in the
+    API server while its token check waits for a database connection (apache/airflow#66493):
+    at N=32 the heartbeats overlapping one took p50 150-350 ms against 12, and those stalls fell
+    at random into one variant's heartbeat p95 or the other's. ``--ui-poll`` keeps the polling."""
+    deadline, next_listing = time.monotonic() + timeout, time.monotonic() + QUIET_POLL_S
+    while time.monotonic() < deadline:
+        fleet.stack.check_alive()
+        tools = (fleet.jsonl(f"{run_id}.tools.jsonl") for run_id in runs)
+        if any(sum(t["try"] == 1 for t in calls) >= STEADY_STEPS for calls in tools):
+            return
+        if time.monotonic() >= next_listing:
+            next_listing = time.monotonic() + QUIET_POLL_S
+            states = newest_run_states(fleet, dag_id)
+            if all(states.get(r) in FINISHED for r in runs):
+                return
+        time.sleep(0.5)
 
 
 def await_members(fleet: Fleet, runs: list[str], timeout: float, *, streaming: bool) -> None:
@@ -477,11 +513,14 @@ class Row:
     errors: list[str] = field(default_factory=list)
 
 
-def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rounds: int = 2) -> None:
+def steady(
+    fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rounds: int = 2, ui_poll: bool = False
+) -> None:
     """N durable runs, N written ahead (unless not ``write_ahead``), then N control runs, for
     ``rounds`` rounds, every other one in reverse order (durable, control, control, durable, ...):
     a drift of the machine over the phase (a stack warming up, a neighbour) falls on both sides
-    alike. Store calls and step times, pooled over the rounds."""
+    alike. Store calls and step times, pooled over the rounds. The driver lists the runs at the
+    UI's rate only once all members no longer run (``await_span_over``), unless ``ui_poll``."""
     variants = [
         ("fleet_durable", "durable", row.step_durable_ms),
         *([("fleet_write_ahead", "ahead", row.step_write_ahead_ms)] if write_ahead else []),
@@ -496,6 +535,8 @@ def steady(fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rou
     for round_no, (dag_id, name, step_ms) in order:
         busy_before, parts_before, started = _busy_cpu_s(), fleet.cpu_s_by_part(), time.time()
         runs = trigger(fleet, dag_id, row.n, name, together=True)
+        if not ui_poll:
+            await_span_over(fleet, dag_id, runs, timeout)
         await_runs(fleet, dag_id, runs, timeout)
         busy_by[name] = busy_by.get(name, 0.0) + _busy_cpu_s() - busy_before
         for part, used in fleet.cpu_s_by_part().items():
@@ -713,11 +754,12 @@ def measure(
     api_workers: int = 1,
     write_ahead: bool = True,
     rounds: int = 2,
+    ui_poll: bool = False,
 ) -> Row:
     """All phases at one N; a phase that fails is noted and the next one still runs."""
     row = Row(fleet.db, n, code, api_workers)
     phases: list[tuple[str, Callable[[], None]]] = [
-        ("steady", lambda: steady(fleet, row, timeout, write_ahead, rounds)),
+        ("steady", lambda: steady(fleet, row, timeout, write_ahead, rounds, ui_poll)),
         ("eviction storm", lambda: evict_storm(fleet, row, timeout, load)),
         ("mark-failed storm", lambda: mark_failed_storm(fleet, row, timeout, load)),
         ("bare memory", lambda: bare_memory(fleet, row, timeout)),
@@ -956,6 +998,11 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=2, help="steady-state rounds, alternating order (default 2)"
     )
     parser.add_argument(
+        "--ui-poll",
+        action="store_true",
+        help="list the runs every 3 s (the UI grid's rate) also while all members run",
+    )
+    parser.add_argument(
         "--batch-window",
         metavar="S[,S...]",
         help="run this checkout once per value of [cancellable_agents] durable_batch_window",
@@ -1006,6 +1053,7 @@ def main(argv: list[str] | None = None) -> None:
                                 workers,
                                 not args.no_write_ahead,
                                 args.rounds,
+                                args.ui_poll,
                             )
                             rows.append(summary(row))
                             raw.append(row.__dict__)
@@ -1023,6 +1071,7 @@ def main(argv: list[str] | None = None) -> None:
         "sizes": sizes,
         "before": args.before,
         "db_pool": args.db_pool,
+        "ui_poll": args.ui_poll,
     }
     (args.out / "fleet.json").write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
     print(f"\nload average at the end: {load[0]:.1f} on {os.cpu_count()} cores\n")
