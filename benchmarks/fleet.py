@@ -13,8 +13,10 @@ model server. For each N (ascending), N members at once:
    (``TimedStore``: op and latency), store calls per step (per model request), step time (one
    tool start to the next) durable vs written ahead vs control, of the steps taken while all N
    members ran (the wave of process starts before and the tail after are not a step's cost),
-   each round's ratio, Airflow's heartbeats in that span and over the phase, and CPU per step
-   by part of the stack (``Fleet.cpu_s_by_part``).
+   each round's ratio, Airflow's heartbeats in that span and over the phase, CPU per step
+   by part of the stack (``Fleet.cpu_s_by_part``), the members' own CPU per step while all ran
+   and before their first step (``Fleet.member_cpu``), and whether the machine itself stalled
+   meanwhile (``benchmarks/fleet_bystander.py``; PostgreSQL's lock waits and slow statements).
 2. **eviction storm**: N durable runs, all mid-stream in their 4th model request; then every
    supervisor is SIGTERMed at once. From each try-1 record: unwound (``resources_released``) and
    when the cause was decided; the task process gone before Airflow's SIGKILL (5 s); whether the
@@ -58,13 +60,14 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +103,25 @@ STEADY_STEPS = int(os.environ.get("FLEET_STEADY_STEPS", "20"))
 #: How often the driver lists the runs while a steady phase's members all run (unless
 #: ``--ui-poll``): only to notice a phase whose members all failed before that span ended.
 QUIET_POLL_S = 30.0
+#: What PostgreSQL logs in a fleet run (kept in the stack's home as ``postgres.log``): a lock
+#: waited on past ``deadlock_timeout`` (1 s), every autovacuum and checkpoint, statements over
+#: half a second; with millisecond timestamps, to set beside the API server's access log.
+POSTGRES_DIAGNOSTICS = {
+    "log_lock_waits": "on",
+    "log_autovacuum_min_duration": "0",
+    "log_checkpoints": "on",
+    "log_min_duration_statement": "500",
+    "log_line_prefix": "%m [%p] ",
+}
+#: The lines of ``POSTGRES_DIAGNOSTICS``' log that ``Fleet.postgres_events`` counts, by what they say.
+POSTGRES_EVENTS = (
+    ("lock waits > 1 s", re.compile(r"LOG:  process \d+ still waiting for ")),
+    ("statements > 0.5 s", re.compile(r"LOG:  duration: ")),
+)
+#: ``fleet_bystander``'s lines (in the state dir) and how late a wake counts as a stall: a
+#: heartbeat slowed by half a second there was slowed by the machine, whatever it was asked.
+BYSTANDER_LOG = "bystander.jsonl"
+STALL_MS = 500.0
 #: One line of the API server's access log (structlog's ``http.access`` ``request finished``).
 ACCESS_LINE = re.compile(r"^(?P<at>\S+) .*request finished.* duration_us=(?P<us>\d+) .* path=(?P<path>\S+)")
 #: The kinds of request counted while every member ran, by path (the first that matches).
@@ -131,8 +153,9 @@ class Fleet:
     rest: RestClient
     model_server: ScriptedModelServer
     state_dir: Path
-    #: The PostgreSQL postmaster's pid (``None`` on SQLite).
+    #: The PostgreSQL postmaster's pid and log (``None`` on SQLite).
     db_pid: int | None = None
+    db_log: Path | None = None
 
     def cpu_s_by_part(self) -> dict[str, float]:
         """CPU seconds each part of the stack has used so far (``tree_cpu_s``): where a step's
@@ -191,11 +214,59 @@ class Fleet:
         text = log_file.read_text(errors="replace") if log_file.exists() else ""
         return text.count("raise exc.TimeoutError(")
 
+    def bystander(self, start: float, end: float) -> tuple[list[float], float | None]:
+        """``fleet_bystander``'s wakes between ``start`` and ``end`` (wall): how late each woke
+        (ms), and the run-queue wait of the API server's threads over them, summed, in ms a
+        second (``None`` with fewer than two wakes)."""
+        wakes = [w for w in self.jsonl(BYSTANDER_LOG) if start <= w["at"] <= end]
+        late = [float(w["late_ms"]) for w in wakes]
+        if len(wakes) < 2 or wakes[-1]["at"] <= wakes[0]["at"]:
+            return late, None
+        waited_ms = (wakes[-1]["api_wait_ns"] - wakes[0]["api_wait_ns"]) / 1e6
+        return late, max(0.0, waited_ms / (wakes[-1]["at"] - wakes[0]["at"]))
+
+    def member_cpu(self, run_id: str, window: tuple[float, float]) -> dict[str, float]:
+        """A member's CPU seconds from its first try's notes (``cpu``: task process, supervisor,
+        cumulative): over the steps it took while all ran (``task``, ``supervisor``, ``steps``),
+        and from its ``pre_execute`` to its first step (``task start``, ``supervisor start``,
+        ``members``; the benchmark's own wait for the batch is in it, on both sides alike)."""
+        notes = [t for t in self.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1 and "cpu" in t]
+        notes.sort(key=lambda t: t["at"])
+        found: dict[str, float] = {}
+        inside = [t for t in notes if window[0] <= t["at"] <= window[1]]
+        if len(inside) >= 2:
+            found["task"] = inside[-1]["cpu"][0] - inside[0]["cpu"][0]
+            found["supervisor"] = inside[-1]["cpu"][1] - inside[0]["cpu"][1]
+            found["steps"] = len(inside) - 1
+        began = (self.member(run_id) or {}).get("cpu")
+        if began and notes:
+            found["task start"] = notes[0]["cpu"][0] - began[0]
+            found["supervisor start"] = notes[0]["cpu"][1] - began[1]
+            found["members"] = 1
+        return found
+
+    def postgres_events(self, start: float, end: float) -> dict[str, int]:
+        """PostgreSQL's log lines between ``start`` and ``end`` (wall) by ``POSTGRES_EVENTS``."""
+        counts = dict.fromkeys((name for name, _ in POSTGRES_EVENTS), 0)
+        if self.db_log is None or not self.db_log.exists():
+            return counts
+        for line in self.db_log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp()
+                if start <= at <= end:
+                    for name, pattern in POSTGRES_EVENTS:
+                        counts[name] += bool(pattern.search(line))
+        return counts
+
     def jsonl(self, name: str) -> list[dict[str, Any]]:
         path = self.state_dir / name
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        found = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line still being written
+                found.append(json.loads(line))
+        return found
 
     def records(self, dag_id: str, run_id: str, try_number: int) -> list[dict[str, Any]]:
         """The ``cancellable_agents.record`` objects in a try's log file (read from disk)."""
@@ -233,9 +304,10 @@ def fleet_stack(
     state_dir.mkdir()
     with contextlib.ExitStack() as stack_of:
         model_server = stack_of.enter_context(ScriptedModelServer())
-        url, db_pid = None, None
+        url, db_pid, db_log = None, None, None
         if db == "postgres":
-            cluster = stack_of.enter_context(PostgresCluster())
+            db_log = home / "postgres.log"
+            cluster = stack_of.enter_context(PostgresCluster(log_path=db_log, settings=POSTGRES_DIAGNOSTICS))
             url, db_pid = cluster.sqlalchemy_url, cluster.proc.pid if cluster.proc else None
         env = {
             "AIRFLOW_CONN_LOCAL_MODEL": json.dumps(
@@ -266,7 +338,9 @@ def fleet_stack(
             stack.wait_healthy()
             rest = stack.client()
             _await_dags(stack, rest)
-            fleet = Fleet(db, stack, rest, model_server, state_dir, db_pid)
+            api_pid = stack.components["api-server"].proc.pid
+            stack_of.enter_context(bystander(state_dir / BYSTANDER_LOG, api_pid))
+            fleet = Fleet(db, stack, rest, model_server, state_dir, db_pid, db_log)
             # One run first: the first tasks of a fresh stack meet an API server still warming up
             # (on a busy machine their start calls time out), which is not what is measured.
             await_runs(fleet, "fleet_control", trigger(fleet, "fleet_control", 1, "warm-up"), 600)
@@ -276,6 +350,21 @@ def fleet_stack(
             stack.remember_processes()
             stack.stop()
     print(f"[fleet] {db}: AIRFLOW_HOME={home} (kept for the logs)")
+
+
+@contextlib.contextmanager
+def bystander(out: Path, api_pid: int) -> Iterator[None]:
+    """``fleet_bystander`` in a session of its own (as each Airflow component runs), until the
+    block ends."""
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, "-m", "benchmarks.fleet_bystander", str(out), str(api_pid)]
+    proc = subprocess.Popen(argv, cwd=root, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
 
 
 def _await_dags(stack: AirflowStack, rest: RestClient, timeout: float = 120) -> None:
@@ -494,6 +583,14 @@ class Row:
     api_window_s: dict[str, float] = field(default_factory=dict)
     api_requests: dict[str, dict[str, int]] = field(default_factory=dict)
     heartbeat_server_ms: dict[str, list[float]] = field(default_factory=dict)
+    #: While every member ran, by steady-state variant: how late a bystander's 0.1 s sleeps woke
+    #: (ms; and the latest in each round), the API server's run-queue wait each round (ms a
+    #: second), PostgreSQL's lock waits and slow statements (``Fleet.bystander``,
+    #: ``Fleet.postgres_events``). A slow heartbeat beside a late bystander was the machine's.
+    bystander_late_ms: dict[str, list[float]] = field(default_factory=dict)
+    bystander_late_max_rounds: dict[str, list[float]] = field(default_factory=dict)
+    api_cpu_wait_ms_per_s: dict[str, list[float]] = field(default_factory=dict)
+    postgres_events: dict[str, dict[str, int]] = field(default_factory=dict)
     store_ops: dict[str, int] = field(default_factory=dict)
     calls_per_step: list[float] = field(default_factory=list)
     step_durable_ms: list[float] = field(default_factory=list)
@@ -501,6 +598,9 @@ class Row:
     step_write_ahead_ms: list[float] = field(default_factory=list)
     #: CPU ms per step by part of the stack (``Fleet.cpu_s_by_part``), by steady-state variant.
     cpu_ms_per_step_by_part: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: The members' own CPU by steady-state variant, from their tool notes (``Fleet.member_cpu``):
+    #: sums of seconds and counts, as ``MEMBER_CPU`` names them.
+    member_cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     #: The whole machine's busy CPU (all processes: tasks, supervisors, API server, database)
     #: per step, by steady-state variant, over the whole phase (the members' process starts
     #: included): what the journal costs where everything shares the cores.
@@ -558,6 +658,18 @@ def steady(
                 kinds[kind] = kinds.get(kind, 0) + 1
                 if kind == "heartbeat":
                     row.heartbeat_server_ms.setdefault(name, []).append(server_ms)
+            late, api_wait = fleet.bystander(*window)
+            row.bystander_late_ms.setdefault(name, []).extend(late)
+            row.bystander_late_max_rounds.setdefault(name, []).append(max(late, default=0.0))
+            if api_wait is not None:
+                row.api_cpu_wait_ms_per_s.setdefault(name, []).append(api_wait)
+            events = row.postgres_events.setdefault(name, {})
+            for event, count in fleet.postgres_events(*window).items():
+                events[event] = events.get(event, 0) + count
+            sums = row.member_cpu.setdefault(name, {})
+            for run_id in runs:
+                for key, value in fleet.member_cpu(run_id, window).items():
+                    sums[key] = sums.get(key, 0.0) + value
         steps = steps_while_all_run(list(starts_by_run.values()))
         step_ms.extend(steps)
         round_p50[(round_no, name)] = pct(steps, 0.5)
@@ -574,11 +686,11 @@ def steady(
             if requests:
                 row.calls_per_step.append(len(calls) / requests)
         steps_by[name] = steps_by.get(name, 0) + sum(max(0, len(s) - 1) for s in starts_by_run.values())
-    for name, steps in steps_by.items():
-        if steps > 0:
-            row.cpu_ms_per_step[name] = busy_by[name] * 1000 / steps
+    for name, taken in steps_by.items():
+        if taken > 0:
+            row.cpu_ms_per_step[name] = busy_by[name] * 1000 / taken
             row.cpu_ms_per_step_by_part[name] = {
-                part: round(cpu_s * 1000 / steps, 1) for part, cpu_s in by_part.get(name, {}).items()
+                part: round(cpu_s * 1000 / taken, 1) for part, cpu_s in by_part.get(name, {}).items()
             }
     for round_no in range(rounds):
         durable, control = round_p50.get((round_no, "durable")), round_p50.get((round_no, "control"))
@@ -812,6 +924,16 @@ def summary(row: Row) -> dict[str, Any]:
         },
         "heartbeat_server_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_server_ms.items()},
         "heartbeat_ratio_rounds": row.heartbeat_ratio_rounds,
+        "bystander_late_p99_ms": {name: pct(ms, 0.99) for name, ms in row.bystander_late_ms.items()},
+        "bystander_late_max_ms": {name: pct(ms, 1.0) for name, ms in row.bystander_late_ms.items()},
+        "rounds_stalled": {
+            name: f"{sum(ms >= STALL_MS for ms in maxes)}/{len(maxes)}"
+            for name, maxes in row.bystander_late_max_rounds.items()
+        },
+        "api_cpu_wait_ms_per_s": {
+            name: statistics.fmean(per_s) for name, per_s in row.api_cpu_wait_ms_per_s.items() if per_s
+        },
+        "postgres_events": row.postgres_events,
         "evict_eviction": sum(c.startswith("eviction/") for c in ev.get("causes", [])),
         "evict_sources": {s: ev.get("cause_sources", []).count(s) for s in set(ev.get("cause_sources", []))},
         "mf_user": sum(c.startswith("user/") for c in mf.get("causes", [])),
@@ -823,6 +945,7 @@ def summary(row: Row) -> dict[str, Any]:
         "step_write_ahead_p50_ms": pct(row.step_write_ahead_ms, 0.5),
         "cpu_ms_per_step": row.cpu_ms_per_step,
         "cpu_ms_per_step_by_part": row.cpu_ms_per_step_by_part,
+        "member_cpu_ms": {name: member_cpu_ms(sums) for name, sums in row.member_cpu.items()},
         "evict_unwound_p50_ms": pct(ev.get("unwound_ms", []), 0.5),
         "evict_unwound_max_ms": pct(ev.get("unwound_ms", []), 1.0),
         "evict_cause_p50_ms": pct(ev.get("cause_decided_ms", []), 0.5),
@@ -925,6 +1048,35 @@ def cpu_parts(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: What ``member_cpu_table`` shows of ``Fleet.member_cpu``'s sums: (label, seconds, divided by).
+MEMBER_CPU = (
+    ("task process, per step while all ran", "task", "steps"),
+    ("its supervisor, per step while all ran", "supervisor", "steps"),
+    ("task process, pre_execute to its first step", "task start", "members"),
+    ("its supervisor, pre_execute to its first step", "supervisor start", "members"),
+)
+
+
+def member_cpu_ms(sums: dict[str, float]) -> dict[str, float]:
+    """``Fleet.member_cpu``'s sums of one variant as milliseconds per step or per member."""
+    return {label: sums[cpu] * 1000 / sums[per] for label, cpu, per in MEMBER_CPU if sums.get(per)}
+
+
+def member_cpu_table(rows: list[dict[str, Any]]) -> str:
+    """The members' own CPU, durable beside control, read in each member (its process and its
+    supervisor): per step while all ran, which no wave of process starts blurs, and before the
+    first step."""
+    lines = ["| code | N | CPU of | ms durable / control (difference) |", "|---|---|---|---|"]
+    for s in rows:
+        by = s.get("member_cpu_ms") or {}
+        durable, control = by.get("durable") or {}, by.get("control") or {}
+        for label, d in durable.items():
+            c = control.get(label)
+            diff = f"{d - c:+.1f}" if c is not None else "-"
+            lines.append(f"| {s['code']} | {s['n']} | {label} | {d:.1f} / {_fmt(c, 1)} ({diff}) |")
+    return "\n".join(lines)
+
+
 def api_requests_table(rows: list[dict[str, Any]]) -> str:
     """What the API server was asked while every member ran, durable beside control: requests a
     second by kind, and the heartbeats' p95 inside the server (without the supervisor's side)."""
@@ -935,6 +1087,25 @@ def api_requests_table(rows: list[dict[str, Any]]) -> str:
             counts = ", ".join(_fmt(per_s.get(kind), 2) for kind in [*(k for k, _ in API_KINDS), "other"])
             server = _fmt((s.get("heartbeat_server_p95_ms") or {}).get(name))
             lines.append(f"| {s['code']} | {s['n']} | {name} | {counts} | {server} |")
+    return "\n".join(lines)
+
+
+def machine_table(rows: list[dict[str, Any]]) -> str:
+    """Whether the machine itself stalled while every member ran, durable beside control: how
+    late a bystander process woke from its 0.1 s sleeps, the rounds in which it once woke half a
+    second late, how long the API server's threads waited for a core, and what PostgreSQL
+    logged."""
+    events = ", ".join(name for name, _ in POSTGRES_EVENTS)
+    head = "| code | N | variant | bystander woke late p99 / max ms | rounds with a stall "
+    head += f"| API server's threads waited for a core, ms a second | PostgreSQL: {events} |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for s in rows:
+        for name, p99 in (s.get("bystander_late_p99_ms") or {}).items():
+            late = f"{_fmt(p99)} / {_fmt(s['bystander_late_max_ms'].get(name))}"
+            wait = _fmt((s.get("api_cpu_wait_ms_per_s") or {}).get(name))
+            logged = ", ".join(str(v) for v in (s.get("postgres_events") or {}).get(name, {}).values()) or "-"
+            stalled = s["rounds_stalled"].get(name, "-")
+            lines.append(f"| {s['code']} | {s['n']} | {name} | {late} | {stalled} | {wait} | {logged} |")
     return "\n".join(lines)
 
 
@@ -1060,7 +1231,9 @@ def main(argv: list[str] | None = None) -> None:
                             loads.append(os.getloadavg())
                             print(comparison(rows[-1:]), flush=True)
                             print(cpu_parts(rows[-1:]), flush=True)
+                            print(member_cpu_table(rows[-1:]), flush=True)
                             print(api_requests_table(rows[-1:]), flush=True)
+                            print(machine_table(rows[-1:]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     meta = {
@@ -1081,7 +1254,11 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(cpu_parts(rows))
     print()
+    print(member_cpu_table(rows))
+    print()
     print(api_requests_table(rows))
+    print()
+    print(machine_table(rows))
     for s in rows:
         for error in s["errors"]:
             print(f"[fleet] {s['db']} N={s['n']}: {error}")

@@ -15,8 +15,10 @@ response, then an answer; 7 model requests uninterrupted), whose tool takes ``FL
 * ``fleet_bare``: a plain ``@task`` that waits (the memory baseline: no provider, no pydantic-ai).
 
 What the benchmark reads besides the logs, in ``FLEET_STATE_DIR``: ``<run_id>.try<N>.json``
-(pid, supervisor pid), ``<run_id>.tools.jsonl`` (each tool call's start, try, and whether it was a
-rerun) and ``<run_id>.try<N>.store.jsonl`` (each task state store call: op, ms; a ``set``'s bytes).
+(pid, supervisor pid, at ``pre_execute``), ``<run_id>.tools.jsonl`` (each tool call's start, try
+and whether it was a rerun) and ``<run_id>.try<N>.store.jsonl`` (each task state store call: op,
+ms; a ``set``'s bytes). The first two also hold the CPU seconds the task process and its
+supervisor had used by then (``cpu``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import psutil
 from airflow.sdk import DAG, task
 
 from cancellable_agents import AgentOperator, DurableOptions
@@ -82,14 +85,22 @@ class TimedStore:
         return timed
 
 
+def cpu_s() -> list[float]:
+    """CPU seconds used so far by this task process (all its threads) and by its supervisor."""
+    supervisor = psutil.Process(os.getppid()).cpu_times()
+    return [time.process_time(), supervisor.user + supervisor.system]
+
+
 def begin_try(context: Any) -> None:
-    """Say who we are (pid, supervisor) and time every task state store call of this try."""
+    """Say who we are (pid, supervisor, CPU so far) and time every task state store call of this
+    try."""
     ti = context["ti"]
     base = f"{ti.run_id}.try{ti.try_number}"
     accessor = context.get("task_state_store")
     if accessor is not None:
         context["task_state_store"] = TimedStore(accessor, STATE_DIR / f"{base}.store.jsonl")
-    _write_json(STATE_DIR / f"{base}.json", {"pid": os.getpid(), "ppid": os.getppid(), "at": time.time()})
+    who = {"pid": os.getpid(), "ppid": os.getppid(), "at": time.time(), "cpu": cpu_s()}
+    _write_json(STATE_DIR / f"{base}.json", who)
 
 
 #: How long the first step waits for the other members of its batch (``await_batch``).
@@ -122,7 +133,7 @@ def work(n: int) -> str:
     if n == 1 and ti.try_number == 1:
         await_batch(context["dag_run"].conf or {}, ti.run_id)
     resume = current_resume()
-    line = {"n": n, "try": ti.try_number, "at": time.time(), "resumed": resume is not None}
+    line = {"n": n, "try": ti.try_number, "at": time.time(), "resumed": resume is not None, "cpu": cpu_s()}
     with (STATE_DIR / f"{ti.run_id}.tools.jsonl").open("a") as out:
         out.write(json.dumps(line) + "\n")
     time.sleep(TOOL_S)

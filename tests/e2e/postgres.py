@@ -60,9 +60,19 @@ class PostgresCluster:
 
     :param max_connections: Airflow's components each hold a pool (5 + 10 overflow by default),
         and every task's supervisor talks through the api-server's pool; 200 leaves room.
+    :param log_path: where the server writes its log; ``None`` puts it in the cluster's
+        directory, removed at ``stop``. A path outside it outlives the cluster, for a benchmark
+        whose database side is read afterwards.
+    :param settings: further server settings (``-c name=value``), e.g. what to log.
     """
 
-    def __init__(self, *, max_connections: int = 200) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int = 200,
+        log_path: Path | None = None,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         bin_dir = server_bin_dir()
         if bin_dir is None:
             raise RuntimeError(missing_reason())
@@ -70,9 +80,10 @@ class PostgresCluster:
         self.root = Path(tempfile.mkdtemp(prefix="cancellable-agents-pg-"))
         self.data = self.root / "data"
         self.sockets = self.root / "sockets"
-        self.log_path = self.root / "postgres.log"
+        self.log_path = log_path or self.root / "postgres.log"
         self.port = free_port()
         self.max_connections = max_connections
+        self.settings = settings or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self._as_user = UNPRIVILEGED if os.geteuid() == 0 else None
 
@@ -122,6 +133,8 @@ class PostgresCluster:
         server += ["-c", f"max_connections={self.max_connections}"]
         # A throwaway database: durability buys nothing and fsync costs a 2-core CI box its time.
         server += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        for name, value in self.settings.items():
+            server += ["-c", f"{name}={value}"]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 self._argv(*server),
