@@ -1,13 +1,13 @@
 """A bystander of the fleet benchmark: how long the machine kept a sleeping process from a CPU.
 
 ``benchmarks/fleet.py`` starts it in a session of its own, so that the kernel's autogroup
-scheduling (on wherever ``/proc/sys/kernel/sched_autogroup_enabled`` is 1) treats it as it treats
+scheduling (on where ``/proc/sys/kernel/sched_autogroup_enabled`` is 1, as here) treats it as it treats
 each Airflow component, which also runs in a session of its own. It sleeps ``TICK_S`` at a time
 and writes one line per wake: when (``at``), how much later than asked it woke (``late_ms``), and
 the API server's run-queue wait so far (``api_wait_ns``: the second field of
 ``/proc/PID/task/TID/schedstat``, the time a thread was runnable but not running, summed over the
 threads of the API server's process and of its worker processes; a thread's wait counts from the
-first wake that saw it, and goes on counting after it ends).
+first wake that saw it, and stays in the sum after the thread ends).
 
 A heartbeat slow while the bystander woke late was slowed by the machine (every process waited
 for a core), not by what the API server was asked; the API server's wait says how much of its
