@@ -79,7 +79,44 @@ def _await_deferred(env: E2EEnv, result: PathResult, try_number: int = 1) -> dic
             return None
         return ti if _deferrals_seen(env, ti["id"], try_number) else None
 
-    return wait_until(probe, WAIT_S, f"{result.run_id}: try {try_number} deferred", interval=0.25)
+    return wait_until(
+        probe,
+        WAIT_S,
+        f"{result.run_id}: try {try_number} deferred",
+        interval=0.25,
+        on_timeout=lambda: _where_it_waits(env, result),
+    )
+
+
+def _where_it_waits(env: E2EEnv, result: PathResult) -> str:
+    """What a timed-out wait saw: the tries, each condition of :func:`_await_deferred`, the
+    DAG's other task instances (``max_active_tasks=1``), the task's log files and the components'
+    log tails: enough to tell a try that never ran from one that failed before it deferred."""
+    tries = env.rest.json(
+        "GET", f"/api/v2/dags/{result.dag_id}/dagRuns/{result.run_id}/taskInstances/agent/tries"
+    )["task_instances"]
+    starts = _starts(env, result)
+    polled = {s["job"]: jobs.last_polled(str(env.state_dir / "jobs"), s["job"]) for s in starts}
+    listed = env.rest.json(
+        "GET", f"/api/v2/dags/{result.dag_id}/dagRuns/~/taskInstances", params={"limit": 100}
+    )["task_instances"]
+    busy = [
+        (t["dag_run_id"], t["task_id"], t["try_number"], t["state"])
+        for t in listed
+        if t["state"] not in ("success", "failed", "skipped", "upstream_failed")
+    ]
+    ti = _state(env, result)
+    parts = [
+        f"tries: {[(t['try_number'], t['state'], t['start_date'], t['end_date']) for t in tries]}",
+        f"now: try {ti['try_number']} {ti['state']}, deferrals seen "
+        f"{_deferrals_seen(env, ti['id'], ti['try_number'])}",
+        f"starts: {starts}; last polled: {polled}",
+        f"{result.dag_id}'s unfinished task instances: {busy}",
+    ]
+    for path in env.stack.task_log_files(result.dag_id, result.run_id, "agent"):
+        parts.append(f"----- {path.name} -----\n{path.read_text(errors='replace')[-4000:]}")
+    parts.append(env.stack.logs(lines=40, names=("scheduler", "triggerer")))
+    return "\n".join(parts)
 
 
 def _deferrals_seen(env: E2EEnv, ti_id: str, try_number: int) -> int:
