@@ -55,6 +55,7 @@ import functools
 import itertools
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -139,6 +140,26 @@ def pct(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def ratio_interval(
+    rounds: list[tuple[list[float], list[float]]], q: float = 0.95, draws: int = 2000
+) -> tuple[float, float] | None:
+    """Where the pooled ``q`` quantile's ratio (first / second of each pair) lies nine times in
+    ten when the rounds are drawn again with replacement (a bootstrap over rounds, seeded): how
+    far one run's ratio can be trusted. A heartbeat p95 moves with the stalls that hit a round's
+    heartbeats together, so the rounds, not the heartbeats, are what is resampled. ``None`` for
+    fewer than two rounds."""
+    if len(rounds) < 2:
+        return None
+    pick, ratios = random.Random(0).choices, []
+    for _ in range(draws):
+        drawn = pick(rounds, k=len(rounds))
+        first = pct([ms for a, _ in drawn for ms in a], q)
+        second = pct([ms for _, b in drawn for ms in b], q)
+        if first and second:
+            ratios.append(first / second)
+    return (pct(ratios, 0.05) or 0.0, pct(ratios, 0.95) or 0.0) if ratios else None
 
 
 # -- the stack -----------------------------------------------------------------------------------
@@ -578,6 +599,8 @@ class Row:
     #: Each round's heartbeat p95 durable / control while all ran: a p95 of a few hundred
     #: heartbeats moves with the API server's stalls, which hit many heartbeats at once.
     heartbeat_ratio_rounds: list[float] = field(default_factory=list)
+    #: Each round's heartbeats while all ran, durable beside control (``ratio_interval``).
+    heartbeat_round_pairs: list[tuple[list[float], list[float]]] = field(default_factory=list)
     #: The API server's requests while every member ran, by steady-state variant: seconds of
     #: those spans, requests by kind (``API_KINDS``), and each heartbeat's time inside the server.
     api_window_s: dict[str, float] = field(default_factory=dict)
@@ -630,7 +653,7 @@ def steady(
     busy_by: dict[str, float] = {}
     steps_by: dict[str, int] = {}
     round_p50: dict[tuple[int, str], float | None] = {}
-    round_beats_p95: dict[tuple[int, str], float | None] = {}
+    round_beats: dict[tuple[int, str], list[float]] = {}
     by_part: dict[str, dict[str, float]] = {}
     for round_no, (dag_id, name, step_ms) in order:
         busy_before, parts_before, started = _busy_cpu_s(), fleet.cpu_s_by_part(), time.time()
@@ -651,7 +674,7 @@ def steady(
         if window is not None:
             beats = fleet.heartbeats(*window)
             row.heartbeat_steady_ms.setdefault(name, []).extend(beats)
-            round_beats_p95[(round_no, name)] = pct(beats, 0.95)
+            round_beats[(round_no, name)] = beats
             row.api_window_s[name] = row.api_window_s.get(name, 0.0) + window[1] - window[0]
             kinds = row.api_requests.setdefault(name, {})
             for kind, server_ms in fleet.api_requests(*window):
@@ -696,10 +719,12 @@ def steady(
         durable, control = round_p50.get((round_no, "durable")), round_p50.get((round_no, "control"))
         if durable and control:
             row.step_ratio_rounds.append(round(durable / control, 2))
-        beats_durable = round_beats_p95.get((round_no, "durable"))
-        beats_control = round_beats_p95.get((round_no, "control"))
-        if beats_durable and beats_control:
-            row.heartbeat_ratio_rounds.append(round(beats_durable / beats_control, 2))
+        beats_durable = round_beats.get((round_no, "durable")) or []
+        beats_control = round_beats.get((round_no, "control")) or []
+        p95_durable, p95_control = pct(beats_durable, 0.95), pct(beats_control, 0.95)
+        if p95_durable and p95_control:
+            row.heartbeat_ratio_rounds.append(round(p95_durable / p95_control, 2))
+            row.heartbeat_round_pairs.append((beats_durable, beats_control))
 
 
 def all_running(starts_by_run: list[list[float]]) -> tuple[float, float] | None:
@@ -924,6 +949,7 @@ def summary(row: Row) -> dict[str, Any]:
         },
         "heartbeat_server_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_server_ms.items()},
         "heartbeat_ratio_rounds": row.heartbeat_ratio_rounds,
+        "heartbeat_ratio_interval": ratio_interval(row.heartbeat_round_pairs),
         "bystander_late_p99_ms": {name: pct(ms, 0.99) for name, ms in row.bystander_late_ms.items()},
         "bystander_late_max_ms": {name: pct(ms, 1.0) for name, ms in row.bystander_late_ms.items()},
         "rounds_stalled": {
@@ -1005,7 +1031,8 @@ def comparison(rows: list[dict[str, Any]]) -> str:
     head = (
         "| code | db | API workers | N | step p50 durable / control ms (ratio; by round) "
         "| store calls per step | bytes per set p50 | set p50 / p95 / max ms "
-        "| heartbeat p95 ms durable / control: while all ran (count; ratio by round); whole phase "
+        "| heartbeat p95 ms durable / control: while all ran (count; ratio by round; 90 % of "
+        "runs redrawn from its rounds); whole phase "
         "| eviction: cause right (sources) | unwound max ms | resumed | mark failed: user, retried "
         "| RSS / PSS per task MiB (bare) | API server pool timeouts |"
     )
@@ -1015,6 +1042,8 @@ def comparison(rows: list[dict[str, Any]]) -> str:
         steady, counts = s.get("heartbeat_steady_p95_ms") or {}, s.get("heartbeats_steady") or {}
         by_round = ", ".join(f"{r:.2f}" for r in s.get("step_ratio_rounds") or [])
         beats_by_round = ", ".join(f"{r:.2f}" for r in s.get("heartbeat_ratio_rounds") or [])
+        if interval := s.get("heartbeat_ratio_interval"):
+            beats_by_round += f"; 90 % of redrawn runs {interval[0]:.2f}-{interval[1]:.2f}"
         sources = ", ".join(f"{k}: {v}" for k, v in sorted((s.get("evict_sources") or {}).items()))
         lines.append(
             f"| {s['code']} | {s['db']} | {s['api_workers']} | {n} "
