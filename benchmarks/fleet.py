@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -194,9 +194,16 @@ class Fleet:
     def tag(self, run_id: str) -> str:
         return f"[{run_id}]"
 
-    def requests_of(self, run_id: str) -> list[Any]:
-        tag = self.tag(run_id)
-        return [r for r in self.model_server.requests if tag in json.dumps(r.messages)]
+    def requests_by_run(self, run_ids: Iterable[str]) -> dict[str, list[Any]]:
+        """Each run's model requests, from one copy of the server's records. A run's tag is in
+        its prompt, so only the user messages are searched: over a long run's rounds tens of
+        thousands of requests pile up, and dumping each one's whole transcript once per run
+        (as this did) took a minute between phases by the seventh round, and longer each round."""
+        prompts = [
+            (r, json.dumps([m for m in r.messages if m.get("role") == "user"]))
+            for r in self.model_server.requests
+        ]
+        return {run_id: [r for r, text in prompts if self.tag(run_id) in text] for run_id in run_ids}
 
     def member(self, run_id: str, try_number: int = 1) -> dict[str, Any] | None:
         path = self.state_dir / f"{run_id}.try{try_number}.json"
@@ -497,7 +504,8 @@ def await_members(fleet: Fleet, runs: list[str], timeout: float, *, streaming: b
             return False
         if not streaming:
             return True
-        return all(any(q.tokens_sent >= MID_STREAM_TOKENS for q in fleet.requests_of(r)) for r in runs)
+        by_run = fleet.requests_by_run(runs).values()
+        return all(any(q.tokens_sent >= MID_STREAM_TOKENS for q in requests) for requests in by_run)
 
     wait_until(ready, timeout, f"{len(runs)} members to be mid-run", interval=0.1)
 
@@ -696,6 +704,7 @@ def steady(
         steps = steps_while_all_run(list(starts_by_run.values()))
         step_ms.extend(steps)
         round_p50[(round_no, name)] = pct(steps, 0.5)
+        requests_by_run = fleet.requests_by_run(runs) if dag_id == "fleet_durable" else {}
         for run_id in runs:
             if dag_id != "fleet_durable":
                 continue
@@ -705,7 +714,7 @@ def steady(
             row.set_bytes.extend(c["bytes"] for c in calls if "bytes" in c)
             for call in calls:
                 row.store_ops[call["op"]] = row.store_ops.get(call["op"], 0) + 1
-            requests = len(fleet.requests_of(run_id))
+            requests = len(requests_by_run[run_id])
             if requests:
                 row.calls_per_step.append(len(calls) / requests)
         steps_by[name] = steps_by.get(name, 0) + sum(max(0, len(s) - 1) for s in starts_by_run.values())
@@ -789,6 +798,7 @@ def evict_storm(fleet: Fleet, row: Row, timeout: float, load: int) -> None:
         gone = watch_exits(pids, GRACE_S + 5)
         await_runs(fleet, "fleet_storm", runs, timeout)
     unwound, decided, causes, sources, resumed, requests = [], [], [], [], 0, []
+    requests_by_run = fleet.requests_by_run(runs)
     for run_id in runs:
         record = next(iter(fleet.records("fleet_storm", run_id, 1)), None)
         if record is not None:
@@ -800,7 +810,7 @@ def evict_storm(fleet: Fleet, row: Row, timeout: float, load: int) -> None:
             (t for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 2), key=lambda t: t["at"]
         )
         resumed += bool(try2 and try2[0]["n"] > 1)
-        requests.append(len(fleet.requests_of(run_id)))
+        requests.append(len(requests_by_run[run_id]))
     row.evict = {
         "unwound_ms": [u for u in unwound if u is not None],
         "cause_decided_ms": [d for d in decided if d is not None],
