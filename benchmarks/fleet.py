@@ -123,6 +123,11 @@ POSTGRES_EVENTS = (
 #: heartbeat slowed by half a second there was slowed by the machine, whatever it was asked.
 BYSTANDER_LOG = "bystander.jsonl"
 STALL_MS = 500.0
+#: Every process's garbage collections of 20 ms or more (``fleet_site/sitecustomize.py``), and
+#: from how long one of the API server's counts: a collection stops every thread of its process,
+#: so in the one API server every request in flight waits for it.
+COLLECTIONS_LOG = "collections.jsonl"
+API_PAUSE_MS = 100.0
 #: One line of the API server's access log (structlog's ``http.access`` ``request finished``).
 ACCESS_LINE = re.compile(r"^(?P<at>\S+) .*request finished.* duration_us=(?P<us>\d+) .* path=(?P<path>\S+)")
 #: The kinds of request counted while every member ran, by path (the first that matches).
@@ -253,6 +258,19 @@ class Fleet:
         waited_ms = (wakes[-1]["api_wait_ns"] - wakes[0]["api_wait_ns"]) / 1e6
         return late, max(0.0, waited_ms / (wakes[-1]["at"] - wakes[0]["at"]))
 
+    def api_pauses(self, start: float, end: float) -> list[float]:
+        """Milliseconds of each garbage collection of ``API_PAUSE_MS`` or more that a process of
+        the API server (its own and its workers') ended between ``start`` and ``end`` (wall)."""
+        root = self.stack.components["api-server"].proc.pid
+        with contextlib.suppress(psutil.Error):
+            pids = {root, *(c.pid for c in psutil.Process(root).children(recursive=True))}
+            return [
+                float(c["ms"])
+                for c in self.jsonl(COLLECTIONS_LOG)
+                if c["pid"] in pids and c["ms"] >= API_PAUSE_MS and start <= c["at"] <= end
+            ]
+        return []
+
     def member_cpu(self, run_id: str, window: tuple[float, float]) -> dict[str, float]:
         """A member's CPU seconds from its first try's notes (``cpu``: task process, supervisor,
         cumulative): over the steps it took while all ran (``task``, ``supervisor``, ``steps``),
@@ -346,6 +364,7 @@ def fleet_stack(
             "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": str(parallelism),
             "AIRFLOW__API__WORKERS": str(api_workers),
             "FLEET_HEARTBEAT_LOG": str(state_dir / "heartbeats.jsonl"),
+            "FLEET_GC_LOG": str(state_dir / COLLECTIONS_LOG),
             **{f"AIRFLOW__CANCELLABLE_AGENTS__{k.upper()}": v for k, v in (settings or {}).items()},
             **(
                 {
@@ -621,6 +640,8 @@ class Row:
     bystander_late_ms: dict[str, list[float]] = field(default_factory=dict)
     bystander_late_max_rounds: dict[str, list[float]] = field(default_factory=dict)
     api_cpu_wait_ms_per_s: dict[str, list[float]] = field(default_factory=dict)
+    #: The API server's garbage collections of ``API_PAUSE_MS`` or more (ms), ``Fleet.api_pauses``.
+    api_pause_ms: dict[str, list[float]] = field(default_factory=dict)
     postgres_events: dict[str, dict[str, int]] = field(default_factory=dict)
     store_ops: dict[str, int] = field(default_factory=dict)
     calls_per_step: list[float] = field(default_factory=list)
@@ -694,6 +715,7 @@ def steady(
             row.bystander_late_max_rounds.setdefault(name, []).append(max(late, default=0.0))
             if api_wait is not None:
                 row.api_cpu_wait_ms_per_s.setdefault(name, []).append(api_wait)
+            row.api_pause_ms.setdefault(name, []).extend(fleet.api_pauses(*window))
             events = row.postgres_events.setdefault(name, {})
             for event, count in fleet.postgres_events(*window).items():
                 events[event] = events.get(event, 0) + count
@@ -969,6 +991,10 @@ def summary(row: Row) -> dict[str, Any]:
         "api_cpu_wait_ms_per_s": {
             name: statistics.fmean(per_s) for name, per_s in row.api_cpu_wait_ms_per_s.items() if per_s
         },
+        "api_pauses": {
+            name: f"{len(ms)}, {sum(ms):.0f} ms (max {max(ms, default=0):.0f})"
+            for name, ms in row.api_pause_ms.items()
+        },
         "postgres_events": row.postgres_events,
         "evict_eviction": sum(c.startswith("eviction/") for c in ev.get("causes", [])),
         "evict_sources": {s: ev.get("cause_sources", []).count(s) for s in set(ev.get("cause_sources", []))},
@@ -1132,19 +1158,25 @@ def api_requests_table(rows: list[dict[str, Any]]) -> str:
 def machine_table(rows: list[dict[str, Any]]) -> str:
     """Whether the machine itself stalled while every member ran, durable beside control: how
     late a bystander process woke from its 0.1 s sleeps, the rounds in which it once woke half a
-    second late, how long the API server's threads waited for a core, and what PostgreSQL
+    second late, how long the API server's threads waited for a core, its garbage collections
+    of ``API_PAUSE_MS`` or more (each stops every request in flight), and what PostgreSQL
     logged."""
     events = ", ".join(name for name, _ in POSTGRES_EVENTS)
     head = "| code | N | variant | bystander woke late p99 / max ms | rounds with a stall "
-    head += f"| API server's threads waited for a core, ms a second | PostgreSQL: {events} |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head += "| API server's threads waited for a core, ms a second "
+    head += f"| API server's collections of {API_PAUSE_MS:.0f} ms or more: count, total "
+    head += f"| PostgreSQL: {events} |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for s in rows:
         for name, p99 in (s.get("bystander_late_p99_ms") or {}).items():
             late = f"{_fmt(p99)} / {_fmt(s['bystander_late_max_ms'].get(name))}"
             wait = _fmt((s.get("api_cpu_wait_ms_per_s") or {}).get(name))
             logged = ", ".join(str(v) for v in (s.get("postgres_events") or {}).get(name, {}).values()) or "-"
             stalled = s["rounds_stalled"].get(name, "-")
-            lines.append(f"| {s['code']} | {s['n']} | {name} | {late} | {stalled} | {wait} | {logged} |")
+            paused = (s.get("api_pauses") or {}).get(name, "-")
+            lines.append(
+                f"| {s['code']} | {s['n']} | {name} | {late} | {stalled} | {wait} | {paused} | {logged} |"
+            )
     return "\n".join(lines)
 
 

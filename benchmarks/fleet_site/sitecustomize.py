@@ -5,6 +5,8 @@ The heartbeat is sent by each task's supervisor (not the task process), through 
 ``httpx`` client: every request whose path ends in ``/heartbeat`` appends one JSON line (wall
 time, milliseconds, status, pid) to the file ``FLEET_HEARTBEAT_LOG`` names. Imported by every
 Python process of the stack at start, so the supervisors, forked later, inherit the wrapper.
+Where ``FLEET_GC_LOG`` is set, every process also notes its garbage collections of 20 ms or more
+there: one in the API server stops every request in flight.
 """
 
 from __future__ import annotations
@@ -40,5 +42,39 @@ def _install(path: str) -> None:
     httpx.Client.send = timed_send  # type: ignore[method-assign]
 
 
+#: Collections shorter than this are not noted (every process collects many times a second).
+GC_NOTE_MS = 20.0
+
+
+def _note_collections(path: str) -> None:
+    """Append one line per garbage collection of ``GC_NOTE_MS`` or more (wall time at its end,
+    milliseconds, generation, objects collected, pid): a collection stops every thread
+    of its process, so in the one API server process it stalls every request in flight."""
+    import gc
+
+    began: list[float] = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+            return
+        ms = (time.perf_counter() - began[0]) * 1000
+        if ms < GC_NOTE_MS:
+            return
+        line = {
+            "at": time.time(),
+            "ms": round(ms, 1),
+            "gen": info.get("generation"),
+            "collected": info.get("collected"),
+            "pid": os.getpid(),
+        }
+        with open(path, "a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    gc.callbacks.append(callback)
+
+
 if os.environ.get("FLEET_HEARTBEAT_LOG"):
     _install(os.environ["FLEET_HEARTBEAT_LOG"])
+if os.environ.get("FLEET_GC_LOG"):
+    _note_collections(os.environ["FLEET_GC_LOG"])
