@@ -208,7 +208,8 @@ class Fleet:
             (r, json.dumps([m for m in r.messages if m.get("role") == "user"]))
             for r in self.model_server.requests
         ]
-        return {run_id: [r for r, text in prompts if self.tag(run_id) in text] for run_id in run_ids}
+        tags = {run_id: self.tag(run_id) for run_id in run_ids}
+        return {run_id: [r for r, text in prompts if tag in text] for run_id, tag in tags.items()}
 
     def member(self, run_id: str, try_number: int = 1) -> dict[str, Any] | None:
         path = self.state_dir / f"{run_id}.try{try_number}.json"

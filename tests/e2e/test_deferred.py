@@ -89,6 +89,14 @@ def _await_deferred(env: E2EEnv, result: PathResult, try_number: int = 1) -> dic
 
 
 def _where_it_waits(env: E2EEnv, result: PathResult) -> str:
+    """:func:`_what_it_saw`, or why it could not be gathered: the timeout stays the error."""
+    try:
+        return _what_it_saw(env, result)
+    except Exception as exc:
+        return f"(what the wait saw could not be gathered: {exc!r})"
+
+
+def _what_it_saw(env: E2EEnv, result: PathResult) -> str:
     """What a timed-out wait saw: the tries, each condition of :func:`_await_deferred`, the
     DAG's other task instances (``max_active_tasks=1``), the task's log files and the components'
     log tails: enough to tell a try that never ran from one that failed before it deferred."""
