@@ -106,7 +106,11 @@ calls = {
 seen = {}
 for name, args in calls.items():
     ctypes.set_errno(0)
-    result = libc.syscall(numbers[name], *args)
+    # Each argument as a long: syscall(2) reads longs, and an int passed through its varargs on
+    # the stack (process_vm_readv's flags, the seventh) may carry garbage in its upper half,
+    # which the kernel refuses with EINVAL (one machine did, every time).
+    longs = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    result = libc.syscall(ctypes.c_long(numbers[name]), *longs)
     seen[name] = [result, ctypes.get_errno()]
 seen["key"] = buf.value.decode()
 print(json.dumps(seen))

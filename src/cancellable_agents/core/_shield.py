@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 
 #: Longest the wait goes on after a cancel when no task scope (and so no budget) is around.
 UNSCOPED_BOUND = 5.0
+#: How long the loop's thread sleeps at each cancel absorbed after the first. A canceller that
+#: re-delivers at every turn of the loop (anyio's cancel scopes do) spins it, holding the GIL, and
+#: the threads doing ``work`` wait for the GIL at every system call: a sandbox stop's sweep of
+#: /proc took over 5 s beside such a loop on an idle two-core machine, 0.5 s with this pause.
+RESPIN_PAUSE_S = 0.001
 
 
 async def wait_shielded(work: Awaitable[Any], what: str, *, timeout: float | None = None) -> None:
@@ -57,6 +63,8 @@ async def wait_shielded(work: Awaitable[Any], what: str, *, timeout: float | Non
         try:
             await asyncio.wait({job}, timeout=left)
         except asyncio.CancelledError as exc:
+            if absorbed is not None:
+                time.sleep(RESPIN_PAUSE_S)  # blocking on purpose: it hands ``work``'s threads the GIL
             absorbed = absorbed or exc
             if deadline is None:
                 deadline = loop.time() + _budget()
