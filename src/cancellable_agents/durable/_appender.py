@@ -41,10 +41,11 @@ log = logging.getLogger(__name__)
 #: backstop: Airflow itself ends a superseded try within a heartbeat (its heartbeat is refused
 #: once the newer try runs), and fencing never depends on it. At 10 s these reads were a third
 #: of a 20-second run's store calls at 32 durable agents, every one a round trip through the
-#: API server the fleet's heartbeats share.
-OWNER_CHECK_S = 30.0
-#: Every this many ownership checks also look whether the record was deleted: a second read,
-#: which at every check doubled what a long run adds to the store between its steps.
+#: API server the fleet's heartbeats share; at 30 s still a third of a 40-second run's.
+OWNER_CHECK_S = 60.0
+#: Every this many ownership checks (from the this-many-th on) also look whether the record was
+#: deleted: a second read, which at every check doubled what a long run adds to the store
+#: between its steps, and at the first one made it two reads in every run over a minute.
 DELETION_CHECK_EVERY = 3
 #: How many entries may be appended but not yet stored before the run waits for the store. A
 #: SIGKILL loses at most these (each a completed step or a parallel call's result): the next try
@@ -279,7 +280,7 @@ class Appender:
         self._checks += 1
         newer = self.try_number + 1
         if self.store.get(segment_key(self.key, newer, 0)) is None:
-            deletion_due = self._checks % DELETION_CHECK_EVERY == 1
+            deletion_due = self._checks % DELETION_CHECK_EVERY == 0
             own_first = segment_key(self.key, self.try_number, 0)
             if deletion_due and self._stored_any and self.store.get(own_first) is None:
                 self.turn_off(

@@ -117,7 +117,7 @@ class Journal:
     :param owner_check_s: how often (seconds of ``clock``) the run looks whether a newer try of
         the task took over, and cancels itself if so (``0``: before every append). Fencing does
         not depend on it: a stale try's appends never reach what a newer try resumes from; this
-        only stops its wasted work sooner than Airflow's heartbeat does.
+        only stops its wasted work should Airflow's heartbeat not end it first.
     :param answers: a reviewer's decisions, by tool call id, for the approval the record is
         stopped at (see [`cancellable_agents.durable._pauses`][]): this execution continues
         the same try after its pause (its own segment is read too) and the answer is recorded
