@@ -85,5 +85,9 @@ def test_a_stream_that_is_not_cancelled_is_untouched(server: ScriptedModelServer
 
     result = run_agent_in_scope(scope, agent, "go", event_stream_handler=read_all)
     assert result.output == "tok0 tok1 tok2 tok3 tok4"
-    assert [r.outcome for r in server.requests] == ["completed"]
+    # The server records the outcome once its handler returns, which may be after the client
+    # read the last token: wait for it.
+    finished = server.wait_for_finished(1, timeout=10)
+    assert finished is not None, "the server never finished the request"
+    assert [r.outcome for r in finished] == ["completed"]
     assert not any(e.event == "model_streams_closed" for e in scope.timeline)
