@@ -75,7 +75,7 @@ typecheck: $(STAMP)
 # "database is locked" ended components), but nine workers and six retries importing at once still
 # starve a 2-core box beside a lane: beside other load (load average 9-10) one run passed in 108 s,
 # in another three retries' DAG imports passed the 30 s DagBag timeout.
-# Each lane's output is printed when it ends. The stress test runs 30 s here; `make stress` runs it
+# Each lane's output is printed when it ends, with its slowest tests (to rebalance the lanes). The stress test runs 30 s here; `make stress` runs it
 # for 5 minutes (or CANCELLABLE_AGENTS_STRESS_SECONDS).
 test: $(STAMP) system-deps lint typecheck
 	$(MAKE) --no-print-directory -j2 --output-sync=target ci-lane-a ci-lane-b
@@ -84,10 +84,10 @@ test: $(STAMP) system-deps lint typecheck
 ci-lane-a: $(STAMP) system-deps
 	$(MAKE) --no-print-directory e2e-local
 	CANCELLABLE_AGENTS_STRESS_SECONDS=$${CANCELLABLE_AGENTS_STRESS_SECONDS:-30} $(MAKE) --no-print-directory stress
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(LANE_A_PROCESS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=8 $(LANE_A_PROCESS)
 
 ci-lane-b: $(STAMP) system-deps
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit tests/process $(addprefix --ignore=,$(LANE_A_PROCESS))
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=8 tests/unit tests/process $(addprefix --ignore=,$(LANE_A_PROCESS))
 	$(MAKE) --no-print-directory compat-airflow AIRFLOW_COMPAT_RUN=3.1
 	$(MAKE) --no-print-directory compat-common-ai compat-airflow AIRFLOW_COMPAT_RUN=3.2
 
@@ -124,7 +124,7 @@ e2e: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/e2e
 
 e2e-local: $(STAMP) system-deps
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests/e2e --ignore=tests/e2e/test_celery.py
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=8 tests/e2e --ignore=tests/e2e/test_celery.py
 
 e2e-celery: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/e2e/test_celery.py
