@@ -75,8 +75,9 @@ typecheck: $(STAMP)
 # "database is locked" ended components), but nine workers and six retries importing at once still
 # starve a 2-core box beside a lane: beside other load (load average 9-10) one run passed in 108 s,
 # in another three retries' DAG imports passed the 30 s DagBag timeout.
-# Each lane's output is printed when it ends, with its slowest tests (to rebalance the lanes). The stress test runs 30 s here; `make stress` runs it
-# for 5 minutes (or CANCELLABLE_AGENTS_STRESS_SECONDS).
+# Each lane's output is printed when it ends, with its slowest tests (to rebalance the lanes). The
+# stress test runs 30 s here; `make stress` runs it for 5 minutes (or
+# CANCELLABLE_AGENTS_STRESS_SECONDS).
 test: $(STAMP) system-deps lint typecheck
 	$(MAKE) --no-print-directory -j2 --output-sync=target ci-lane-a ci-lane-b
 	$(MAKE) --no-print-directory e2e-celery

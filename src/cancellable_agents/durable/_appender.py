@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 OWNER_CHECK_S = 60.0
 #: Every this many ownership checks (from the this-many-th on) also look whether the record was
 #: deleted: a second read, which at every check doubled what a long run adds to the store
-#: between its steps, and at the first one made it two reads in every run over a minute.
+#: between its steps, and at the first one made it two reads in every run of over 30 s.
 DELETION_CHECK_EVERY = 3
 #: How many entries may be appended but not yet stored before the run waits for the store. A
 #: SIGKILL loses at most these (each a completed step or a parallel call's result): the next try
