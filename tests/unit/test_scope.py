@@ -50,6 +50,28 @@ def test_cancel_returns_at_once_and_is_idempotent() -> None:
     assert _events(scope).count("cancel_repeated") == 20
 
 
+def test_a_cancel_nested_in_a_cancel_on_the_same_thread_starts_no_second_unwind() -> None:
+    """A burst of SIGTERMs runs the handler again inside the first one's cancel() (same thread,
+    so the RLock lets it in). The nested call comes at the first clock read inside cancel(),
+    where a signal can land before the outer call marks the scope cancelled."""
+    nested: list[bool] = []
+    armed = [False]
+
+    def clock() -> float:
+        if armed[0]:
+            armed[0] = False
+            nested.append(scope.cancel(CancelCause.EVICTION))  # as a signal handler would
+        return time.monotonic()
+
+    scope = TaskCancellation(clock=clock)
+    armed[0] = True
+    assert scope.cancel(CancelCause.EVICTION) is True
+    assert scope.wait_released(5)
+    assert nested == [False], "the nested cancel started an unwind of its own"
+    assert _events(scope).count("kill_received") == 1
+    assert _events(scope).count("resources_released") == 1
+
+
 def test_concurrent_cancels_start_one_unwind() -> None:
     scope = TaskCancellation()
     barrier = threading.Barrier(16)

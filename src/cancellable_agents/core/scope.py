@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -127,6 +128,10 @@ class TaskCancellation:
         self._clock = clock
         self._lock = threading.RLock()
         self._cancelled = threading.Event()  # set once, under _lock
+        # Taken by the one cancel that starts the unwind. ``next()`` is one C call: a signal
+        # handler run on this thread inside cancel() (the RLock lets it in) finds it taken, where
+        # it could pass an ``is_set()`` check made before the outer call's ``set()``.
+        self._cancel_claims = itertools.count()
         self._signalled = threading.Event()  # set by the unwind once the token was cancelled
         self._cause_decided = threading.Event()  # set once _cause is
         self._release_done = threading.Condition(self._lock)
@@ -385,7 +390,7 @@ class TaskCancellation:
                 self.record("cancel_ignored", reason="run already completed", cause=cause.value)
                 log.info("%s: cancel after the run completed; nothing to do", self.name)
                 return False
-            if self._cancelled.is_set():
+            if next(self._cancel_claims):
                 self.record("cancel_repeated", cause=cause.value)
                 return False
             self._cancel_at = self._clock()
