@@ -276,6 +276,8 @@ EXEC_TIMEOUT_DAG = "e2e_approval_exec_timeout"
 #: scheduler's sweep of timed-out waits (``trigger_timeout_check_interval``, 15 s), which is what
 #: would end the wait if Airflow bounded it by ``execution_timeout`` (as it did deferrals in 2.x).
 PAST_TIMEOUT_S = 18.0
+#: Bound on the time from an answer to the resumed execution's start.
+RESUME_WITHIN_S = 45.0
 
 
 def _await_held(env: E2EEnv, result: PathResult) -> dict[str, Any]:
@@ -438,6 +440,8 @@ def test_execution_timeout_counts_each_execution_not_the_wait_for_the_answer(
         since_answer_s = result.kill_wall() - result.notes["answered_wall"]
         since_created_s = -(result.event_ms(record, "scope_created") or 0.0) / 1000
         assert EXECUTION_TIMEOUT_S - 2.5 < since_created_s < EXECUTION_TIMEOUT_S - 0.5, since_created_s
-        assert since_created_s < since_answer_s < since_created_s + 15, since_answer_s
+        # From the answer to the resumed execution's start: the triggerer's and the scheduler's
+        # loops and a task process's start (17 s on a loaded CI machine), not execution_timeout.
+        assert since_created_s < since_answer_s < since_created_s + RESUME_WITHIN_S, since_answer_s
         assert (1, "up_for_retry") in result.states_seen
         _retried_without_asking_again(result, "timeout")

@@ -29,7 +29,9 @@ from cancellable_agents.durable import current_resume
 
 STATE_DIR = Path(os.environ.get("E2E_STATE_DIR", "/tmp/cancellable-agents-e2e"))
 #: ``e2e_approval_exec_timeout``'s ``execution_timeout``: the test waits longer than this for the answer.
-EXECUTION_TIMEOUT_S = 10
+#: The resumed execution must reach the approved call inside it (less the 2 s margin): a task
+#: process's start, DAG parse and imports took over 8 s on a loaded CI machine.
+EXECUTION_TIMEOUT_S = 18
 
 
 def send_line(ctx: RunContext[None], n: int) -> str:

@@ -40,6 +40,10 @@ from cancellable_agents.toolsets.subagent_toolset import Subagent, SubagentTools
 
 _FD = int(os.environ["SCENARIO_EVENTS_FD"])
 CONN = "local_model"
+#: ``dag.test()`` has no supervisor and so no local evidence: a SIGTERM's cause comes from the
+#: in-process execution API, which on a loaded CI machine can take over the default 1 s to answer
+#: (the tests that a slow answer must not hold the unwind are in ``test_cause_evidence.py``).
+CLASSIFY_TIMEOUT_S = 3.0
 
 
 def emit(event: str, **data: Any) -> None:
@@ -127,6 +131,7 @@ def build_task(scenario: str) -> BaseOperator:
         "llm_conn_id": CONN,
         "on_failure_callback": on_failure,
         "on_success_callback": on_success,
+        "classify_timeout": CLASSIFY_TIMEOUT_S,
     }
     if scenario in ("stream", "burst"):
         return LLMOperator(
