@@ -9,10 +9,11 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from pydantic_ai import Agent, RunContext
+from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.exceptions import UsageLimitExceeded
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -22,6 +23,8 @@ from cancellable_agents.core.causes import CancelCause, CauseVerdict, UserAction
 from cancellable_agents.core.exceptions import TaskCancelled
 from cancellable_agents.core.scope import TaskCancellation, current_cancellation
 from cancellable_agents.durable import FreshStart, Journal, MemoryStore, current_resume
+from cancellable_agents.durable._capability import JournalCapability
+from cancellable_agents.run._tracker import CancellationCapability, RunTracker, run_capabilities
 from cancellable_agents.run.runner import run_agent_in_scope
 from tests.unit.durable_runs import (
     STEPS,
@@ -45,6 +48,32 @@ def test_written_ahead_every_step_is_in_the_store_before_its_tools_run() -> None
     # Before tool n runs: n entries, the n-th ending with the response that calls it.
     assert seen == list(range(1, STEPS + 1))
     assert task.script.requests == STEPS + 1
+
+
+class SeesSteps(AbstractCapability[Any]):
+    """A capability of the caller's: counts the graph steps it sees end."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
+        self.steps += 1
+        return result
+
+
+def test_the_journal_rides_in_the_runs_own_capability_beside_the_callers() -> None:
+    """pydantic-ai copies the ``RunContext`` for every capability at every hook, so the journal
+    adds none: its hooks are folded into the run's own, and a caller's capability still runs."""
+    tracker = RunTracker(TaskCancellation("t"))
+    journal, theirs = JournalCapability(cast(Any, "steps")), SeesSteps()
+    (ours, *rest) = run_capabilities(tracker, [theirs, journal])
+    assert isinstance(ours, CancellationCapability) and isinstance(ours, JournalCapability)
+    assert (ours.steps, rest) == ("steps", [theirs])
+    assert [type(c) for c in run_capabilities(tracker, [theirs])] == [CancellationCapability, SeesSteps]
+    store = Counting()  # cannot list its keys: the completed record stays to be counted
+    result, _, _ = Task().run(store, 1, capabilities=[theirs])
+    assert result.output == "all done"
+    assert entries(store.store.data) == STEPS + 1 and theirs.steps > STEPS
 
 
 def test_a_step_costs_at_most_one_store_call() -> None:

@@ -23,6 +23,12 @@ class JournalCapability(AbstractCapability[Any]):
     def __init__(self, steps: StepRecorder) -> None:
         self._steps = steps
 
+    @property
+    def steps(self) -> StepRecorder:
+        """The recorder the hooks drive (the run's own capability takes them over: see
+        ``run_capabilities`` in ``cancellable_agents.run._tracker``)."""
+        return self._steps
+
     async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
         self._steps.step(ctx.messages, result)
         return result

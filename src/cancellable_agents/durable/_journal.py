@@ -52,7 +52,7 @@ from cancellable_agents.durable._record_format import (
     KEY_PREFIX,
     LoadedRecord,
     RecordProblem,
-    dump_message,
+    dump_messages,
     load_record,
 )
 from cancellable_agents.durable._resume import ResumeInfo, active_resume
@@ -310,7 +310,7 @@ class Journal:
         if self._appender.off is not None:
             return
         if self._steps.pending:
-            end["messages"] = [dump_message(m) for m in self._steps.pending]
+            end["messages"] = dump_messages(self._steps.pending)
         try:
             self._appender.append(end)
         except Exception as exc_:
@@ -335,7 +335,7 @@ class Journal:
             {
                 "kind": "end",
                 "state": AWAITING,
-                "messages": [dump_message(m) for m in self._steps.unwritten(messages)],
+                "messages": dump_messages(self._steps.unwritten(messages)),
                 "request": request.as_dict(),
                 "usage": usage.as_dict(),
             }

@@ -76,9 +76,9 @@ def chain(prev: str, body: dict[str, Any]) -> str:
     return hashlib.sha256((prev + canonical(body)).encode()).hexdigest()[:32]
 
 
-def dump_message(message: ModelMessage) -> Any:
-    """One message as the JSON value an entry holds."""
-    return ModelMessagesTypeAdapter.dump_python([message], mode="json")[0]
+def dump_messages(messages: Sequence[ModelMessage]) -> list[Any]:
+    """Messages as the JSON values an entry holds."""
+    return ModelMessagesTypeAdapter.dump_python(list(messages), mode="json")
 
 
 def segment_key(record_key: str, try_number: int, j: int) -> str:

@@ -22,7 +22,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart, Tool
 from pydantic_core import to_jsonable_python
 
 from cancellable_agents.durable._appender import Appender
-from cancellable_agents.durable._record_format import dump_message
+from cancellable_agents.durable._record_format import dump_messages
 
 
 class StepRecorder:
@@ -123,7 +123,7 @@ class StepRecorder:
         if not new:  # a resumed response whose tools run again: already in the record
             return
         try:
-            entry = {"kind": "step", "messages": [dump_message(m) for m in new]}
+            entry = {"kind": "step", "messages": dump_messages(new)}
             self._appender.append(entry, land=self._write_ahead, owned=True, timed=True)
         except Exception as exc:
             self._appender.turn_off(f"appending a step failed ({exc!r}); later steps are not recorded")

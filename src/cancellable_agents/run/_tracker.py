@@ -29,6 +29,7 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 
 from cancellable_agents.core._workers import JobThread
 from cancellable_agents.core.scope import TaskCancellation
+from cancellable_agents.durable._capability import JournalCapability
 from cancellable_agents.durable._resume import current_resume
 from cancellable_agents.run import _mcp_servers as mcp_servers
 from cancellable_agents.run._open_streams import ClosingModel
@@ -375,6 +376,30 @@ class CancellationCapability(AbstractCapability[Any]):
             ended = requests.pop(task, None)
             if ended is not None:
                 ended.set()
+
+
+class JournaledCancellationCapability(JournalCapability, CancellationCapability):
+    """[`CancellationCapability`][] with a durable run's
+    [`JournalCapability`][cancellable_agents.durable._capability.JournalCapability] hooks folded in.
+
+    One capability fewer is one ``RunContext`` copy fewer per hook per step (about 70 µs a step):
+    on a machine whose cores the tasks saturate, the journal's own cost per step is what a durable
+    fleet pays over a plain one. The hooks are the journal's, unchanged; only their place in the
+    run's capabilities moves, from the last to the first.
+    """
+
+    def __init__(self, tracker: RunTracker, journal: JournalCapability) -> None:
+        CancellationCapability.__init__(self, tracker)
+        JournalCapability.__init__(self, journal.steps)
+
+
+def run_capabilities(tracker: RunTracker, others: list[Any]) -> list[AbstractCapability[Any]]:
+    """The run's capabilities: its [`CancellationCapability`][] first, then ``others`` (the
+    caller's), with a durable run's ``JournalCapability`` among them folded into the first."""
+    journal = next((c for c in others if type(c) is JournalCapability), None)
+    if journal is None:
+        return [CancellationCapability(tracker), *others]
+    return [JournaledCancellationCapability(tracker, journal), *(c for c in others if c is not journal)]
 
 
 #: How long sync tools get to notice a cancel before they are named as stragglers and left behind.

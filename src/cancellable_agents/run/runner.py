@@ -37,10 +37,10 @@ if TYPE_CHECKING:
     from cancellable_agents.run._final_request import WindDownState
 
 from cancellable_agents.run._tracker import (
-    CancellationCapability,
     RunTracker,
     ToolThreadExecutor,
     report_stragglers,
+    run_capabilities,
 )
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class _ScopedRun:
         handle = scope.register(
             tracker.cancel_tool_tasks, name="in-flight tools", phase=Phase.IN_FLIGHT, inline=True
         )
-        capabilities = [CancellationCapability(tracker), *(run_kwargs.pop("capabilities", None) or [])]
+        capabilities = run_capabilities(tracker, list(run_kwargs.pop("capabilities", None) or []))
         scope.record("run_started")
         kwargs = {"cancellation_token": scope.token, "capabilities": capabilities, **run_kwargs}
         return cls(scope, tracker, handle, kwargs)
