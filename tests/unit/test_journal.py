@@ -51,14 +51,20 @@ def test_written_ahead_every_step_is_in_the_store_before_its_tools_run() -> None
 
 
 class SeesSteps(AbstractCapability[Any]):
-    """A capability of the caller's: counts the graph steps it sees end."""
+    """A capability of the caller's: counts the graph steps it sees end, names the tool calls it
+    sees execute."""
 
     def __init__(self) -> None:
         self.steps = 0
+        self.tools: list[str] = []
 
     async def after_node_run(self, ctx: Any, *, node: Any, result: Any) -> Any:
         self.steps += 1
         return result
+
+    async def wrap_tool_execute(self, ctx: Any, *, call: Any, tool_def: Any, args: Any, handler: Any) -> Any:
+        self.tools.append(call.tool_name)
+        return await handler(args)
 
 
 def test_the_journal_rides_in_the_runs_own_capability_beside_the_callers() -> None:
@@ -441,6 +447,7 @@ class ParallelTask:
     store: MemoryStore
     calls: list[tuple[str, int, bool]] = field(default_factory=list)
     requests: int = 0
+    capabilities: list[Any] = field(default_factory=list)  # the caller's own
 
     def model(self, messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         self.requests += 1
@@ -476,7 +483,9 @@ class ParallelTask:
         journal = Journal(self.store, try_number=try_number, scope=scope)
         with scope.activate():
             try:
-                result = run_agent_in_scope(scope, agent, "fetch and be slow", journal=journal)
+                result = run_agent_in_scope(
+                    scope, agent, "fetch and be slow", journal=journal, capabilities=self.capabilities
+                )
             except TaskCancelled as exc:
                 return exc, journal
         return result, journal
@@ -496,7 +505,12 @@ def test_a_parallel_call_that_returned_is_not_run_again_when_its_sibling_was_in_
     exc, _ = task.run(1, cancel_in_slow=True)
     assert isinstance(exc, TaskCancelled)
     assert _tool_results(task.store) == 1, "fetch's result was appended while slow still ran"
+    theirs = SeesSteps()
+    task.capabilities = [theirs]
     result, journal = task.run(2, cancel_in_slow=False)
+    # The caller's tool-execution hooks see the call that runs again, not the one answered from
+    # the record (it does not run).
+    assert theirs.tools == ["slow"]
     assert result.output == "all done"
     assert journal.resume is not None
     assert journal.resume.replayed_tool_calls == {"call-f"} and journal.resume.rerun_tool_calls == {"call-s"}
