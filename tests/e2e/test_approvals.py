@@ -439,7 +439,9 @@ def test_execution_timeout_counts_each_execution_not_the_wait_for_the_answer(
         # the answer), less the run's timeout_margin (2 s).
         since_answer_s = result.kill_wall() - result.notes["answered_wall"]
         since_created_s = -(result.event_ms(record, "scope_created") or 0.0) / 1000
-        assert EXECUTION_TIMEOUT_S - 2.5 < since_created_s < EXECUTION_TIMEOUT_S - 0.5, since_created_s
+        # Late, not early, on a loaded machine (the deadline's wake came 1.7 s late once under both
+        # CI lanes); that it came before SIGALRM is the log check above.
+        assert EXECUTION_TIMEOUT_S - 2.5 < since_created_s < EXECUTION_TIMEOUT_S, since_created_s
         # From the answer to the resumed execution's start: the triggerer's and the scheduler's
         # loops and a task process's start (17 s on a loaded CI machine), not execution_timeout.
         assert since_created_s < since_answer_s < since_created_s + RESUME_WITHIN_S, since_answer_s

@@ -218,7 +218,9 @@ def test_execution_timeout_unwinds_gracefully_and_retries(
         # The run's deadline is execution_timeout minus timeout_margin (2 s) after the scope began.
         since_created_s = -(result.event_ms(record, "scope_created") or 0.0) / 1000
         deadline_s = EXECUTION_TIMEOUT_S - TIMEOUT_MARGIN_S
-        assert deadline_s - 0.5 < since_created_s < EXECUTION_TIMEOUT_S - 0.5, (
+        # Late, not early, on a loaded machine (1.7 s late once in the approvals suite under both
+        # CI lanes); that it came before SIGALRM is the log check below.
+        assert deadline_s - 0.5 < since_created_s < EXECUTION_TIMEOUT_S, (
             f"timed out {since_created_s:.2f}s after the scope began, expected ~{deadline_s}s"
         )
         assert "AirflowTaskTimeout" not in result.log_text(1), "SIGALRM fired: the graceful deadline lost"
