@@ -52,8 +52,9 @@ TREE_PROGRAM = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.for
 #: exists from pre_execute on, and execute first imports the model's SDK (openai: 1.2 s on an idle
 #: box) and builds the agent: scope to run start took 8-14 s in a Celery run beside another lane
 #: (load 6-8), and the 15 s this was ended one run 0.8 s into its stream, before the test saw it
-#: streaming.
-EXECUTION_TIMEOUT_S = 25
+#: streaming. With 25 s, scope to run start took 24 s in one Celery run on a slower machine: the
+#: run began 0.5 s before its deadline and never streamed.
+EXECUTION_TIMEOUT_S = 40
 
 DEFAULTS: dict[str, Any] = {
     "retries": 1,
