@@ -91,3 +91,52 @@ def test_only_an_evicted_task_yields_the_cpu_once_unwound(cause: str, nice: int)
         "yield_cpu_if_evicted(scope)"
     )
     assert _nice_of_threads(what) == {nice}
+
+
+#: A child that reports, at each stage, whether it has a child and whether the reaper's poll
+#: walked /proc for it.
+_CHILDREN_CHILD = """
+import json, subprocess, threading, time
+from cancellable_agents.procs import _reaper
+from cancellable_agents.procs._proc import has_children, read_proc
+walks = []
+walk = _reaper.walk_descendants
+_reaper.walk_descendants = lambda *a, **k: walks.append(1) or walk(*a, **k)
+reaper = _reaper.DescendantReaper({{}})
+seen = {{}}
+def stage(name):
+    before = len(walks)
+    reaper._scan()
+    seen[name] = [has_children(), len(walks) > before]
+stage("none")
+proc = subprocess.Popen(["sleep", "{marker}"])
+stage("running")
+proc.kill()
+while not read_proc(proc.pid).exited:
+    time.sleep(0.01)
+stage("zombie")
+proc.wait()
+stage("reaped")
+box = []
+threading.Thread(target=lambda: box.append(subprocess.Popen(["sleep", "{marker}"]))).start()
+while not box:
+    time.sleep(0.01)
+stage("forked by another thread")
+box[0].kill(); box[0].wait()
+print(json.dumps(seen))
+"""
+
+
+def test_a_process_without_children_is_polled_with_one_syscall_not_a_walk(marker: str) -> None:
+    """``has_children`` sees a running child, an unreaped zombie and another thread's child; the
+    reaper walks /proc only then (a run that starts no process costs its polls nothing else)."""
+    code = _CHILDREN_CHILD.format(marker=marker)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "none": [False, False],
+        "running": [True, True],
+        "zombie": [True, True],
+        "reaped": [False, False],
+        "forked by another thread": [True, True],
+    }

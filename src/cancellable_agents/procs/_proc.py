@@ -135,6 +135,21 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+def has_children() -> bool:
+    """Whether this process has a child (running, stopped or a zombie): one ``waitid`` that reaps
+    nothing, about 4 µs. Reading the children of every thread in /proc took 0.4 ms in a task
+    process of six threads, and most runs start no process at all. Unsure (no ``waitid``): yes."""
+    if not hasattr(os, "waitid"):
+        return True
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _children_psutil(pid: int) -> list[int]:
     try:
         return [child.pid for child in psutil.Process(pid).children()]

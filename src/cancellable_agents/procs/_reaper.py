@@ -9,7 +9,8 @@ worker. [`DescendantReaper`][] closes that gap for a whole task process on Linux
 - it snapshots the descendants that already exist when the run starts and never touches them
   (nor what they start): they belong to whoever started them;
 - a daemon thread polls the process tree every ~50 ms while the run is active, so processes that
-  later escape the tree (``setsid``, reparenting) are still known by pid and start time;
+  later escape the tree (``setsid``, reparenting) are still known by pid and start time; while
+  the task process has no child at all a poll is one ``waitid`` that reaps nothing;
 - on cancel (a ``Phase.TEARDOWN`` resource) or on [`DescendantReaper.reap`][] it sends SIGTERM
   to everything the run started, SIGKILLs what is left inside the scope's budget, reaps the
   zombies reparented to the task process, and records each kill on the scope;
@@ -38,6 +39,7 @@ from cancellable_agents.procs._proc import (
     children_born_in_own_pid_namespace,
     command_line,
     gone,
+    has_children,
     is_running,
     nested_pid_namespace,
     read_proc,
@@ -131,7 +133,15 @@ class DescendantReaper:
         return self._baseline.get(info.pid) == info.start
 
     def _scan(self) -> dict[int, ProcInfo]:
-        """Record every current descendant started during the run; reap known orphans."""
+        """Record every current descendant started during the run; reap known orphans.
+
+        Nothing to read while this process has no child: a descendant has a child of ours above
+        it (an orphan reparents to us, the subreaper), and an orphan of ours that exited is our
+        zombie child. So a run that starts no process costs a poll one syscall, not a walk of
+        every thread's children (at 20 polls a second, nearly 1 % of a core per task process).
+        """
+        if not has_children():
+            return {}
         current = walk_descendants(self._pid, skip=self._is_preexisting)
         with self._lock:
             for pid, info in current.items():
