@@ -183,6 +183,11 @@ class AirflowStack:
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            # A file's re-parse that outlasts this timeout is killed and counted as a file with no
+            # Dags, and its Dags are deactivated until the next parse: under a loaded CI (fifteen
+            # pods starting Airflow beside the other lane) a trigger then got 404 for a Dag that
+            # had been parsed minutes before. Airflow's default is 50 s.
+            "AIRFLOW__DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "300",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
             "PYTHONUNBUFFERED": "1",
         }
