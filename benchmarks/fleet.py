@@ -29,7 +29,9 @@ model server. For each N (ascending), N members at once:
 4. **memory**: RSS and PSS of each member (task process + its supervisor), sampled mid-stream in
    the eviction storm, beside N bare ``@task`` s (no provider, no pydantic-ai) sampled the same way.
 
-``--api-load K`` runs K threads of REST reads against the api-server during the storms (a slower
+``--side-by-side K`` adds K rounds of one fleet, half durable and half plain, started together:
+both halves step in the same seconds, so their ratio carries no drift of the machine between
+phases. ``--api-load K`` runs K threads of REST reads against the api-server during the storms (a slower
 API server: the cause must still be ``user``). While a steady phase's members all run, the
 driver waits on their tool notes, not the REST API (``await_span_over``); ``--ui-poll`` lists the
 runs every 3 s throughout, as an open UI grid does. ``--api-workers 1,4`` repeats everything with that
@@ -459,12 +461,20 @@ def source_now() -> Iterator[Path]:
 # -- driving runs --------------------------------------------------------------------------------
 
 
-def trigger(fleet: Fleet, dag_id: str, n: int, phase: str, together: bool = False) -> list[str]:
+def trigger(
+    fleet: Fleet,
+    dag_id: str,
+    n: int,
+    phase: str,
+    together: bool = False,
+    batch: tuple[str, int] | None = None,
+) -> list[str]:
     """N runs of ``dag_id`` (ids ``PHASE-N-i-xxxx``); returns their run ids. ``together``: their
-    first steps wait until all N reached them (``await_batch`` in the fleet DAGs)."""
-    batch = uuid.uuid4().hex[:8]
+    first steps wait until all N reached them (``await_batch`` in the fleet DAGs); ``batch``
+    (id, members): until all members of that batch did, runs of other DAGs included."""
+    batch_id, members = batch if batch is not None else (uuid.uuid4().hex[:8], n)
     runs = [f"{phase}-n{n}-{i}-{uuid.uuid4().hex[:6]}" for i in range(n)]
-    conf = {"batch": batch, "members": n} if together else {}
+    conf = {"batch": batch_id, "members": members} if together or batch is not None else {}
     for run_id in runs:
         body = {"dag_run_id": run_id, "logical_date": None, "conf": conf}
         fleet.rest.json("POST", f"/api/v2/dags/{dag_id}/dagRuns", json=body)
@@ -649,6 +659,11 @@ class Row:
     step_durable_ms: list[float] = field(default_factory=list)
     step_control_ms: list[float] = field(default_factory=list)
     step_write_ahead_ms: list[float] = field(default_factory=list)
+    #: Side by side (``side_by_side``): steps of the durable and the plain half of one fleet,
+    #: taken in the same seconds, pooled, and each round's ratio of their p50s.
+    side_durable_ms: list[float] = field(default_factory=list)
+    side_control_ms: list[float] = field(default_factory=list)
+    side_ratio_rounds: list[float] = field(default_factory=list)
     #: CPU ms per step by part of the stack (``Fleet.cpu_s_by_part``), by steady-state variant.
     cpu_ms_per_step_by_part: dict[str, dict[str, float]] = field(default_factory=dict)
     #: The members' own CPU by steady-state variant, from their tool notes (``Fleet.member_cpu``):
@@ -757,6 +772,53 @@ def steady(
         if p95_durable and p95_control:
             row.heartbeat_ratio_rounds.append(round(p95_durable / p95_control, 2))
             row.heartbeat_round_pairs.append((beats_durable, beats_control))
+
+
+def side_by_side(fleet: Fleet, row: Row, timeout: float, rounds: int) -> None:
+    """Half the members durable, half plain, in one batch (``await_batch``): both halves step on
+    the same cores in the same seconds, so a drift of the machine between the steady phases
+    (which moved their ratio by up to 0.25 a round) falls on both alike. The API server and the
+    database carry half a durable fleet's store calls. Per round: each half's steps while all
+    members ran, and the ratio of their p50s; which half is triggered first alternates."""
+    halves = [
+        ("fleet_durable", "sidedur", row.side_durable_ms),
+        ("fleet_control", "sidectl", row.side_control_ms),
+    ]
+    for round_no in range(rounds):
+        batch = (uuid.uuid4().hex[:8], row.n)
+        order = halves if round_no % 2 == 0 else halves[::-1]
+        sizes = [row.n // 2, row.n - row.n // 2]
+        runs = {
+            dag_id: trigger(fleet, dag_id, size, phase, batch=batch)
+            for (dag_id, phase, _), size in zip(order, sizes, strict=True)
+        }
+        for dag_id, members in runs.items():
+            await_span_over(fleet, dag_id, members, timeout)
+        for dag_id, members in runs.items():
+            await_runs(fleet, dag_id, members, timeout)
+        starts = {
+            dag_id: [
+                sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
+                for run_id in members
+            ]
+            for dag_id, members in runs.items()
+        }
+        window = all_running([s for by_run in starts.values() for s in by_run])
+        p50s = {}
+        for dag_id, _, step_ms in halves:
+            steps = steps_within(starts[dag_id], window)
+            step_ms.extend(steps)
+            p50s[dag_id] = pct(steps, 0.5)
+        durable, control = p50s["fleet_durable"], p50s["fleet_control"]
+        if durable and control:
+            row.side_ratio_rounds.append(round(durable / control, 2))
+
+
+def steps_within(starts_by_run: list[list[float]], window: tuple[float, float] | None) -> list[float]:
+    """Milliseconds of each step (one tool start to the next) inside ``window`` (``None``: all)."""
+    every = [(a, b) for s in starts_by_run for a, b in itertools.pairwise(s)]
+    inside = [(a, b) for a, b in every if window is None or (a >= window[0] and b <= window[1])]
+    return [(b - a) * 1000 for a, b in inside]
 
 
 def all_running(starts_by_run: list[list[float]]) -> tuple[float, float] | None:
@@ -925,11 +987,13 @@ def measure(
     write_ahead: bool = True,
     rounds: int = 2,
     ui_poll: bool = False,
+    side_rounds: int = 0,
 ) -> Row:
     """All phases at one N; a phase that fails is noted and the next one still runs."""
     row = Row(fleet.db, n, code, api_workers)
     phases: list[tuple[str, Callable[[], None]]] = [
         ("steady", lambda: steady(fleet, row, timeout, write_ahead, rounds, ui_poll)),
+        *([("side by side", lambda: side_by_side(fleet, row, timeout, side_rounds))] if side_rounds else []),
         ("eviction storm", lambda: evict_storm(fleet, row, timeout, load)),
         ("mark-failed storm", lambda: mark_failed_storm(fleet, row, timeout, load)),
         ("bare memory", lambda: bare_memory(fleet, row, timeout)),
@@ -975,6 +1039,9 @@ def summary(row: Row) -> dict[str, Any]:
         "heartbeat_steady_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_steady_ms.items()},
         "heartbeats_steady": {name: len(ms) for name, ms in row.heartbeat_steady_ms.items()},
         "step_ratio_rounds": row.step_ratio_rounds,
+        "side_durable_p50_ms": pct(row.side_durable_ms, 0.5),
+        "side_control_p50_ms": pct(row.side_control_ms, 0.5),
+        "side_ratio_rounds": row.side_ratio_rounds,
         "api_per_s": {
             name: {kind: round(count / row.api_window_s[name], 2) for kind, count in kinds.items()}
             for name, kinds in row.api_requests.items()
@@ -1098,6 +1165,23 @@ def comparison(rows: list[dict[str, Any]]) -> str:
             f"({_fmt(s['rss_bare_mib'])} / {_fmt(s['pss_bare_mib'])}) | {s.get('pool_timeouts', '-')} |"
         )
     return "\n".join(lines)
+
+
+def side_by_side_table(rows: list[dict[str, Any]]) -> str:
+    """The step of each half of one fleet, durable beside plain in the same seconds
+    (``--side-by-side``); empty where it was not run."""
+    lines = [
+        "| code | N | side by side: step p50 durable / plain ms (ratio; by round) |",
+        "|---|---|---|",
+    ]
+    for s in rows:
+        durable, control = s.get("side_durable_p50_ms"), s.get("side_control_p50_ms")
+        if not durable or not control:
+            continue
+        by_round = ", ".join(f"{r:.2f}" for r in s.get("side_ratio_rounds") or [])
+        ratio = f"{durable / control:.2f}; {by_round}"
+        lines.append(f"| {s['code']} | {s['n']} | {_fmt(durable)} / {_fmt(control)} ({ratio}) |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def cpu_parts(rows: list[dict[str, Any]]) -> str:
@@ -1241,6 +1325,13 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=2, help="steady-state rounds, alternating order (default 2)"
     )
     parser.add_argument(
+        "--side-by-side",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K more rounds of one fleet, half durable and half plain at once (default 0)",
+    )
+    parser.add_argument(
         "--ui-poll",
         action="store_true",
         help="list the runs every 3 s (the UI grid's rate) also while all members run",
@@ -1297,11 +1388,13 @@ def main(argv: list[str] | None = None) -> None:
                                 not args.no_write_ahead,
                                 args.rounds,
                                 args.ui_poll,
+                                args.side_by_side,
                             )
                             rows.append(summary(row))
                             raw.append(row.__dict__)
                             loads.append(os.getloadavg())
                             print(comparison(rows[-1:]), flush=True)
+                            print(side_by_side_table(rows[-1:]), flush=True)
                             print(cpu_parts(rows[-1:]), flush=True)
                             print(member_cpu_table(rows[-1:]), flush=True)
                             print(api_requests_table(rows[-1:]), flush=True)
@@ -1323,6 +1416,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     print()
     print(comparison(rows))
+    print()
+    print(side_by_side_table(rows))
     print()
     print(cpu_parts(rows))
     print()
