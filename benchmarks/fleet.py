@@ -838,13 +838,7 @@ def steps_while_all_run(starts_by_run: list[list[float]]) -> list[float]:
     which is what the phase's wave of starts costs, not what a step costs. All steps if the
     window is empty (a fleet too small or too staggered to overlap)."""
     starts = [s for s in starts_by_run if s]
-    window = all_running(starts)
-    every = [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s)]
-    if window is None:
-        return every
-    begin, end = window
-    inside = [(b - a) * 1000 for s in starts for a, b in itertools.pairwise(s) if a >= begin and b <= end]
-    return inside or every
+    return steps_within(starts, all_running(starts)) or steps_within(starts, None)
 
 
 def tree_cpu_s(pid: int) -> float:
