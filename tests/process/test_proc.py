@@ -112,15 +112,16 @@ stage("none")
 proc = subprocess.Popen(["sleep", "{marker}"])
 stage("running")
 proc.kill()
-while not read_proc(proc.pid).exited:
+deadline = time.monotonic() + 10  # no event tells a zombie: /proc is read until it says so
+while not read_proc(proc.pid).exited and time.monotonic() < deadline:
     time.sleep(0.01)
 stage("zombie")
 proc.wait()
 stage("reaped")
 box = []
-threading.Thread(target=lambda: box.append(subprocess.Popen(["sleep", "{marker}"]))).start()
-while not box:
-    time.sleep(0.01)
+forker = threading.Thread(target=lambda: box.append(subprocess.Popen(["sleep", "{marker}"])))
+forker.start()
+forker.join(10)
 stage("forked by another thread")
 box[0].kill(); box[0].wait()
 print(json.dumps(seen))
