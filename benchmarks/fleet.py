@@ -52,6 +52,7 @@ task). Airflow's task heartbeats are timed in the supervisors by
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import functools
 import itertools
@@ -221,7 +222,23 @@ class Fleet:
 
     def heartbeats(self, start: float, end: float) -> list[float]:
         """Milliseconds of every task heartbeat sent between ``start`` and ``end`` (wall)."""
-        return [h["ms"] for h in self.jsonl("heartbeats.jsonl") if start <= h["at"] - h["ms"] / 1000 <= end]
+        return [ms for _, ms in self.heartbeats_sent(start, end)]
+
+    def heartbeats_sent(
+        self, start: float, end: float, senders: set[int] | None = None
+    ) -> list[tuple[float, float]]:
+        """(wall time sent, milliseconds) of every task heartbeat sent between ``start`` and
+        ``end`` by the supervisors ``senders`` (pids; ``None``: any), in the order sent."""
+        sent = [
+            (h["at"] - h["ms"] / 1000, h["ms"])
+            for h in self.jsonl("heartbeats.jsonl")
+            if senders is None or h["pid"] in senders
+        ]
+        return sorted(beat for beat in sent if start <= beat[0] <= end)
+
+    def supervisors(self, runs: Iterable[str]) -> set[int]:
+        """The supervisor pids of the runs' first tries (what signs their heartbeats)."""
+        return {int(m["ppid"]) for m in map(self.member, runs) if m}
 
     def api_requests(self, start: float, end: float) -> list[tuple[str, float]]:
         """Every request the API server began between ``start`` and ``end`` (wall; as
@@ -664,6 +681,14 @@ class Row:
     side_durable_ms: list[float] = field(default_factory=list)
     side_control_ms: list[float] = field(default_factory=list)
     side_ratio_rounds: list[float] = field(default_factory=list)
+    #: The heartbeats of each half's supervisors in those seconds (``fleet_durable`` /
+    #: ``fleet_control``), pooled, and each round's ratio of their p95s.
+    side_heartbeat_ms: dict[str, list[float]] = field(default_factory=dict)
+    side_heartbeat_ratio_rounds: list[float] = field(default_factory=list)
+    #: Each durable heartbeat beside the plain one sent nearest it (``matched_beats``): a stall
+    #: of the API server hits both halves' heartbeats due in its second, and a p95 of a hundred
+    #: heartbeats per half follows which half had more of them due then.
+    side_heartbeat_pairs: list[tuple[float, float]] = field(default_factory=list)
     #: CPU ms per step by part of the stack (``Fleet.cpu_s_by_part``), by steady-state variant.
     cpu_ms_per_step_by_part: dict[str, dict[str, float]] = field(default_factory=dict)
     #: The members' own CPU by steady-state variant, from their tool notes (``Fleet.member_cpu``):
@@ -778,8 +803,9 @@ def side_by_side(fleet: Fleet, row: Row, timeout: float, rounds: int) -> None:
     """Half the members durable, half plain, in one batch (``await_batch``): both halves step on
     the same cores in the same seconds, so a drift of the machine between the steady phases
     (which moved their ratio by up to 0.25 a round) falls on both alike. The API server and the
-    database carry half a durable fleet's store calls. Per round: each half's steps while all
-    members ran, and the ratio of their p50s; which half is triggered first alternates."""
+    database carry half a durable fleet's store calls. Per round: each half's steps and its
+    supervisors' heartbeats while all members ran, and the ratios of their p50s and p95s; which
+    half is triggered first alternates."""
     halves = [
         ("fleet_durable", "sidedur", row.side_durable_ms),
         ("fleet_control", "sidectl", row.side_control_ms),
@@ -804,14 +830,40 @@ def side_by_side(fleet: Fleet, row: Row, timeout: float, rounds: int) -> None:
             for dag_id, members in runs.items()
         }
         window = all_running([s for by_run in starts.values() for s in by_run])
-        p50s = {}
+        p50s, p95s, sent = {}, {}, {}
         for dag_id, _, step_ms in halves:
             steps = steps_within(starts[dag_id], window)
             step_ms.extend(steps)
             p50s[dag_id] = pct(steps, 0.5)
-        durable, control = p50s["fleet_durable"], p50s["fleet_control"]
-        if durable and control:
-            row.side_ratio_rounds.append(round(durable / control, 2))
+            sent[dag_id] = fleet.heartbeats_sent(*window, fleet.supervisors(runs[dag_id])) if window else []
+            beats = [ms for _, ms in sent[dag_id]]
+            row.side_heartbeat_ms.setdefault(dag_id, []).extend(beats)
+            p95s[dag_id] = pct(beats, 0.95)
+        row.side_heartbeat_pairs.extend(matched_beats(sent["fleet_durable"], sent["fleet_control"]))
+        for ratios, of in ((row.side_ratio_rounds, p50s), (row.side_heartbeat_ratio_rounds, p95s)):
+            durable, control = of["fleet_durable"], of["fleet_control"]
+            if durable and control:
+                ratios.append(round(durable / control, 2))
+
+
+#: How far apart (s) two heartbeats may be sent to be compared as taken at the same moment.
+MATCH_S = 0.5
+
+
+def matched_beats(
+    durable: list[tuple[float, float]], plain: list[tuple[float, float]], within: float = MATCH_S
+) -> list[tuple[float, float]]:
+    """(durable ms, plain ms) for each durable heartbeat and the plain one sent nearest to it,
+    at most ``within`` seconds apart (a plain one may be the nearest of several); both lists
+    (sent, ms) in the order sent. A durable heartbeat with no plain one that near is left out."""
+    times = [at for at, _ in plain]
+    pairs = []
+    for at, ms in durable:
+        i = bisect.bisect(times, at)
+        near = [plain[j] for j in (i - 1, i) if 0 <= j < len(plain) and abs(plain[j][0] - at) <= within]
+        if near:
+            pairs.append((ms, min(near, key=lambda beat: abs(beat[0] - at))[1]))
+    return pairs
 
 
 def steps_within(starts_by_run: list[list[float]], window: tuple[float, float] | None) -> list[float]:
@@ -1036,6 +1088,13 @@ def summary(row: Row) -> dict[str, Any]:
         "side_durable_p50_ms": pct(row.side_durable_ms, 0.5),
         "side_control_p50_ms": pct(row.side_control_ms, 0.5),
         "side_ratio_rounds": row.side_ratio_rounds,
+        "side_heartbeat_p95_ms": {name: pct(ms, 0.95) for name, ms in row.side_heartbeat_ms.items()},
+        "side_heartbeats": {name: len(ms) for name, ms in row.side_heartbeat_ms.items()},
+        "side_heartbeat_ratio_rounds": row.side_heartbeat_ratio_rounds,
+        "side_matched_heartbeat_p95_ms": [
+            pct([pair[i] for pair in row.side_heartbeat_pairs], 0.95) for i in (0, 1)
+        ],
+        "side_matched_heartbeats": len(row.side_heartbeat_pairs),
         "api_per_s": {
             name: {kind: round(count / row.api_window_s[name], 2) for kind, count in kinds.items()}
             for name, kinds in row.api_requests.items()
@@ -1165,17 +1224,32 @@ def side_by_side_table(rows: list[dict[str, Any]]) -> str:
     """The step of each half of one fleet, durable beside plain in the same seconds
     (``--side-by-side``); empty where it was not run."""
     lines = [
-        "| code | N | side by side: step p50 durable / plain ms (ratio; by round) |",
-        "|---|---|---|",
+        "| code | N | side by side: step p50 durable / plain ms (ratio; by round) "
+        "| heartbeat p95 durable / plain ms (ratio; by round), heartbeats "
+        f"| the same, each durable heartbeat beside the plain one sent nearest (within {MATCH_S} s), pairs |",
+        "|---|---|---|---|---|",
     ]
     for s in rows:
         durable, control = s.get("side_durable_p50_ms"), s.get("side_control_p50_ms")
         if not durable or not control:
             continue
-        by_round = ", ".join(f"{r:.2f}" for r in s.get("side_ratio_rounds") or [])
-        ratio = f"{durable / control:.2f}; {by_round}"
-        lines.append(f"| {s['code']} | {s['n']} | {_fmt(durable)} / {_fmt(control)} ({ratio}) |")
+        beats, counts = s.get("side_heartbeat_p95_ms") or {}, s.get("side_heartbeats") or {}
+        steps = _paired(durable, control, s.get("side_ratio_rounds"))
+        by_round = s.get("side_heartbeat_ratio_rounds")
+        p95s = _paired(beats.get("fleet_durable"), beats.get("fleet_control"), by_round)
+        sent = f"{counts.get('fleet_durable', 0)} / {counts.get('fleet_control', 0)}"
+        matched = s.get("side_matched_heartbeat_p95_ms") or [None, None]
+        pairs = f"{_paired(matched[0], matched[1], None)}, {s.get('side_matched_heartbeats', 0)}"
+        lines.append(f"| {s['code']} | {s['n']} | {steps} | {p95s}, {sent} | {pairs} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _paired(durable: float | None, control: float | None, by_round: list[float] | None) -> str:
+    """``durable / control (ratio; by round)``, as the side-by-side table shows a pair."""
+    if not durable or not control:
+        return f"{_fmt(durable)} / {_fmt(control)}"
+    rounds = "; " + ", ".join(f"{r:.2f}" for r in by_round) if by_round else ""
+    return f"{_fmt(durable)} / {_fmt(control)} ({durable / control:.2f}{rounds})"
 
 
 def cpu_parts(rows: list[dict[str, Any]]) -> str:
