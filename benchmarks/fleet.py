@@ -291,6 +291,12 @@ class Fleet:
             ]
         return []
 
+    def heartbeats_unanswered(self, start: float, end: float) -> int:
+        """Heartbeats sent between ``start`` and ``end`` (wall) that got no answer: the Task SDK
+        gave up on them after ``[workers] execution_api_timeout`` (5 s) and sent them again."""
+        beats = self.jsonl("heartbeats.jsonl")
+        return sum(1 for h in beats if h["status"] < 0 and start <= h["at"] - h["ms"] / 1000 <= end)
+
     def member_cpu(self, run_id: str, window: tuple[float, float]) -> dict[str, float]:
         """A member's CPU seconds from its first try's notes (``cpu``: task process, supervisor,
         cumulative): over the steps it took while all ran (``task``, ``supervisor``, ``steps``),
@@ -670,6 +676,10 @@ class Row:
     api_cpu_wait_ms_per_s: dict[str, list[float]] = field(default_factory=dict)
     #: The API server's garbage collections of ``API_PAUSE_MS`` or more (ms), ``Fleet.api_pauses``.
     api_pause_ms: dict[str, list[float]] = field(default_factory=dict)
+    #: Over each variant's whole phases (the waves of process starts included): heartbeats with
+    #: no answer within Airflow's timeout, and the API server's collections as ``api_pause_ms``.
+    heartbeat_unanswered: dict[str, int] = field(default_factory=dict)
+    api_pause_phase_ms: dict[str, list[float]] = field(default_factory=dict)
     postgres_events: dict[str, dict[str, int]] = field(default_factory=dict)
     store_ops: dict[str, int] = field(default_factory=dict)
     calls_per_step: list[float] = field(default_factory=list)
@@ -735,7 +745,11 @@ def steady(
         for part, used in fleet.cpu_s_by_part().items():
             spent = by_part.setdefault(name, {})
             spent[part] = spent.get(part, 0.0) + used - parts_before.get(part, 0.0)
-        row.heartbeat_ms.setdefault(name, []).extend(fleet.heartbeats(started, time.time()))
+        ended = time.time()
+        row.heartbeat_ms.setdefault(name, []).extend(fleet.heartbeats(started, ended))
+        unanswered = fleet.heartbeats_unanswered(started, ended)
+        row.heartbeat_unanswered[name] = row.heartbeat_unanswered.get(name, 0) + unanswered
+        row.api_pause_phase_ms.setdefault(name, []).extend(fleet.api_pauses(started, ended))
         starts_by_run = {
             run_id: sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
             for run_id in runs
@@ -1116,6 +1130,10 @@ def summary(row: Row) -> dict[str, Any]:
             name: f"{len(ms)}, {sum(ms):.0f} ms (max {max(ms, default=0):.0f})"
             for name, ms in row.api_pause_ms.items()
         },
+        "api_pauses_phase": {
+            name: f"{len(ms)}, max {max(ms, default=0):.0f} ms" for name, ms in row.api_pause_phase_ms.items()
+        },
+        "heartbeats_unanswered": row.heartbeat_unanswered,
         "postgres_events": row.postgres_events,
         "evict_eviction": sum(c.startswith("eviction/") for c in ev.get("causes", [])),
         "evict_sources": {s: ev.get("cause_sources", []).count(s) for s in set(ev.get("cause_sources", []))},
@@ -1313,13 +1331,17 @@ def machine_table(rows: list[dict[str, Any]]) -> str:
     late a bystander process woke from its 0.1 s sleeps, the rounds in which it once woke half a
     second late, how long the API server's threads waited for a core, its garbage collections
     of ``API_PAUSE_MS`` or more (each stops every request in flight), and what PostgreSQL
-    logged."""
+    logged; then, over the whole phases, the heartbeats that got no answer within Airflow's
+    timeout and the API server's collections (one landing in a wave of 32 process starts
+    took 9.8 s)."""
     events = ", ".join(name for name, _ in POSTGRES_EVENTS)
     head = "| code | N | variant | bystander woke late p99 / max ms | rounds with a stall "
     head += "| API server's threads waited for a core, ms a second "
     head += f"| API server's collections of {API_PAUSE_MS:.0f} ms or more: count, total "
-    head += f"| PostgreSQL: {events} |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head += f"| PostgreSQL: {events} "
+    head += "| over the whole phases: heartbeats with no answer within the timeout; the API server's "
+    head += f"collections of {API_PAUSE_MS:.0f} ms or more: count, max |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for s in rows:
         for name, p99 in (s.get("bystander_late_p99_ms") or {}).items():
             late = f"{_fmt(p99)} / {_fmt(s['bystander_late_max_ms'].get(name))}"
@@ -1327,8 +1349,11 @@ def machine_table(rows: list[dict[str, Any]]) -> str:
             logged = ", ".join(str(v) for v in (s.get("postgres_events") or {}).get(name, {}).values()) or "-"
             stalled = s["rounds_stalled"].get(name, "-")
             paused = (s.get("api_pauses") or {}).get(name, "-")
+            unanswered = (s.get("heartbeats_unanswered") or {}).get(name, "-")
+            phase = f"{unanswered}; {(s.get('api_pauses_phase') or {}).get(name, '-')}"
             lines.append(
-                f"| {s['code']} | {s['n']} | {name} | {late} | {stalled} | {wait} | {paused} | {logged} |"
+                f"| {s['code']} | {s['n']} | {name} | {late} | {stalled} | {wait} | {paused} | {logged} "
+                f"| {phase} |"
             )
     return "\n".join(lines)
 
@@ -1410,6 +1435,13 @@ def main(argv: list[str] | None = None) -> None:
         help="run this checkout once per value of [cancellable_agents] durable_batch_window",
     )
     parser.add_argument(
+        "--api-gc-freeze",
+        type=float,
+        metavar="S",
+        help="S seconds after it starts, the API server moves what it holds to gc's permanent "
+        "generation (gc.freeze): its full collections then walk only what came later",
+    )
+    parser.add_argument(
         "--db-pool",
         type=int,
         metavar="K",
@@ -1436,6 +1468,9 @@ def main(argv: list[str] | None = None) -> None:
             codes.insert(0, (f"before ({args.before}){suffix}", before, window))
         if args.db_pool:
             codes = [(f"{label}, DB pool {args.db_pool}+{args.db_pool}", c, st) for label, c, st in codes]
+        if args.api_gc_freeze is not None:  # read by fleet_site/sitecustomize.py in the API server
+            os.environ["FLEET_API_GC_FREEZE"] = str(args.api_gc_freeze)
+            codes = [(f"{label}, API server gc.freeze", c, st) for label, c, st in codes]
         for db in args.db.split(","):
             if db == "postgres" and postgres_missing() is not None:
                 print(f"[fleet] postgres skipped: {postgres_missing()}")

@@ -6,13 +6,15 @@ The heartbeat is sent by each task's supervisor (not the task process), through 
 time, milliseconds, status, pid) to the file ``FLEET_HEARTBEAT_LOG`` names. Imported by every
 Python process of the stack at start, so the supervisors, forked later, inherit the wrapper.
 Where ``FLEET_GC_LOG`` is set, every process also notes its garbage collections of 20 ms or more
-there: one in the API server stops every request in flight.
+there: one in the API server stops every request in flight. Where ``FLEET_API_GC_FREEZE`` is set
+(``--api-gc-freeze S``), the API server freezes what it holds S seconds after it starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 
@@ -74,6 +76,26 @@ def _note_collections(path: str) -> None:
     gc.callbacks.append(callback)
 
 
+def _freeze_later(after_s: float) -> None:
+    """``after_s`` seconds from now, move every object the process holds to the permanent
+    generation (``gc.freeze``, as Airflow's dag-processor does after its start): a full
+    collection then walks only what came later, not the whole application. What was garbage
+    then is never freed (a few MB of a start)."""
+    import gc
+    import threading
+
+    def freeze() -> None:
+        time.sleep(after_s)
+        gc.freeze()  # no collection first: a full one is the stall this is meant to avoid
+
+    threading.Thread(target=freeze, name="fleet-gc-freeze", daemon=True).start()
+
+
+if os.environ.get("FLEET_API_GC_FREEZE"):
+    if sys.argv[1:2] == ["api-server"]:  # `python -m airflow api-server`; its workers inherit this
+        os.environ["FLEET_API_SERVER"] = "1"
+    if os.environ.get("FLEET_API_SERVER"):
+        _freeze_later(float(os.environ["FLEET_API_GC_FREEZE"]))
 if os.environ.get("FLEET_HEARTBEAT_LOG"):
     _install(os.environ["FLEET_HEARTBEAT_LOG"])
 if os.environ.get("FLEET_GC_LOG"):
