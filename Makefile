@@ -10,12 +10,16 @@ STAMP  := $(VENV)/.installed
 # Compile every installed module's bytecode at install time. Where PYTHONDONTWRITEBYTECODE is set
 # (these machines set it), nothing is cached at run time, and every process compiles Airflow and
 # pydantic-ai again from source: a task process's imports took 5.5 s, 4.0 s with the bytecode.
+# The editable install leaves src/ out, so it is compiled too: the provider's 60 modules a task
+# process imports took 178 ms of CPU from source, 132 ms from bytecode. A file edited later is
+# compiled from source again (its bytecode is older), never run stale.
 UV_COMPILE := --compile-bytecode
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check uv
 	$(UV) pip install --quiet $(UV_COMPILE) --python $(PY) -e '.[dev]'
+	$(PY) -m compileall -q src
 	touch $(STAMP)
 
 # Debian packages the tests use, as COMMAND:PACKAGE. bubblewrap gives sandbox commands their
