@@ -229,12 +229,12 @@ class Fleet:
     ) -> list[tuple[float, float]]:
         """(wall time sent, milliseconds) of every task heartbeat sent between ``start`` and
         ``end`` by the supervisors ``senders`` (pids; ``None``: any), in the order sent."""
-        sent = [
-            (h["at"] - h["ms"] / 1000, h["ms"])
-            for h in self.jsonl("heartbeats.jsonl")
-            if senders is None or h["pid"] in senders
-        ]
-        return sorted(beat for beat in sent if start <= beat[0] <= end)
+        lines = [h for h in self._heartbeat_lines(start, end) if senders is None or h["pid"] in senders]
+        return sorted((h["at"] - h["ms"] / 1000, h["ms"]) for h in lines)
+
+    def _heartbeat_lines(self, start: float, end: float) -> list[dict[str, Any]]:
+        """The heartbeat log's lines of heartbeats sent between ``start`` and ``end`` (wall)."""
+        return [h for h in self.jsonl("heartbeats.jsonl") if start <= h["at"] - h["ms"] / 1000 <= end]
 
     def supervisors(self, runs: Iterable[str]) -> set[int]:
         """The supervisor pids of the runs' first tries (what signs their heartbeats)."""
@@ -294,8 +294,7 @@ class Fleet:
     def heartbeats_unanswered(self, start: float, end: float) -> int:
         """Heartbeats sent between ``start`` and ``end`` (wall) that got no answer: the Task SDK
         gave up on them after ``[workers] execution_api_timeout`` (5 s) and sent them again."""
-        beats = self.jsonl("heartbeats.jsonl")
-        return sum(1 for h in beats if h["status"] < 0 and start <= h["at"] - h["ms"] / 1000 <= end)
+        return sum(1 for h in self._heartbeat_lines(start, end) if h["status"] < 0)
 
     def member_cpu(self, run_id: str, window: tuple[float, float]) -> dict[str, float]:
         """A member's CPU seconds from its first try's notes (``cpu``: task process, supervisor,
