@@ -661,6 +661,12 @@ class Row:
     heartbeat_ratio_rounds: list[float] = field(default_factory=list)
     #: Each round's heartbeats while all ran, durable beside control (``ratio_interval``).
     heartbeat_round_pairs: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    #: The same over each round's whole phase, and over its wave of starts alone (from the
+    #: trigger until every member ran): where a fleet's heartbeats wait longest.
+    phase_round_pairs: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    wave_round_pairs: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    #: Each round's heartbeats with no answer within Airflow's timeout, by steady-state variant.
+    unanswered_rounds: dict[str, list[int]] = field(default_factory=dict)
     #: The API server's requests while every member ran, by steady-state variant: seconds of
     #: those spans, requests by kind (``API_KINDS``), and each heartbeat's time inside the server.
     api_window_s: dict[str, float] = field(default_factory=dict)
@@ -733,6 +739,8 @@ def steady(
     steps_by: dict[str, int] = {}
     round_p50: dict[tuple[int, str], float | None] = {}
     round_beats: dict[tuple[int, str], list[float]] = {}
+    phase_beats: dict[tuple[int, str], list[float]] = {}
+    wave_beats: dict[tuple[int, str], list[float]] = {}
     by_part: dict[str, dict[str, float]] = {}
     for round_no, (dag_id, name, step_ms) in order:
         busy_before, parts_before, started = _busy_cpu_s(), fleet.cpu_s_by_part(), time.time()
@@ -745,9 +753,11 @@ def steady(
             spent = by_part.setdefault(name, {})
             spent[part] = spent.get(part, 0.0) + used - parts_before.get(part, 0.0)
         ended = time.time()
-        row.heartbeat_ms.setdefault(name, []).extend(fleet.heartbeats(started, ended))
+        phase_beats[(round_no, name)] = fleet.heartbeats(started, ended)
+        row.heartbeat_ms.setdefault(name, []).extend(phase_beats[(round_no, name)])
         unanswered = fleet.heartbeats_unanswered(started, ended)
         row.heartbeat_unanswered[name] = row.heartbeat_unanswered.get(name, 0) + unanswered
+        row.unanswered_rounds.setdefault(name, []).append(unanswered)
         row.api_pause_phase_ms.setdefault(name, []).extend(fleet.api_pauses(started, ended))
         starts_by_run = {
             run_id: sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
@@ -755,6 +765,7 @@ def steady(
         }
         window = all_running(list(starts_by_run.values()))
         if window is not None:
+            wave_beats[(round_no, name)] = fleet.heartbeats(started, window[0])
             beats = fleet.heartbeats(*window)
             row.heartbeat_steady_ms.setdefault(name, []).extend(beats)
             round_beats[(round_no, name)] = beats
@@ -810,6 +821,10 @@ def steady(
         if p95_durable and p95_control:
             row.heartbeat_ratio_rounds.append(round(p95_durable / p95_control, 2))
             row.heartbeat_round_pairs.append((beats_durable, beats_control))
+        for beats_by, pairs in ((phase_beats, row.phase_round_pairs), (wave_beats, row.wave_round_pairs)):
+            paired = beats_by.get((round_no, "durable")), beats_by.get((round_no, "control"))
+            if paired[0] and paired[1]:
+                pairs.append((paired[0], paired[1]))
 
 
 def side_by_side(fleet: Fleet, row: Row, timeout: float, rounds: int) -> None:
@@ -1133,6 +1148,9 @@ def summary(row: Row) -> dict[str, Any]:
             name: f"{len(ms)}, max {max(ms, default=0):.0f} ms" for name, ms in row.api_pause_phase_ms.items()
         },
         "heartbeats_unanswered": row.heartbeat_unanswered,
+        "unanswered_rounds": row.unanswered_rounds,
+        "phase_rounds": _round_pairs(row.phase_round_pairs),
+        "wave_rounds": _round_pairs(row.wave_round_pairs),
         "postgres_events": row.postgres_events,
         "evict_eviction": sum(c.startswith("eviction/") for c in ev.get("causes", [])),
         "evict_sources": {s: ev.get("cause_sources", []).count(s) for s in set(ev.get("cause_sources", []))},
@@ -1166,6 +1184,17 @@ def summary(row: Row) -> dict[str, Any]:
         "pss_bare_mib": _mem(row.memory.get("bare", []), 1),
         "pool_timeouts": row.pool_timeouts,
         "errors": row.errors,
+    }
+
+
+def _round_pairs(pairs: list[tuple[list[float], list[float]]]) -> dict[str, Any]:
+    """Rounds of heartbeats durable beside control: their pooled p95s, each round's ratio of
+    p95s and where the pooled ratio lies nine times in ten over redrawn rounds."""
+    return {
+        "p95_ms": [pct([ms for pair in pairs for ms in pair[i]], 0.95) for i in (0, 1)],
+        "count": [sum(len(pair[i]) for pair in pairs) for i in (0, 1)],
+        "by_round": [round((pct(d, 0.95) or 0.0) / (pct(c, 0.95) or 1.0), 2) for d, c in pairs],
+        "interval": ratio_interval(pairs),
     }
 
 
@@ -1259,6 +1288,36 @@ def side_by_side_table(rows: list[dict[str, Any]]) -> str:
         pairs = f"{_paired(matched[0], matched[1], None)}, {s.get('side_matched_heartbeats', 0)}"
         lines.append(f"| {s['code']} | {s['n']} | {steps} | {p95s}, {sent} | {pairs} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def waves_table(rows: list[dict[str, Any]]) -> str:
+    """The heartbeats of the two fleets over their whole phases and over their waves of starts
+    alone, round by round, with where the pooled ratio lies over redrawn rounds; and the rounds
+    in which a heartbeat got no answer within Airflow's timeout: a stall of the API server hits
+    a round's heartbeats together, so the rounds, not the heartbeats, are the samples."""
+    lines = [
+        "| code | N | rounds | heartbeat p95 durable / control ms, whole phase (ratio; by round), "
+        "heartbeats; 90 % of redrawn runs | the same in the waves of starts alone "
+        "| rounds with an unanswered heartbeat: durable, control |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in rows:
+        cells = []
+        for key in ("phase_rounds", "wave_rounds"):
+            found = s.get(key) or {}
+            p95, count = found.get("p95_ms") or [None, None], found.get("count") or [0, 0]
+            interval = found.get("interval")
+            spread = f"{interval[0]:.2f}-{interval[1]:.2f}" if interval else "-"
+            paired = _paired(p95[0], p95[1], found.get("by_round"))
+            cells.append(f"{paired}, {count[0]} / {count[1]}; {spread}")
+        unanswered = s.get("unanswered_rounds") or {}
+        stalled = ", ".join(
+            f"{sum(n > 0 for n in unanswered.get(name, []))}/{len(unanswered.get(name, []))}"
+            for name in ("durable", "control")
+        )
+        rounds = len((s.get("phase_rounds") or {}).get("by_round") or [])
+        lines.append(f"| {s['code']} | {s['n']} | {rounds} | {cells[0]} | {cells[1]} | {stalled} |")
+    return "\n".join(lines)
 
 
 def _paired(durable: float | None, control: float | None, by_round: list[float] | None) -> str:
@@ -1497,6 +1556,7 @@ def main(argv: list[str] | None = None) -> None:
                             loads.append(os.getloadavg())
                             print(comparison(rows[-1:]), flush=True)
                             print(side_by_side_table(rows[-1:]), flush=True)
+                            print(waves_table(rows[-1:]), flush=True)
                             print(cpu_parts(rows[-1:]), flush=True)
                             print(member_cpu_table(rows[-1:]), flush=True)
                             print(api_requests_table(rows[-1:]), flush=True)
@@ -1520,6 +1580,8 @@ def main(argv: list[str] | None = None) -> None:
     print(comparison(rows))
     print()
     print(side_by_side_table(rows))
+    print()
+    print(waves_table(rows))
     print()
     print(cpu_parts(rows))
     print()
