@@ -130,6 +130,8 @@ STALL_MS = 500.0
 #: from how long one of the API server's counts: a collection stops every thread of its process,
 #: so in the one API server every request in flight waits for it.
 COLLECTIONS_LOG = "collections.jsonl"
+#: The API server's collections so far by generation and its oldest generation's size, every 2 s.
+GENERATIONS_LOG = "api_generations.jsonl"
 API_PAUSE_MS = 100.0
 #: One line of the API server's access log (structlog's ``http.access`` ``request finished``).
 ACCESS_LINE = re.compile(r"^(?P<at>\S+) .*request finished.* duration_us=(?P<us>\d+) .* path=(?P<path>\S+)")
@@ -281,14 +283,36 @@ class Fleet:
     def api_pauses(self, start: float, end: float) -> list[float]:
         """Milliseconds of each garbage collection of ``API_PAUSE_MS`` or more that a process of
         the API server (its own and its workers') ended between ``start`` and ``end`` (wall)."""
+        return [float(c["ms"]) for c in self._api_collections(start, end) if c["ms"] >= API_PAUSE_MS]
+
+    def api_full_collections(self, start: float, end: float) -> list[float]:
+        """Milliseconds of each full collection (generation 2) of the API server between
+        ``start`` and ``end``: each walks its whole heap and stops every request meanwhile."""
+        return [float(c["ms"]) for c in self._api_collections(start, end) if c["gen"] == 2]
+
+    def api_promoted(self, start: float, end: float) -> dict[str, float]:
+        """From the API server's samples (``GENERATIONS_LOG``) nearest ``start`` and ``end``: how
+        many objects its oldest generation gained (net of what a full collection freed) and how
+        many collections of each generation it made between them."""
+        samples = self.jsonl(GENERATIONS_LOG)
+        if not samples:
+            return {}
+        first = min(samples, key=lambda x: abs(x["at"] - start))
+        last = min(samples, key=lambda x: abs(x["at"] - end))
+        young = [b - a for a, b in zip(first["api_collections"], last["api_collections"], strict=True)]
+        return {
+            "seconds": last["at"] - first["at"],
+            "gen2_gained": last["gen2_objects"] - first["gen2_objects"],
+            "gen0": young[0],
+            "gen1": young[1],
+            "gen2": young[2],
+        }
+
+    def _api_collections(self, start: float, end: float) -> list[dict[str, Any]]:
         root = self.stack.components["api-server"].proc.pid
         with contextlib.suppress(psutil.Error):
             pids = {root, *(c.pid for c in psutil.Process(root).children(recursive=True))}
-            return [
-                float(c["ms"])
-                for c in self.jsonl(COLLECTIONS_LOG)
-                if c["pid"] in pids and c["ms"] >= API_PAUSE_MS and start <= c["at"] <= end
-            ]
+            return [c for c in self.jsonl(COLLECTIONS_LOG) if c["pid"] in pids and start <= c["at"] <= end]
         return []
 
     def heartbeats_unanswered(self, start: float, end: float) -> int:
@@ -390,6 +414,7 @@ def fleet_stack(
             "AIRFLOW__API__WORKERS": str(api_workers),
             "FLEET_HEARTBEAT_LOG": str(state_dir / "heartbeats.jsonl"),
             "FLEET_GC_LOG": str(state_dir / COLLECTIONS_LOG),
+            "FLEET_GC_SAMPLES": str(state_dir / GENERATIONS_LOG),
             **{f"AIRFLOW__CANCELLABLE_AGENTS__{k.upper()}": v for k, v in (settings or {}).items()},
             **(
                 {
@@ -665,8 +690,13 @@ class Row:
     #: trigger until every member ran): where a fleet's heartbeats wait longest.
     phase_round_pairs: list[tuple[list[float], list[float]]] = field(default_factory=list)
     wave_round_pairs: list[tuple[list[float], list[float]]] = field(default_factory=list)
-    #: Each round's heartbeats with no answer within Airflow's timeout, by steady-state variant.
+    #: Each round's heartbeats with no answer within Airflow's timeout, and the API server's full
+    #: collections (ms) over its whole phase, by steady-state variant.
     unanswered_rounds: dict[str, list[int]] = field(default_factory=dict)
+    api_full_rounds: dict[str, list[list[float]]] = field(default_factory=dict)
+    #: Each round's growth of the API server's oldest generation and its young collections
+    #: (``Fleet.api_promoted``), by steady-state variant.
+    api_promoted_rounds: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     #: The API server's requests while every member ran, by steady-state variant: seconds of
     #: those spans, requests by kind (``API_KINDS``), and each heartbeat's time inside the server.
     api_window_s: dict[str, float] = field(default_factory=dict)
@@ -722,19 +752,29 @@ class Row:
 
 
 def steady(
-    fleet: Fleet, row: Row, timeout: float, write_ahead: bool = True, rounds: int = 2, ui_poll: bool = False
+    fleet: Fleet,
+    row: Row,
+    timeout: float,
+    write_ahead: bool = True,
+    rounds: int = 2,
+    ui_poll: bool = False,
+    order_seed: int = 42,
 ) -> None:
-    """N durable runs, N written ahead (unless not ``write_ahead``), then N control runs, for
-    ``rounds`` rounds, every other one in reverse order (durable, control, control, durable, ...):
-    a drift of the machine over the phase (a stack warming up, a neighbour) falls on both sides
-    alike. Store calls and step times, pooled over the rounds. The driver lists the runs at the
-    UI's rate only once all members no longer run (``await_span_over``), unless ``ui_poll``."""
+    """N durable runs, N written ahead (unless not ``write_ahead``) and N control runs, for
+    ``rounds`` rounds, each round's order drawn at random (seeded by ``order_seed``): a drift of
+    the machine over the phase falls on all variants alike, and so does what the stack does
+    every few phases. The order used to alternate (durable, control, control, durable, ...), and
+    the API server's full collection, which came every four phases, then fell on durable phases
+    only: 24 of 48 against 2 of 48 in seven runs, 4 of 12 against 6 of 12 once drawn at random.
+    Store calls and step times, pooled over the rounds. The driver lists the runs at the UI's
+    rate only once all members no longer run (``await_span_over``), unless ``ui_poll``."""
     variants = [
         ("fleet_durable", "durable", row.step_durable_ms),
         *([("fleet_write_ahead", "ahead", row.step_write_ahead_ms)] if write_ahead else []),
         ("fleet_control", "control", row.step_control_ms),
     ]
-    order = [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+    draw = random.Random(order_seed).sample
+    order = [(r, v) for r in range(rounds) for v in draw(variants, len(variants))]
     busy_by: dict[str, float] = {}
     steps_by: dict[str, int] = {}
     round_p50: dict[tuple[int, str], float | None] = {}
@@ -758,6 +798,8 @@ def steady(
         unanswered = fleet.heartbeats_unanswered(started, ended)
         row.heartbeat_unanswered[name] = row.heartbeat_unanswered.get(name, 0) + unanswered
         row.unanswered_rounds.setdefault(name, []).append(unanswered)
+        row.api_full_rounds.setdefault(name, []).append(fleet.api_full_collections(started, ended))
+        row.api_promoted_rounds.setdefault(name, []).append(fleet.api_promoted(started, ended))
         row.api_pause_phase_ms.setdefault(name, []).extend(fleet.api_pauses(started, ended))
         starts_by_run = {
             run_id: sorted(t["at"] for t in fleet.jsonl(f"{run_id}.tools.jsonl") if t["try"] == 1)
@@ -1062,11 +1104,12 @@ def measure(
     rounds: int = 2,
     ui_poll: bool = False,
     side_rounds: int = 0,
+    order_seed: int = 42,
 ) -> Row:
     """All phases at one N; a phase that fails is noted and the next one still runs."""
     row = Row(fleet.db, n, code, api_workers)
     phases: list[tuple[str, Callable[[], None]]] = [
-        ("steady", lambda: steady(fleet, row, timeout, write_ahead, rounds, ui_poll)),
+        ("steady", lambda: steady(fleet, row, timeout, write_ahead, rounds, ui_poll, order_seed)),
         *([("side by side", lambda: side_by_side(fleet, row, timeout, side_rounds))] if side_rounds else []),
         ("eviction storm", lambda: evict_storm(fleet, row, timeout, load)),
         ("mark-failed storm", lambda: mark_failed_storm(fleet, row, timeout, load)),
@@ -1149,6 +1192,8 @@ def summary(row: Row) -> dict[str, Any]:
         },
         "heartbeats_unanswered": row.heartbeat_unanswered,
         "unanswered_rounds": row.unanswered_rounds,
+        "api_full_rounds": row.api_full_rounds,
+        "api_promoted_rounds": row.api_promoted_rounds,
         "phase_rounds": _round_pairs(row.phase_round_pairs),
         "wave_rounds": _round_pairs(row.wave_round_pairs),
         "postgres_events": row.postgres_events,
@@ -1298,8 +1343,9 @@ def waves_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| code | N | rounds | heartbeat p95 durable / control ms, whole phase (ratio; by round), "
         "heartbeats; 90 % of redrawn runs | the same in the waves of starts alone "
-        "| rounds with an unanswered heartbeat: durable, control |",
-        "|---|---|---|---|---|---|",
+        "| rounds with an unanswered heartbeat: durable, control "
+        "| rounds with a full collection of the API server (its longest, ms): durable, control |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in rows:
         cells = []
@@ -1315,9 +1361,40 @@ def waves_table(rows: list[dict[str, Any]]) -> str:
             f"{sum(n > 0 for n in unanswered.get(name, []))}/{len(unanswered.get(name, []))}"
             for name in ("durable", "control")
         )
+        full = s.get("api_full_rounds") or {}
+        collected = ", ".join(
+            f"{sum(bool(ms) for ms in full.get(name, []))}/{len(full.get(name, []))} "
+            f"({max((max(ms) for ms in full.get(name, []) if ms), default=0):.0f})"
+            for name in ("durable", "control")
+        )
         rounds = len((s.get("phase_rounds") or {}).get("by_round") or [])
-        lines.append(f"| {s['code']} | {s['n']} | {rounds} | {cells[0]} | {cells[1]} | {stalled} |")
+        cells += [stalled, collected]
+        lines.append(f"| {s['code']} | {s['n']} | {rounds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def api_gc_table(rows: list[dict[str, Any]]) -> str:
+    """The API server's garbage collector by steady-state variant, per round (mean): its young
+    collections, the objects its oldest generation gained, and its full collections."""
+    lines = [
+        "| code | N | variant | rounds | API server per round: gen-0 / gen-1 collections "
+        "| oldest generation gained, objects | full collections (rounds with one) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in rows:
+        for name, rounds in (s.get("api_promoted_rounds") or {}).items():
+            sampled = [r for r in rounds if r]
+            if not sampled:
+                continue
+            keys = ("gen0", "gen1", "gen2", "gen2_gained")
+            mean = {k: statistics.fmean(r[k] for r in sampled) for k in keys}
+            with_one = sum(r["gen2"] > 0 for r in sampled)
+            lines.append(
+                f"| {s['code']} | {s['n']} | {name} | {len(sampled)} "
+                f"| {mean['gen0']:.0f} / {mean['gen1']:.1f} | {mean['gen2_gained']:+,.0f} "
+                f"| {mean['gen2']:.2f} ({with_one}/{len(sampled)}) |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _paired(durable: float | None, control: float | None, by_round: list[float] | None) -> str:
@@ -1476,6 +1553,13 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=2, help="steady-state rounds, alternating order (default 2)"
     )
     parser.add_argument(
+        "--order-seed",
+        type=int,
+        default=42,
+        metavar="S",
+        help="the seed each steady round's order of variants is drawn with (default 42)",
+    )
+    parser.add_argument(
         "--side-by-side",
         type=int,
         default=0,
@@ -1550,6 +1634,7 @@ def main(argv: list[str] | None = None) -> None:
                                 args.rounds,
                                 args.ui_poll,
                                 args.side_by_side,
+                                args.order_seed,
                             )
                             rows.append(summary(row))
                             raw.append(row.__dict__)
@@ -1557,6 +1642,7 @@ def main(argv: list[str] | None = None) -> None:
                             print(comparison(rows[-1:]), flush=True)
                             print(side_by_side_table(rows[-1:]), flush=True)
                             print(waves_table(rows[-1:]), flush=True)
+                            print(api_gc_table(rows[-1:]), flush=True)
                             print(cpu_parts(rows[-1:]), flush=True)
                             print(member_cpu_table(rows[-1:]), flush=True)
                             print(api_requests_table(rows[-1:]), flush=True)
@@ -1582,6 +1668,8 @@ def main(argv: list[str] | None = None) -> None:
     print(side_by_side_table(rows))
     print()
     print(waves_table(rows))
+    print()
+    print(api_gc_table(rows))
     print()
     print(cpu_parts(rows))
     print()

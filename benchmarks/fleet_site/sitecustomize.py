@@ -6,8 +6,12 @@ The heartbeat is sent by each task's supervisor (not the task process), through 
 time, milliseconds, status, pid) to the file ``FLEET_HEARTBEAT_LOG`` names. Imported by every
 Python process of the stack at start, so the supervisors, forked later, inherit the wrapper.
 Where ``FLEET_GC_LOG`` is set, every process also notes its garbage collections of 20 ms or more
-there: one in the API server stops every request in flight. Where ``FLEET_API_GC_FREEZE`` is set
-(``--api-gc-freeze S``), the API server freezes what it holds S seconds after it starts.
+there: one in the API server stops every request in flight. Where ``FLEET_GC_SAMPLES`` is set,
+the API server notes there every ``GC_SAMPLE_S`` how many collections of each generation it
+made so far and how many objects its oldest generation holds (a full collection comes once the
+objects promoted into it since the last one outnumber a quarter of those it held then). Where
+``FLEET_API_GC_FREEZE`` is set (``--api-gc-freeze S``), the API server freezes what it holds S
+seconds after it starts.
 """
 
 from __future__ import annotations
@@ -76,6 +80,31 @@ def _note_collections(path: str) -> None:
     gc.callbacks.append(callback)
 
 
+#: How often the API server notes its collections so far and its oldest generation's size.
+GC_SAMPLE_S = 2.0
+
+
+def _sample_generations(path: str) -> None:
+    """Every ``GC_SAMPLE_S``, one line (wall time, pid, collections so far by generation, objects
+    in the oldest generation): where its objects come from, phase by phase."""
+    import gc
+    import threading
+
+    def sample() -> None:
+        while True:
+            line = {
+                "at": time.time(),
+                "pid": os.getpid(),
+                "api_collections": [s["collections"] for s in gc.get_stats()],
+                "gen2_objects": len(gc.get_objects(generation=2)),
+            }
+            with open(path, "a") as out:
+                out.write(json.dumps(line) + "\n")
+            time.sleep(GC_SAMPLE_S)
+
+    threading.Thread(target=sample, name="fleet-gc-sample", daemon=True).start()
+
+
 def _freeze_later(after_s: float) -> None:
     """``after_s`` seconds from now, move every object the process holds to the permanent
     generation (``gc.freeze``, as Airflow's dag-processor does after its start): a full
@@ -91,12 +120,13 @@ def _freeze_later(after_s: float) -> None:
     threading.Thread(target=freeze, name="fleet-gc-freeze", daemon=True).start()
 
 
-if os.environ.get("FLEET_API_GC_FREEZE"):
-    if sys.argv[1:2] == ["api-server"]:  # `python -m airflow api-server`; its workers inherit this
-        os.environ["FLEET_API_SERVER"] = "1"
-    if os.environ.get("FLEET_API_SERVER"):
-        _freeze_later(float(os.environ["FLEET_API_GC_FREEZE"]))
+if sys.argv[1:2] == ["api-server"]:  # `python -m airflow api-server`; its workers inherit this
+    os.environ["FLEET_API_SERVER"] = "1"
+if os.environ.get("FLEET_API_GC_FREEZE") and os.environ.get("FLEET_API_SERVER"):
+    _freeze_later(float(os.environ["FLEET_API_GC_FREEZE"]))
 if os.environ.get("FLEET_HEARTBEAT_LOG"):
     _install(os.environ["FLEET_HEARTBEAT_LOG"])
 if os.environ.get("FLEET_GC_LOG"):
     _note_collections(os.environ["FLEET_GC_LOG"])
+if os.environ.get("FLEET_GC_SAMPLES") and os.environ.get("FLEET_API_SERVER"):
+    _sample_generations(os.environ["FLEET_GC_SAMPLES"])
