@@ -5,10 +5,10 @@ scheduler, dag-processor, LocalExecutor: ``tests/e2e/airflow_stack.py``; Postgre
 ``tests/e2e/postgres.py``) runs the DAGs of ``benchmarks/fleet_dags/fleet.py`` against the local
 model server. For each N (ascending), N members at once:
 
-1. **steady**: N durable runs, then N control runs (``durable=False``), each a 20-step job whose
-   tool takes 0.2 s; between them N durable runs written ahead (``durable_write_ahead=True``:
-   each step stored before its tool starts); ``--rounds`` times, every other round in reverse
-   order. The members' first steps wait for the whole batch (``await_batch`` in the DAGs), so
+1. **steady**: N durable runs, N control runs (``durable=False``), each a 20-step job whose
+   tool takes 0.2 s, and N durable runs written ahead (``durable_write_ahead=True``: each step
+   stored before its tool starts); ``--rounds`` times, each round's order drawn at random
+   (``--order-seed``). The members' first steps wait for the whole batch (``await_batch`` in the DAGs), so
    the steps are N agents running at once. Measured: every task state store call
    (``TimedStore``: op and latency), store calls per step (per model request), step time (one
    tool start to the next) durable vs written ahead vs control, of the steps taken while all N
@@ -764,8 +764,8 @@ def steady(
     ``rounds`` rounds, each round's order drawn at random (seeded by ``order_seed``): a drift of
     the machine over the phase falls on all variants alike, and so does what the stack does
     every few phases. The order used to alternate (durable, control, control, durable, ...), and
-    the API server's full collection, which came every four phases, then fell on durable phases
-    only: 24 of 48 against 2 of 48 in seven runs, 4 of 12 against 6 of 12 once drawn at random.
+    the API server's full collection, which came about every four phases, then fell on durable
+    phases: 24 of 48 against 2 of 48 in seven runs; 12 of 24 against 8 of 24 in two drawn at random.
     Store calls and step times, pooled over the rounds. The driver lists the runs at the UI's
     rate only once all members no longer run (``await_span_over``), unless ``ui_poll``."""
     variants = [
@@ -1550,7 +1550,7 @@ def main(argv: list[str] | None = None) -> None:
         "--no-write-ahead", action="store_true", help="leave out the written-ahead steady variant"
     )
     parser.add_argument(
-        "--rounds", type=int, default=2, help="steady-state rounds, alternating order (default 2)"
+        "--rounds", type=int, default=2, help="steady-state rounds, each in a random order (default 2)"
     )
     parser.add_argument(
         "--order-seed",
