@@ -681,10 +681,8 @@ class Row:
     heartbeat_steady_ms: dict[str, list[float]] = field(default_factory=dict)
     #: Each round's step p50 durable / control: how far the ratio moves between rounds.
     step_ratio_rounds: list[float] = field(default_factory=list)
-    #: Each round's heartbeat p95 durable / control while all ran: a p95 of a few hundred
-    #: heartbeats moves with the API server's stalls, which hit many heartbeats at once.
-    heartbeat_ratio_rounds: list[float] = field(default_factory=list)
-    #: Each round's heartbeats while all ran, durable beside control (``ratio_interval``).
+    #: Each round's heartbeats while all ran, durable beside control (``ratio_interval``): a p95
+    #: of a few hundred heartbeats moves with the API server's stalls, which hit many at once.
     heartbeat_round_pairs: list[tuple[list[float], list[float]]] = field(default_factory=list)
     #: The same over each round's whole phase, and over its wave of starts alone (from the
     #: trigger until every member ran): where a fleet's heartbeats wait longest.
@@ -857,13 +855,11 @@ def steady(
         durable, control = round_p50.get((round_no, "durable")), round_p50.get((round_no, "control"))
         if durable and control:
             row.step_ratio_rounds.append(round(durable / control, 2))
-        beats_durable = round_beats.get((round_no, "durable")) or []
-        beats_control = round_beats.get((round_no, "control")) or []
-        p95_durable, p95_control = pct(beats_durable, 0.95), pct(beats_control, 0.95)
-        if p95_durable and p95_control:
-            row.heartbeat_ratio_rounds.append(round(p95_durable / p95_control, 2))
-            row.heartbeat_round_pairs.append((beats_durable, beats_control))
-        for beats_by, pairs in ((phase_beats, row.phase_round_pairs), (wave_beats, row.wave_round_pairs)):
+        for beats_by, pairs in (
+            (round_beats, row.heartbeat_round_pairs),
+            (phase_beats, row.phase_round_pairs),
+            (wave_beats, row.wave_round_pairs),
+        ):
             paired = beats_by.get((round_no, "durable")), beats_by.get((round_no, "control"))
             if paired[0] and paired[1]:
                 pairs.append((paired[0], paired[1]))
@@ -1172,7 +1168,7 @@ def summary(row: Row) -> dict[str, Any]:
             if row.api_window_s.get(name)
         },
         "heartbeat_server_p95_ms": {name: pct(ms, 0.95) for name, ms in row.heartbeat_server_ms.items()},
-        "heartbeat_ratio_rounds": row.heartbeat_ratio_rounds,
+        "heartbeat_ratio_rounds": _round_pairs(row.heartbeat_round_pairs)["by_round"],
         "heartbeat_ratio_interval": ratio_interval(row.heartbeat_round_pairs),
         "bystander_late_p99_ms": {name: pct(ms, 0.99) for name, ms in row.bystander_late_ms.items()},
         "bystander_late_max_ms": {name: pct(ms, 1.0) for name, ms in row.bystander_late_ms.items()},
