@@ -293,19 +293,18 @@ class Fleet:
     def api_promoted(self, start: float, end: float) -> dict[str, float]:
         """From the API server's samples (``GENERATIONS_LOG``) nearest ``start`` and ``end``: how
         many objects its oldest generation gained (net of what a full collection freed) and how
-        many collections of each generation it made between them."""
+        many young collections it made between them (its full ones: ``api_full_collections``)."""
         samples = self.jsonl(GENERATIONS_LOG)
         if not samples:
             return {}
         first = min(samples, key=lambda x: abs(x["at"] - start))
         last = min(samples, key=lambda x: abs(x["at"] - end))
-        young = [b - a for a, b in zip(first["api_collections"], last["api_collections"], strict=True)]
+        made = [b - a for a, b in zip(first["api_collections"], last["api_collections"], strict=True)]
         return {
             "seconds": last["at"] - first["at"],
             "gen2_gained": last["gen2_objects"] - first["gen2_objects"],
-            "gen0": young[0],
-            "gen1": young[1],
-            "gen2": young[2],
+            "gen0": made[0],
+            "gen1": made[1],
         }
 
     def _api_collections(self, start: float, end: float) -> list[dict[str, Any]]:
@@ -1371,24 +1370,22 @@ def waves_table(rows: list[dict[str, Any]]) -> str:
 
 def api_gc_table(rows: list[dict[str, Any]]) -> str:
     """The API server's garbage collector by steady-state variant, per round (mean): its young
-    collections, the objects its oldest generation gained, and its full collections."""
+    collections and the objects its oldest generation gained (its full collections are in
+    ``waves_table``)."""
     lines = [
         "| code | N | variant | rounds | API server per round: gen-0 / gen-1 collections "
-        "| oldest generation gained, objects | full collections (rounds with one) |",
-        "|---|---|---|---|---|---|---|",
+        "| oldest generation gained, objects |",
+        "|---|---|---|---|---|---|",
     ]
     for s in rows:
         for name, rounds in (s.get("api_promoted_rounds") or {}).items():
             sampled = [r for r in rounds if r]
             if not sampled:
                 continue
-            keys = ("gen0", "gen1", "gen2", "gen2_gained")
-            mean = {k: statistics.fmean(r[k] for r in sampled) for k in keys}
-            with_one = sum(r["gen2"] > 0 for r in sampled)
+            mean = {k: statistics.fmean(r[k] for r in sampled) for k in ("gen0", "gen1", "gen2_gained")}
             lines.append(
                 f"| {s['code']} | {s['n']} | {name} | {len(sampled)} "
-                f"| {mean['gen0']:.0f} / {mean['gen1']:.1f} | {mean['gen2_gained']:+,.0f} "
-                f"| {mean['gen2']:.2f} ({with_one}/{len(sampled)}) |"
+                f"| {mean['gen0']:.0f} / {mean['gen1']:.1f} | {mean['gen2_gained']:+,.0f} |"
             )
     return "\n".join(lines) if len(lines) > 2 else ""
 
