@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,15 +60,15 @@ FORKS = (
 )
 WAIT = "os.execvp('sleep', ['sleep', '{m}'])"
 #: name -> (probe: runs to its end, running: still running at the SIGTERM; "{m}" is the marker).
-#: ``{secrets}``, ``{port}``, ``{task}``, ``{supervisor}``, ``{python}`` are filled in per run.
+#: ``{secrets}``, ``{host}``, ``{port}``, ``{task}``, ``{supervisor}``, ``{python}`` are filled in per run.
 HOSTILE: dict[str, tuple[str, str]] = {
     "read-secrets": (
         "cat {secrets}/airflow/airflow.cfg {secrets}/home/.aws/credentials",
         "cat {secrets}/home/.aws/credentials; sleep {m}",
     ),
     "connect-loopback": (
-        "{python} -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2); print('in')\"",
-        "{python} -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2)\"; sleep {m}",
+        "{python} -c \"import socket; socket.create_connection(('{host}', {port}), 2); print('in')\"",
+        "{python} -c \"import socket; socket.create_connection(('{host}', {port}), 2)\"; sleep {m}",
     ),
     "kill-task-and-supervisor": ("kill -9 {task} {supervisor}", "kill -9 {task} {supervisor}; sleep {m}"),
     # Forks until the process limit stops it (at most 500), then reports or waits.
@@ -91,11 +92,16 @@ HOSTILE_SLEEPERS = {"fork-bomb": 20, "ignore-sigterm": 1, "double-fork-daemon": 
 
 
 class Listener:
-    """A real TCP listener on loopback, counting the connections it accepted."""
+    """A real TCP listener on loopback, counting the connections it accepted.
+
+    It listens on an address of 127.0.0.0/8 drawn per listener (Linux routes the whole block to
+    ``lo``), not on 127.0.0.1: in CI another lane's client may retry an ephemeral port of a server
+    it lost, and a port number alone could land it here, counted as the sandbox's connection."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
+        host = f"127.{random.randrange(1, 255)}.{random.randrange(256)}.{random.randrange(1, 255)}"
+        self.sock = socket.create_server((host, 0))
+        self.host, self.port = self.sock.getsockname()[:2]
         self.accepted = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -182,7 +188,8 @@ def hostile_task(marker: str, secrets: str, isolation: str, left_out: frozenset[
         assert bwrap_support().boundary  # probed first: the probes' orphans are not the sandbox's to reap
     assert become_subreaper()
     listener = Listener()
-    fill = {"secrets": secrets, "port": listener.port, "task": os.getpid(), "supervisor": os.getppid()}
+    fill = {"secrets": secrets, "host": listener.host, "port": listener.port}
+    fill |= {"task": os.getpid(), "supervisor": os.getppid()}
     boxes, results = {}, {}
     rows = {name: commands for name, commands in HOSTILE.items() if name not in left_out}
     for name, (probe, running) in rows.items():

@@ -278,13 +278,14 @@ def _run_inside(pod_dir: Path, *, runtime_default: bool, select: str = "") -> di
         skipped = case.find("skipped")
         failed = case.find("failure") if case.find("failure") is not None else case.find("error")
         if failed is not None:
-            outcomes[test_id] = ("failed", failed.get("message", ""))
+            # The message is the exception's first lines; the traceback's tail says where.
+            outcomes[test_id] = ("failed", f"{failed.get('message', '')}\n{(failed.text or '')[-3000:]}")
         elif skipped is not None:
             outcomes[test_id] = ("skipped", skipped.get("message", ""))
         else:
             outcomes[test_id] = ("passed", "")
-    failures = {k: v for k, v in outcomes.items() if v[0] == "failed"}
-    assert proc.returncode == 0 and not failures, (failures, proc.stdout[-6000:])
+    failures = "\n\n".join(f"{k}: {v[1]}" for k, v in outcomes.items() if v[0] == "failed")
+    assert proc.returncode == 0 and not failures, f"{failures}\n\n{proc.stdout[-6000:]}"
     return outcomes
 
 
