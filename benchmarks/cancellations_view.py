@@ -91,8 +91,8 @@ def _stack() -> Iterator[tuple[AirflowStack, str]]:
             stack.stop()
 
 
-def _runs(stack: AirflowStack) -> dict[str, tuple[int, str]]:
-    """One finished run per DAG: ``dag_id -> (dag_run.id, run_id)``."""
+def _runs(stack: AirflowStack) -> dict[str, str]:
+    """One run per DAG: ``dag_id -> run_id``."""
     rest = stack.client()
     wait_until(
         lambda: (

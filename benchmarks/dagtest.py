@@ -54,10 +54,7 @@ def _one(rep: int, task: object, server: ScriptedModelServer) -> RepResult:
     if not (server.wait_for_request(1, timeout=120) and server.wait_for_tokens(3, timeout=30)):
         return RepResult(rep, None, None, "error", error="the stream never started\n" + task.tail(15))
     sent = task.sigterm()
-    try:
-        failed = task.wait_for("task_failed", timeout=GRACE)
-    except AssertionError:
-        failed = None
+    failed = task.wait_for({"task_failed"}, timeout=GRACE)
     if failed is None:
         task.proc.kill()  # the supervisor's SIGKILL at the end of the grace
     exited = task.proc.wait(GRACE + 10)

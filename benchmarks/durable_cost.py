@@ -74,7 +74,7 @@ class _NoOpHook(AbstractCapability[Any]):
 def _run(agent: Any, store: Any | None, hook_only: bool = False) -> None:
     scope = TaskCancellation("bench")
     journal = Journal(store, try_number=1, scope=scope) if store is not None else None
-    kwargs = {"capabilities": [_NoOpHook()]} if hook_only else {}
+    kwargs: dict[str, Any] = {"capabilities": [_NoOpHook()]} if hook_only else {}
     with scope.activate():
         result = run_agent_in_scope(scope, agent, "go", journal=journal, **kwargs)
     assert result.output == "done"

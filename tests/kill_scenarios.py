@@ -160,7 +160,7 @@ def warm_up() -> None:
     if not url:
         return
     for stream in (False, True):
-        kwargs = {"event_stream_handler": drain_events} if stream else {}
+        kwargs: dict[str, Any] = {"event_stream_handler": drain_events} if stream else {}
         run_agent_in_scope(
             TaskCancellation("warm-up"), Agent(build_model("openai:echo", base_url=url)), "hi", **kwargs
         )
@@ -235,7 +235,7 @@ def common_ai_operator(agent: Any, *, stream: bool, **kw: Any) -> Any:
             self.agent = agent
 
         def execute(self, context: Any) -> Any:
-            kwargs = {"event_stream_handler": drain_events} if stream else {}
+            kwargs: dict[str, Any] = {"event_stream_handler": drain_events} if stream else {}
             return self.run_agent_sync(self.agent, "go", **kwargs).output
 
     return CommonAIAgentOperator(task_id="agent", **kw)
@@ -360,7 +360,7 @@ def _plain_level(level: int, depth: int) -> Any:
 def _plain_delegation(sub: Any, *, stream: bool) -> Any:
     async def delegate(ctx: RunContext[Any], task: str) -> str:
         """Delegate a task to a sub-agent."""
-        kwargs = {"event_stream_handler": drain_events} if stream else {}
+        kwargs: dict[str, Any] = {"event_stream_handler": drain_events} if stream else {}
         result = await sub.run(task, usage=ctx.usage, **kwargs)
         return str(result.output)
 

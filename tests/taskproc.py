@@ -329,7 +329,7 @@ class TaskChild:
             )
 
         with self._seen:
-            event = self._seen.wait_for(lambda: found() or self.exited_at is not None, timeout)
+            self._seen.wait_for(lambda: found() or self.exited_at is not None, timeout)
             event = found()
         if event is None:
             # A child still alive past its bound is a hang: its stacks are the only clue CI keeps.
